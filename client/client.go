@@ -1,0 +1,183 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"log/slog"
+	"time"
+
+	"google.golang.org/grpc"
+
+	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Config configures a Client.
+type Config struct {
+	// Masters are the gRPC addresses of the masters, any of them.
+	Masters []string
+	// Engine moves the bytes; nil creates one that Close closes.
+	Engine *engine.Engine
+	Logger *slog.Logger
+}
+
+// Client talks to one Tidepool cluster. It is safe for concurrent use.
+type Client struct {
+	masters   *leaderconn.Conn
+	eng       *engine.Engine
+	ownEngine bool
+	log       *slog.Logger
+}
+
+// New returns a client of the cluster; it connects lazily.
+func New(cfg Config) (*Client, error) {
+	masters, err := leaderconn.Dial(cfg.Masters)
+	if err != nil {
+		return nil, fmt.Errorf("client: %w", err)
+	}
+	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger}
+	if c.log == nil {
+		c.log = slog.New(slog.DiscardHandler)
+	}
+	if c.eng == nil {
+		c.eng, c.ownEngine = engine.New(engine.Config{Logger: c.log}), true
+	}
+	return c, nil
+}
+
+// Close releases the connections.
+func (c *Client) Close() error {
+	var errs []error
+	if c.ownEngine {
+		errs = append(errs, c.eng.Close())
+	}
+	errs = append(errs, c.masters.Close())
+	return errors.Join(errs...)
+}
+
+func (c *Client) master(ctx context.Context, fn func(pb.MasterClient, ...grpc.CallOption) error) error {
+	return rpcError(c.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error {
+		return fn(pb.NewMasterClient(cc), opts...)
+	}))
+}
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Checksum is the CRC-32C that Tidepool stores with every value.
+func Checksum(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
+
+// Put stores value under key. A key that is already complete is left as it
+// is and Put succeeds: objects are immutable.
+func (c *Client) Put(ctx context.Context, key string, value []byte) error {
+	return c.BatchPut(ctx, []string{key}, [][]byte{value})[0]
+}
+
+// BatchPut stores values[i] under keys[i] with one master round trip per
+// phase, and returns one error per key.
+func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) []error {
+	errs := make([]error, len(keys))
+	if len(keys) != len(values) {
+		for i := range errs {
+			errs[i] = fmt.Errorf("%w: %d keys but %d values", ErrInvalidArgument, len(keys), len(values))
+		}
+		return errs
+	}
+	req := &pb.BatchPutStartRequest{}
+	var idx []int
+	for i, k := range keys {
+		errs[i] = validKey(k)
+		if errs[i] == nil && len(values[i]) == 0 {
+			errs[i] = fmt.Errorf("%w: zero-length value for %q", ErrInvalidArgument, k)
+		}
+		if errs[i] == nil {
+			req.Items = append(req.Items, &pb.PutStartRequest{Key: k, Size: uint64(len(values[i])), Checksum: Checksum(values[i])})
+			idx = append(idx, i)
+		}
+	}
+	if len(idx) == 0 {
+		return errs
+	}
+	var resp *pb.BatchPutStartResponse
+	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		resp, err = m.BatchPutStart(ctx, req, o...)
+		return err
+	}); err != nil {
+		for _, i := range idx {
+			errs[i] = err
+		}
+		return errs
+	}
+
+	// Write every replica of every started put in one engine batch.
+	batch := c.eng.NewBatch()
+	tasks := map[int][]*engine.Task{}
+	for j, r := range resp.Results {
+		i := idx[j]
+		if errs[i] = itemError(r.Status); errs[i] != nil || r.Exists {
+			continue
+		}
+		for _, rep := range r.Replicas {
+			t := batch.Write(values[i], engine.Target{Endpoint: rep.Endpoint, Segment: rep.Segment}, int64(rep.Offset), engine.Options{Priority: engine.Medium})
+			tasks[i] = append(tasks[i], t)
+		}
+	}
+	if len(tasks) == 0 {
+		return errs
+	}
+	if err := batch.Submit(ctx); err == nil {
+		_ = batch.Wait(ctx)
+	}
+	var ended, revoked []string
+	var endIdx []int
+	for i, ts := range tasks {
+		for _, t := range ts {
+			if err := t.Err(); err != nil && errs[i] == nil {
+				errs[i] = fmt.Errorf("%w: write %q: %w", ErrUnavailable, keys[i], err)
+			} else if t.State() != engine.Done && errs[i] == nil {
+				errs[i] = fmt.Errorf("%w: write %q did not finish (%s)", ErrUnavailable, keys[i], t.State())
+			}
+		}
+		if errs[i] != nil {
+			revoked = append(revoked, keys[i])
+		} else {
+			ended = append(ended, keys[i])
+			endIdx = append(endIdx, i)
+		}
+	}
+	if len(revoked) > 0 {
+		c.revoke(revoked)
+	}
+	if len(ended) > 0 {
+		var end *pb.ItemsResponse
+		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+			end, err = m.PutEnd(ctx, &pb.KeysRequest{Keys: ended}, o...)
+			return err
+		})
+		for j, i := range endIdx {
+			if err != nil {
+				errs[i] = err
+			} else {
+				errs[i] = itemError(end.Results[j])
+			}
+		}
+		if err != nil {
+			c.revoke(ended)
+		}
+	}
+	return errs
+}
+
+// revoke abandons puts; on failure the leader revokes them after its timeout.
+func (c *Client) revoke(keys []string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) error {
+		_, err := m.PutRevoke(ctx, &pb.KeysRequest{Keys: keys}, o...)
+		return err
+	}); err != nil {
+		c.log.Warn("revoke puts; the master will revoke them after its put timeout", "keys", len(keys), "err", err)
+	}
+}

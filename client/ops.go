@@ -1,0 +1,76 @@
+package client
+
+import (
+	"context"
+	"fmt"
+
+	"google.golang.org/grpc"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Exists reports whether a complete object has the key.
+func (c *Client) Exists(ctx context.Context, key string) (bool, error) {
+	if err := validKey(key); err != nil {
+		return false, err
+	}
+	var resp *pb.ExistsResponse
+	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		resp, err = m.Exists(ctx, &pb.KeysRequest{Keys: []string{key}}, o...)
+		return err
+	})
+	if err != nil {
+		return false, err
+	}
+	return resp.Exists[0], nil
+}
+
+// Remove deletes the object. Its space is reused only after every read
+// lease on it has ended.
+func (c *Client) Remove(ctx context.Context, key string) error {
+	if err := validKey(key); err != nil {
+		return err
+	}
+	var resp *pb.ItemsResponse
+	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		resp, err = m.Remove(ctx, &pb.KeysRequest{Keys: []string{key}}, o...)
+		return err
+	}); err != nil {
+		return err
+	}
+	return itemError(resp.Results[0])
+}
+
+// List returns the objects whose key starts with prefix, in key order,
+// fetching page after page.
+func (c *Client) List(ctx context.Context, prefix string) ([]*pb.ObjectInfo, error) {
+	var out []*pb.ObjectInfo
+	after := ""
+	for {
+		var resp *pb.ListResponse
+		if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+			resp, err = m.List(ctx, &pb.ListRequest{Prefix: prefix, StartAfter: after}, o...)
+			return err
+		}); err != nil {
+			return out, err
+		}
+		out = append(out, resp.Objects...)
+		if !resp.Truncated || len(resp.Objects) == 0 {
+			return out, nil
+		}
+		after = resp.Objects[len(resp.Objects)-1].Key
+	}
+}
+
+// Status describes the cluster as the leader sees it.
+func (c *Client) Status(ctx context.Context) (*pb.StatusResponse, error) {
+	var resp *pb.StatusResponse
+	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		resp, err = m.Status(ctx, &pb.StatusRequest{}, o...)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("status: %w", err)
+	}
+	return resp, nil
+}

@@ -1,0 +1,17 @@
+package master
+
+import "errors"
+
+// Errors the FSM and the services return. The gRPC layer maps each to a
+// status code (see code in grpc.go); clients map the codes back.
+var (
+	ErrNotFound       = errors.New("object not found")
+	ErrNoSpace        = errors.New("no segment has room")
+	ErrTooLarge       = errors.New("value larger than any segment")
+	ErrNoSegments     = errors.New("no store segments registered")
+	ErrPutInProgress  = errors.New("a put of this key is in progress")
+	ErrNotInProgress  = errors.New("no put of this key is in progress")
+	ErrUnknownNode    = errors.New("unknown node or stale epoch")
+	ErrInvalidRequest = errors.New("invalid request")
+	ErrNotLeader      = errors.New("not the raft leader")
+)

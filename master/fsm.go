@@ -1,0 +1,414 @@
+package master
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"sync"
+
+	"github.com/hashicorp/raft"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// FSM is the master's replicated state machine: the object table, the
+// store nodes with their segments and allocators, and the master members.
+//
+// Apply is deterministic: it reads the time only from the command and never
+// depends on map iteration order, so every replica reaches the same state.
+type FSM struct {
+	mu       sync.RWMutex
+	objects  map[string]*object
+	nodes    map[string]*node
+	segments map[string]*segment // by segment id
+	members  map[string]string   // raft server id -> gRPC address
+	pending  []*pb.PendingFree   // removed ranges still covered by read leases
+}
+
+type object struct {
+	key      string
+	size     uint64
+	checksum uint32
+	state    pb.ObjectState
+	created  int64
+	deadline int64 // unix nanos after which a PROCESSING put is revoked
+	replicas []*pb.Extent
+}
+
+type node struct {
+	id       string
+	endpoint string
+	epoch    uint64
+	down     bool
+	specs    []*pb.SegmentSpec
+	segments []string // ids of the current epoch's segments
+}
+
+type segment struct {
+	id       string
+	node     string
+	name     string
+	tier     pb.Tier
+	endpoint string
+	epoch    uint64
+	alloc    *allocator
+	objects  int
+}
+
+// NewFSM returns an empty state machine.
+func NewFSM() *FSM {
+	f := &FSM{}
+	f.reset()
+	return f
+}
+
+func (f *FSM) reset() {
+	f.objects = map[string]*object{}
+	f.nodes = map[string]*node{}
+	f.segments = map[string]*segment{}
+	f.members = map[string]string{}
+	f.pending = nil
+}
+
+// SegmentID names a segment of one node epoch; it is the engine segment name.
+func SegmentID(nodeID, name string, epoch uint64) string {
+	return fmt.Sprintf("%s/%s@%d", nodeID, name, epoch)
+}
+
+// alignment is the allocation unit per tier; SSD needs O_DIRECT alignment.
+func alignment(t pb.Tier) uint64 {
+	if t == pb.Tier_TIER_SSD {
+		return 4096
+	}
+	return 64
+}
+
+// PutStartResult is what Apply returns per item of a PutStartCmd.
+type PutStartResult struct {
+	Err      error
+	Exists   bool
+	Replicas []*pb.Extent
+}
+
+// RegisterResult is what Apply returns for a RegisterCmd.
+type RegisterResult struct {
+	Epoch      uint64
+	SegmentIDs []string
+}
+
+// Apply implements raft.FSM. It returns []PutStartResult, []error (one per
+// key), RegisterResult or error, by command.
+func (f *FSM) Apply(l *raft.Log) any {
+	var cmd pb.Command
+	if err := proto.Unmarshal(l.Data, &cmd); err != nil {
+		return fmt.Errorf("%w: undecodable command at index %d: %v", ErrInvalidRequest, l.Index, err)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	now := cmd.NowUnixNano
+	f.releasePending(now)
+	switch op := cmd.Op.(type) {
+	case *pb.Command_PutStart:
+		res := make([]PutStartResult, len(op.PutStart.Items))
+		for i, it := range op.PutStart.Items {
+			res[i] = f.putStart(it, now)
+		}
+		return res
+	case *pb.Command_PutEnd:
+		return f.eachKey(op.PutEnd.Keys, f.putEnd)
+	case *pb.Command_PutRevoke:
+		return f.eachKey(op.PutRevoke.Keys, f.putRevoke)
+	case *pb.Command_Remove:
+		return f.eachKey(op.Remove.Keys, func(k string) error { return f.remove(k, op.Remove.FreeAfterUnixNano, now) })
+	case *pb.Command_Register:
+		return f.register(op.Register)
+	case *pb.Command_NodeDown:
+		n := f.nodes[op.NodeDown.Node]
+		if n == nil || n.down || n.epoch != op.NodeDown.Epoch {
+			return ErrUnknownNode
+		}
+		f.dropSegments(n)
+		n.down = true
+		return nil
+	case *pb.Command_Member:
+		f.members[op.Member.Id] = op.Member.Address
+		return nil
+	}
+	return fmt.Errorf("%w: empty command at index %d", ErrInvalidRequest, l.Index)
+}
+
+func (f *FSM) eachKey(keys []string, fn func(string) error) []error {
+	errs := make([]error, len(keys))
+	for i, k := range keys {
+		errs[i] = fn(k)
+	}
+	return errs
+}
+
+func (f *FSM) putStart(it *pb.PutStartItem, now int64) PutStartResult {
+	if o := f.objects[it.Key]; o != nil {
+		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+			return PutStartResult{Exists: true}
+		}
+		if now <= o.deadline {
+			return PutStartResult{Err: ErrPutInProgress}
+		}
+		f.drop(o) // an abandoned put: the new one takes its place
+	}
+	if it.Size == 0 {
+		return PutStartResult{Err: fmt.Errorf("%w: zero-length value", ErrInvalidRequest)}
+	}
+	for _, id := range it.Candidates {
+		s := f.segments[id]
+		if s == nil {
+			continue
+		}
+		off, ok := s.alloc.alloc(it.Size)
+		if !ok {
+			continue
+		}
+		s.objects++
+		ext := &pb.Extent{Segment: id, Offset: off, Length: it.Size}
+		f.objects[it.Key] = &object{
+			key: it.Key, size: it.Size, checksum: it.Checksum,
+			state:   pb.ObjectState_OBJECT_STATE_PROCESSING,
+			created: now, deadline: it.DeadlineUnixNano,
+			replicas: []*pb.Extent{ext},
+		}
+		return PutStartResult{Replicas: []*pb.Extent{ext}}
+	}
+	if len(f.segments) == 0 {
+		return PutStartResult{Err: ErrNoSegments}
+	}
+	var largest uint64
+	for _, s := range f.segments {
+		largest = max(largest, s.alloc.capacity)
+	}
+	if it.Size > largest {
+		return PutStartResult{Err: fmt.Errorf("%w: %d bytes, largest segment holds %d", ErrTooLarge, it.Size, largest)}
+	}
+	return PutStartResult{Err: fmt.Errorf("%w for %d bytes", ErrNoSpace, it.Size)}
+}
+
+func (f *FSM) putEnd(key string) error {
+	o := f.objects[key]
+	switch {
+	case o == nil:
+		return fmt.Errorf("%w: %q (revoked or never started)", ErrNotInProgress, key)
+	case o.state == pb.ObjectState_OBJECT_STATE_PROCESSING:
+		o.state = pb.ObjectState_OBJECT_STATE_COMPLETE
+	}
+	return nil
+}
+
+func (f *FSM) putRevoke(key string) error {
+	o := f.objects[key]
+	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING {
+		return fmt.Errorf("%w: %q", ErrNotInProgress, key)
+	}
+	f.drop(o) // no reader was ever leased a PROCESSING object
+	return nil
+}
+
+func (f *FSM) remove(key string, freeAfter, now int64) error {
+	o := f.objects[key]
+	switch {
+	case o == nil:
+		return fmt.Errorf("%w: %q", ErrNotFound, key)
+	case o.state != pb.ObjectState_OBJECT_STATE_COMPLETE:
+		return fmt.Errorf("%w: %q", ErrPutInProgress, key)
+	}
+	delete(f.objects, key)
+	for _, r := range o.replicas {
+		if s := f.segments[r.Segment]; s != nil {
+			s.objects--
+			if freeAfter > now {
+				f.pending = append(f.pending, &pb.PendingFree{Extent: r, AfterUnixNano: freeAfter})
+			} else {
+				s.alloc.release(r.Offset, r.Length)
+			}
+		}
+	}
+	return nil
+}
+
+// drop deletes an object and frees its space at once.
+func (f *FSM) drop(o *object) {
+	delete(f.objects, o.key)
+	for _, r := range o.replicas {
+		if s := f.segments[r.Segment]; s != nil {
+			s.objects--
+			s.alloc.release(r.Offset, r.Length)
+		}
+	}
+}
+
+func (f *FSM) releasePending(now int64) {
+	kept := f.pending[:0]
+	for _, p := range f.pending {
+		if p.AfterUnixNano > now {
+			kept = append(kept, p)
+		} else if s := f.segments[p.Extent.Segment]; s != nil {
+			s.alloc.release(p.Extent.Offset, p.Extent.Length)
+		}
+	}
+	clear(f.pending[len(kept):])
+	f.pending = kept
+}
+
+func (f *FSM) register(c *pb.RegisterCmd) any {
+	n := f.nodes[c.Node]
+	if n == nil {
+		n = &node{id: c.Node}
+		f.nodes[c.Node] = n
+	} else {
+		// A new epoch: whatever the old process held is gone (DRAM) or will
+		// be re-adopted explicitly (SSD, later), so drop its replicas now.
+		f.dropSegments(n)
+	}
+	n.epoch++
+	n.down = false
+	n.endpoint = c.Endpoint
+	n.specs = c.Segments
+	f.addSegments(n)
+	return RegisterResult{Epoch: n.epoch, SegmentIDs: slices.Clone(n.segments)}
+}
+
+func (f *FSM) addSegments(n *node) {
+	n.segments = n.segments[:0]
+	for _, spec := range n.specs {
+		id := SegmentID(n.id, spec.Name, n.epoch)
+		f.segments[id] = &segment{
+			id: id, node: n.id, name: spec.Name, tier: spec.Tier,
+			endpoint: n.endpoint, epoch: n.epoch,
+			alloc: newAllocator(spec.Capacity, alignment(spec.Tier)),
+		}
+		n.segments = append(n.segments, id)
+	}
+}
+
+// dropSegments forgets a node's segments and every replica on them; objects
+// left without a replica are lost.
+func (f *FSM) dropSegments(n *node) {
+	gone := map[string]bool{}
+	for _, id := range n.segments {
+		gone[id] = true
+		delete(f.segments, id)
+	}
+	n.segments = nil
+	for key, o := range f.objects {
+		o.replicas = slices.DeleteFunc(o.replicas, func(r *pb.Extent) bool { return gone[r.Segment] })
+		if len(o.replicas) == 0 {
+			delete(f.objects, key)
+		}
+	}
+	f.pending = slices.DeleteFunc(f.pending, func(p *pb.PendingFree) bool { return gone[p.Extent.Segment] })
+}
+
+// Snapshot implements raft.FSM.
+func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	snap := &pb.Snapshot{PendingFrees: f.pending}
+	for _, k := range sortedKeys(f.objects) {
+		o := f.objects[k]
+		snap.Objects = append(snap.Objects, &pb.Object{
+			Key: o.key, Size: o.size, Checksum: o.checksum, State: o.state,
+			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline, Replicas: o.replicas,
+		})
+	}
+	for _, id := range sortedKeys(f.nodes) {
+		n := f.nodes[id]
+		snap.Nodes = append(snap.Nodes, &pb.Node{Id: n.id, Endpoint: n.endpoint, Epoch: n.epoch, Segments: n.specs, Down: n.down})
+	}
+	for _, id := range sortedKeys(f.members) {
+		snap.Members = append(snap.Members, &pb.MemberCmd{Id: id, Address: f.members[id]})
+	}
+	data, err := proto.MarshalOptions{Deterministic: true}.Marshal(snap)
+	if err != nil {
+		return nil, fmt.Errorf("encode snapshot: %w", err)
+	}
+	return snapshot(data), nil
+}
+
+// Restore implements raft.FSM.
+func (f *FSM) Restore(rc io.ReadCloser) error {
+	defer rc.Close()
+	data, err := io.ReadAll(rc)
+	if err != nil {
+		return fmt.Errorf("read snapshot: %w", err)
+	}
+	var snap pb.Snapshot
+	if err := proto.Unmarshal(data, &snap); err != nil {
+		return fmt.Errorf("decode snapshot: %w", err)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.reset()
+	for _, m := range snap.Members {
+		f.members[m.Id] = m.Address
+	}
+	for _, pn := range snap.Nodes {
+		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down}
+		f.nodes[n.id] = n
+		if !n.down {
+			f.addSegments(n)
+		}
+	}
+	var errs []error
+	reserve := func(e *pb.Extent) bool {
+		s := f.segments[e.Segment]
+		if s == nil {
+			return false
+		}
+		if err := s.alloc.reserve(e.Offset, e.Length); err != nil {
+			errs = append(errs, fmt.Errorf("segment %s: %w", e.Segment, err))
+			return false
+		}
+		return true
+	}
+	for _, po := range snap.Objects {
+		o := &object{
+			key: po.Key, size: po.Size, checksum: po.Checksum, state: po.State,
+			created: po.CreatedUnixNano, deadline: po.DeadlineUnixNano,
+		}
+		for _, r := range po.Replicas {
+			if reserve(r) {
+				o.replicas = append(o.replicas, r)
+				f.segments[r.Segment].objects++
+			}
+		}
+		if len(o.replicas) > 0 {
+			f.objects[o.key] = o
+		}
+	}
+	for _, p := range snap.PendingFrees {
+		if reserve(p.Extent) {
+			f.pending = append(f.pending, p)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+type snapshot []byte
+
+func (s snapshot) Persist(sink raft.SnapshotSink) error {
+	if _, err := sink.Write(s); err != nil {
+		sink.Cancel()
+		return fmt.Errorf("write snapshot: %w", err)
+	}
+	return sink.Close()
+}
+
+func (s snapshot) Release() {}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}

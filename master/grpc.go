@@ -1,0 +1,321 @@
+package master
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Limits on requests; anything larger is InvalidArgument.
+const (
+	MaxKeyLen    = 4096
+	MaxBatchKeys = 16384
+	defaultList  = 1000
+	// LeaderTrailer names the trailer that carries the leader's address when
+	// a follower refuses a request.
+	LeaderTrailer = leaderconn.Trailer
+)
+
+func errorf(sentinel error, key string) error { return fmt.Errorf("%w: %q", sentinel, key) }
+
+// code maps the master's errors to gRPC status codes.
+func code(err error) codes.Code {
+	switch {
+	case err == nil:
+		return codes.OK
+	case errors.Is(err, ErrNotFound), errors.Is(err, ErrUnknownNode):
+		return codes.NotFound
+	case errors.Is(err, ErrInvalidRequest):
+		return codes.InvalidArgument
+	case errors.Is(err, ErrNoSpace), errors.Is(err, ErrNoSegments):
+		return codes.ResourceExhausted
+	case errors.Is(err, ErrTooLarge):
+		return codes.OutOfRange
+	case errors.Is(err, ErrPutInProgress), errors.Is(err, ErrNotInProgress):
+		return codes.FailedPrecondition
+	case errors.Is(err, ErrNotLeader):
+		return codes.Unavailable
+	case errors.Is(err, context.DeadlineExceeded):
+		return codes.DeadlineExceeded
+	case errors.Is(err, context.Canceled):
+		return codes.Canceled
+	}
+	return codes.Internal
+}
+
+func itemStatus(err error) *pb.ItemStatus {
+	if err == nil {
+		return &pb.ItemStatus{}
+	}
+	return &pb.ItemStatus{Code: int32(code(err)), Message: err.Error()}
+}
+
+// toStatus turns an error into a gRPC status; a follower's refusal carries
+// the leader's address in a trailer so clients can follow it.
+func (s *Server) toStatus(ctx context.Context, err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, ErrNotLeader) {
+		id, addr := s.Leader()
+		if addr != "" {
+			_ = grpc.SetTrailer(ctx, metadata.Pairs(LeaderTrailer, addr))
+		}
+		return status.Errorf(codes.Unavailable, "master %s is not the leader (leader: %s at %q)", s.cfg.ID, id, addr)
+	}
+	return status.Error(code(err), err.Error())
+}
+
+func validKey(k string) error {
+	switch {
+	case k == "":
+		return fmt.Errorf("%w: empty key", ErrInvalidRequest)
+	case len(k) > MaxKeyLen:
+		return fmt.Errorf("%w: key of %d bytes exceeds the %d-byte limit", ErrInvalidRequest, len(k), MaxKeyLen)
+	}
+	return nil
+}
+
+func validKeys(keys []string) error {
+	if len(keys) == 0 {
+		return fmt.Errorf("%w: no keys", ErrInvalidRequest)
+	}
+	if len(keys) > MaxBatchKeys {
+		return fmt.Errorf("%w: %d keys exceed the batch limit of %d", ErrInvalidRequest, len(keys), MaxBatchKeys)
+	}
+	for _, k := range keys {
+		if err := validKey(k); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// leaderOnly refuses reads on followers: leases and read-your-writes live
+// on the leader.
+func (s *Server) leaderOnly() error {
+	if !s.IsLeader() {
+		return ErrNotLeader
+	}
+	return nil
+}
+
+// intercept counts requests by method and code and turns errors into statuses.
+func (s *Server) intercept(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	start := time.Now()
+	resp, err := h(ctx, req)
+	if err != nil {
+		if _, ok := status.FromError(err); !ok || errors.Is(err, ErrNotLeader) {
+			err = s.toStatus(ctx, err)
+		}
+	}
+	s.metrics.request(info.FullMethod, status.Code(err), time.Since(start))
+	return resp, err
+}
+
+type masterService struct {
+	pb.UnimplementedMasterServer
+	s *Server
+}
+
+func (m *masterService) PutStart(ctx context.Context, req *pb.PutStartRequest) (*pb.PutStartResult, error) {
+	resp, err := m.BatchPutStart(ctx, &pb.BatchPutStartRequest{Items: []*pb.PutStartRequest{req}})
+	if err != nil {
+		return nil, err
+	}
+	r := resp.Results[0]
+	if r.Status.Code != 0 {
+		return nil, status.Error(codes.Code(r.Status.Code), r.Status.Message)
+	}
+	return r, nil
+}
+
+func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStartRequest) (*pb.BatchPutStartResponse, error) {
+	if len(req.Items) == 0 || len(req.Items) > MaxBatchKeys {
+		return nil, fmt.Errorf("%w: batch of %d items (want 1 to %d)", ErrInvalidRequest, len(req.Items), MaxBatchKeys)
+	}
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	now := m.s.cfg.Now()
+	results := make([]*pb.PutStartResult, len(req.Items))
+	cmd := &pb.PutStartCmd{}
+	var idx []int // results index of each command item
+	for i, it := range req.Items {
+		err := validKey(it.Key)
+		if err == nil && it.Size == 0 {
+			err = fmt.Errorf("%w: zero-length value for %q", ErrInvalidRequest, it.Key)
+		}
+		if err != nil {
+			results[i] = &pb.PutStartResult{Status: itemStatus(err)}
+			continue
+		}
+		cmd.Items = append(cmd.Items, &pb.PutStartItem{
+			Key: it.Key, Size: it.Size, Checksum: it.Checksum,
+			Candidates:       m.s.candidates(it.Size, pb.Tier_TIER_DRAM),
+			DeadlineUnixNano: now.Add(m.s.cfg.PutTimeout).UnixNano(),
+		})
+		idx = append(idx, i)
+	}
+	if len(cmd.Items) > 0 {
+		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: cmd}})
+		if err != nil {
+			return nil, err
+		}
+		m.s.fsm.mu.RLock()
+		for j, r := range out.([]PutStartResult) {
+			results[idx[j]] = &pb.PutStartResult{Status: itemStatus(r.Err), Exists: r.Exists, Replicas: m.s.fsm.describe(r.Replicas)}
+		}
+		m.s.fsm.mu.RUnlock()
+	}
+	return &pb.BatchPutStartResponse{Results: results}, nil
+}
+
+func (m *masterService) keysCmd(ctx context.Context, req *pb.KeysRequest, wrap func(*pb.KeysCmd) *pb.Command) (*pb.ItemsResponse, error) {
+	if err := validKeys(req.Keys); err != nil {
+		return nil, err
+	}
+	out, err := m.s.apply(ctx, wrap(&pb.KeysCmd{Keys: req.Keys}))
+	if err != nil {
+		return nil, err
+	}
+	return itemsResponse(out.([]error)), nil
+}
+
+func itemsResponse(errs []error) *pb.ItemsResponse {
+	resp := &pb.ItemsResponse{Results: make([]*pb.ItemStatus, len(errs))}
+	for i, err := range errs {
+		resp.Results[i] = itemStatus(err)
+	}
+	return resp
+}
+
+func (m *masterService) PutEnd(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
+	return m.keysCmd(ctx, req, func(c *pb.KeysCmd) *pb.Command { return &pb.Command{Op: &pb.Command_PutEnd{PutEnd: c}} })
+}
+
+func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
+	return m.keysCmd(ctx, req, func(c *pb.KeysCmd) *pb.Command { return &pb.Command{Op: &pb.Command_PutRevoke{PutRevoke: c}} })
+}
+
+func (m *masterService) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
+	if err := validKeys(req.Keys); err != nil {
+		return nil, err
+	}
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	cmd := &pb.RemoveCmd{Keys: req.Keys, FreeAfterUnixNano: m.s.freeAfter(req.Keys).UnixNano()}
+	out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_Remove{Remove: cmd}})
+	if err != nil {
+		return nil, err
+	}
+	return itemsResponse(out.([]error)), nil
+}
+
+func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*pb.GetReplicasResponse, error) {
+	if err := validKeys(req.Keys); err != nil {
+		return nil, err
+	}
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	res := m.s.fsm.replicas(req.Keys)
+	var found []string
+	for i, r := range res {
+		if r.Status.Code == 0 {
+			found = append(found, req.Keys[i])
+		}
+	}
+	m.s.lease(found)
+	return &pb.GetReplicasResponse{Results: res, LeaseTtlMs: uint64(m.s.cfg.LeaseTTL.Milliseconds())}, nil
+}
+
+func (m *masterService) Exists(ctx context.Context, req *pb.KeysRequest) (*pb.ExistsResponse, error) {
+	if err := validKeys(req.Keys); err != nil {
+		return nil, err
+	}
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	return &pb.ExistsResponse{Exists: m.s.fsm.exists(req.Keys)}, nil
+}
+
+func (m *masterService) List(ctx context.Context, req *pb.ListRequest) (*pb.ListResponse, error) {
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	limit := int(req.Limit)
+	if limit <= 0 || limit > MaxBatchKeys {
+		limit = defaultList
+	}
+	objs, truncated := m.s.fsm.list(req.Prefix, req.StartAfter, limit)
+	return &pb.ListResponse{Objects: objs, Truncated: truncated}, nil
+}
+
+// Status answers on any master, so operators can inspect a follower.
+func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.StatusResponse, error) {
+	s := m.s
+	id, addr := s.Leader()
+	resp := &pb.StatusResponse{LeaderId: id, LeaderAddress: addr, RaftCommitIndex: s.raft.CommitIndex(), RaftTerm: s.raft.CurrentTerm()}
+	if cf := s.raft.GetConfiguration(); cf.Error() == nil {
+		for _, srv := range cf.Configuration().Servers {
+			resp.Members = append(resp.Members, &pb.MemberInfo{Id: string(srv.ID), Address: s.fsm.member(string(srv.ID)), Leader: string(srv.ID) == id})
+		}
+	}
+	leader := s.IsLeader()
+	for _, v := range s.fsm.segmentViews() {
+		resp.Segments = append(resp.Segments, &pb.SegmentInfo{
+			Name: v.id, Node: v.node, Tier: v.tier, Capacity: v.capacity, Used: v.used,
+			Endpoint: v.endpoint, Epoch: v.epoch, Alive: !leader || s.alive(v.node), Objects: uint64(v.objects),
+		})
+	}
+	_, complete, bytes := s.fsm.objectStats()
+	resp.Objects, resp.CompleteBytes = uint64(complete), bytes
+	return resp, nil
+}
+
+type registryService struct {
+	pb.UnimplementedRegistryServer
+	s *Server
+}
+
+func (r *registryService) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.RegisterResponse, error) {
+	if req.Node == "" || req.Endpoint == "" || len(req.Segments) == 0 {
+		return nil, fmt.Errorf("%w: register needs a node id, an endpoint and at least one segment", ErrInvalidRequest)
+	}
+	for _, sp := range req.Segments {
+		if sp.Name == "" || sp.Capacity == 0 {
+			return nil, fmt.Errorf("%w: segment %q needs a name and a capacity", ErrInvalidRequest, sp.Name)
+		}
+	}
+	out, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{Node: req.Node, Endpoint: req.Endpoint, Segments: req.Segments}}})
+	if err != nil {
+		return nil, err
+	}
+	res := out.(RegisterResult)
+	if err := r.s.heartbeat(req.Node, res.Epoch); err != nil {
+		return nil, err
+	}
+	r.s.log.Info("store node registered", "node", req.Node, "epoch", res.Epoch, "endpoint", req.Endpoint, "segments", res.SegmentIDs)
+	return &pb.RegisterResponse{Epoch: res.Epoch, SegmentIds: res.SegmentIDs}, nil
+}
+
+func (r *registryService) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
+	if err := r.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	if err := r.s.heartbeat(req.Node, req.Epoch); err != nil {
+		return nil, err
+	}
+	return &pb.HeartbeatResponse{}, nil
+}

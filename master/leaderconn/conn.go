@@ -1,0 +1,139 @@
+// Package leaderconn sends calls to the raft leader of a master cluster.
+//
+// Any master may be dialled; a follower refuses a call with
+// codes.Unavailable and names the leader in the "tidepool-leader" trailer,
+// and Conn retries there. When a master is down or no leader is known yet
+// (an election is running), Conn tries the next one with backoff until the
+// call's context ends.
+package leaderconn
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+// Trailer names the trailer in which followers return the leader's address.
+const Trailer = "tidepool-leader"
+
+// DefaultRetryFor bounds retries of a call whose context has no deadline.
+const DefaultRetryFor = 20 * time.Second
+
+// Conn is a set of connections to the masters of one cluster.
+type Conn struct {
+	mu struct {
+		sync.Mutex
+		addrs  []string
+		next   int
+		leader string
+		conns  map[string]*grpc.ClientConn
+	}
+}
+
+// Dial prepares connections to the masters; it does not block.
+func Dial(addrs []string) (*Conn, error) {
+	if len(addrs) == 0 {
+		return nil, errors.New("no master addresses given")
+	}
+	c := &Conn{}
+	c.mu.addrs = append([]string(nil), addrs...)
+	c.mu.conns = map[string]*grpc.ClientConn{}
+	c.mu.leader = addrs[0]
+	return c, nil
+}
+
+// Call is one RPC against the connection cc; it must pass opts to the stub.
+type Call func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error
+
+// Do runs call against the leader, following redirects and retrying while
+// masters are unreachable or leaderless.
+func (c *Conn) Do(ctx context.Context, call Call) error {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, DefaultRetryFor)
+		defer cancel()
+	}
+	backoff := 20 * time.Millisecond
+	for {
+		addr, cc, err := c.current()
+		if err != nil {
+			return err
+		}
+		var trailer metadata.MD
+		err = call(ctx, cc, grpc.Trailer(&trailer))
+		if status.Code(err) != codes.Unavailable {
+			return err
+		}
+		if l := trailer.Get(Trailer); len(l) > 0 && l[0] != "" && l[0] != addr {
+			c.setLeader(l[0])
+			continue
+		}
+		c.rotate(addr)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("no master leader reachable at %v: %w", c.addrs(), err)
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+func (c *Conn) current() (string, *grpc.ClientConn, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	addr := c.mu.leader
+	if cc := c.mu.conns[addr]; cc != nil {
+		return addr, cc, nil
+	}
+	cc, err := grpc.NewClient(addr,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))
+	if err != nil {
+		return "", nil, fmt.Errorf("master address %q: %w", addr, err)
+	}
+	c.mu.conns[addr] = cc
+	return addr, cc, nil
+}
+
+func (c *Conn) setLeader(addr string) {
+	c.mu.Lock()
+	c.mu.leader = addr
+	c.mu.Unlock()
+}
+
+// rotate moves on from a master that failed, unless another call already did.
+func (c *Conn) rotate(failed string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.mu.leader != failed {
+		return
+	}
+	c.mu.next = (c.mu.next + 1) % len(c.mu.addrs)
+	c.mu.leader = c.mu.addrs[c.mu.next]
+}
+
+func (c *Conn) addrs() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.mu.addrs
+}
+
+// Close closes every connection.
+func (c *Conn) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var errs []error
+	for _, cc := range c.mu.conns {
+		errs = append(errs, cc.Close())
+	}
+	c.mu.conns = map[string]*grpc.ClientConn{}
+	return errors.Join(errs...)
+}

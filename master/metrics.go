@@ -1,0 +1,93 @@
+package master
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+)
+
+// metrics are the master's Prometheus metrics. A nil *metrics records
+// nothing, so a master without a registerer needs no checks.
+type metrics struct {
+	requests *prometheus.CounterVec
+	latency  *prometheus.HistogramVec
+	revokes  prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tidepool_master_requests_total",
+			Help: "gRPC requests served by the master, by method and status code.",
+		}, []string{"method", "code"}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "tidepool_master_request_duration_seconds",
+			Help:    "Latency of gRPC requests served by the master, by method.",
+			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 16),
+		}, []string{"method"}),
+		revokes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tidepool_master_puts_expired_total",
+			Help: "Puts revoked by the leader because they were neither ended nor revoked in time.",
+		}),
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, stateCollector{s}} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+func (m *metrics) request(method string, c codes.Code, d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.requests.WithLabelValues(method, c.String()).Inc()
+	m.latency.WithLabelValues(method).Observe(d.Seconds())
+}
+
+func (m *metrics) revoked(n int) {
+	if m != nil {
+		m.revokes.Add(float64(n))
+	}
+}
+
+// stateCollector reads gauges from the FSM at scrape time, so they can never
+// drift from the replicated state.
+type stateCollector struct{ s *Server }
+
+var (
+	descObjects  = prometheus.NewDesc("tidepool_master_objects", "Objects in the table, by state.", []string{"state"}, nil)
+	descBytes    = prometheus.NewDesc("tidepool_master_object_bytes", "Bytes of complete objects.", nil, nil)
+	descCapacity = prometheus.NewDesc("tidepool_segment_capacity_bytes", "Capacity of a store segment.", []string{"segment", "node", "tier"}, nil)
+	descUsed     = prometheus.NewDesc("tidepool_segment_used_bytes", "Allocated bytes of a store segment.", []string{"segment", "node", "tier"}, nil)
+	descSegObjs  = prometheus.NewDesc("tidepool_segment_objects", "Objects with a replica on a store segment.", []string{"segment", "node", "tier"}, nil)
+	descLeader   = prometheus.NewDesc("tidepool_master_is_leader", "1 if this master is the raft leader.", nil, nil)
+	descTerm     = prometheus.NewDesc("tidepool_master_raft_term", "Current raft term.", nil, nil)
+)
+
+func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descObjects, descBytes, descCapacity, descUsed, descSegObjs, descLeader, descTerm} {
+		ch <- d
+	}
+}
+
+func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
+	processing, complete, bytes := c.s.fsm.objectStats()
+	ch <- prometheus.MustNewConstMetric(descObjects, prometheus.GaugeValue, float64(processing), "processing")
+	ch <- prometheus.MustNewConstMetric(descObjects, prometheus.GaugeValue, float64(complete), "complete")
+	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.GaugeValue, float64(bytes))
+	for _, v := range c.s.fsm.segmentViews() {
+		tier := tierName(v.tier)
+		ch <- prometheus.MustNewConstMetric(descCapacity, prometheus.GaugeValue, float64(v.capacity), v.id, v.node, tier)
+		ch <- prometheus.MustNewConstMetric(descUsed, prometheus.GaugeValue, float64(v.used), v.id, v.node, tier)
+		ch <- prometheus.MustNewConstMetric(descSegObjs, prometheus.GaugeValue, float64(v.objects), v.id, v.node, tier)
+	}
+	leader := 0.0
+	if c.s.IsLeader() {
+		leader = 1
+	}
+	ch <- prometheus.MustNewConstMetric(descLeader, prometheus.GaugeValue, leader)
+	ch <- prometheus.MustNewConstMetric(descTerm, prometheus.GaugeValue, float64(c.s.raft.CurrentTerm()))
+}

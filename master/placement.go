@@ -1,0 +1,46 @@
+package master
+
+import (
+	"cmp"
+	"slices"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// candidates orders the live segments for an object of size bytes: the
+// preferred tier first, then most free space first (free-ratio-first), so
+// load spreads over the pool. Apply allocates in the first one with room.
+func (s *Server) candidates(size uint64, tier pb.Tier) []string {
+	views := s.fsm.segmentViews()
+	views = slices.DeleteFunc(views, func(v segmentView) bool { return !s.alive(v.node) || v.largestFree < size })
+	slices.SortStableFunc(views, func(a, b segmentView) int {
+		if (a.tier == tier) != (b.tier == tier) {
+			if a.tier == tier {
+				return -1
+			}
+			return 1
+		}
+		// Compare free ratios without floats: (cap-used)/cap.
+		fa := (a.capacity - a.used) * (b.capacity >> 10)
+		fb := (b.capacity - b.used) * (a.capacity >> 10)
+		return cmp.Compare(fb, fa)
+	})
+	ids := make([]string, len(views))
+	for i, v := range views {
+		ids[i] = v.id
+	}
+	return ids
+}
+
+// tierName is the short lower-case name of a tier, as in flags and metrics.
+func tierName(t pb.Tier) string {
+	switch t {
+	case pb.Tier_TIER_HBM:
+		return "hbm"
+	case pb.Tier_TIER_DRAM:
+		return "dram"
+	case pb.Tier_TIER_SSD:
+		return "ssd"
+	}
+	return "unspecified"
+}

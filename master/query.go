@@ -1,0 +1,150 @@
+package master
+
+import (
+	"cmp"
+	"slices"
+	"strings"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Read-only views of the FSM for the services. They take the read lock and
+// return copies, so callers never race with Apply.
+
+func (f *FSM) replicas(keys []string) []*pb.ObjectReplicas {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	out := make([]*pb.ObjectReplicas, len(keys))
+	for i, k := range keys {
+		o := f.objects[k]
+		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+			out[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
+			continue
+		}
+		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.replicas)}
+	}
+	return out
+}
+
+// describe turns extents into replica descriptors; f.mu must be held.
+func (f *FSM) describe(exts []*pb.Extent) []*pb.Replica {
+	out := make([]*pb.Replica, 0, len(exts))
+	for _, e := range exts {
+		s := f.segments[e.Segment]
+		if s == nil {
+			continue
+		}
+		out = append(out, &pb.Replica{Segment: e.Segment, Node: s.node, Endpoint: s.endpoint, Offset: e.Offset, Length: e.Length, Tier: s.tier})
+	}
+	return out
+}
+
+func (f *FSM) exists(keys []string) []bool {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	out := make([]bool, len(keys))
+	for i, k := range keys {
+		o := f.objects[k]
+		out[i] = o != nil && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE
+	}
+	return out
+}
+
+// list returns up to limit objects with the prefix, in key order, after the
+// given key, and whether more follow.
+func (f *FSM) list(prefix, after string, limit int) ([]*pb.ObjectInfo, bool) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var keys []string
+	for k := range f.objects {
+		if strings.HasPrefix(k, prefix) && k > after {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	truncated := len(keys) > limit
+	if truncated {
+		keys = keys[:limit]
+	}
+	out := make([]*pb.ObjectInfo, len(keys))
+	for i, k := range keys {
+		o := f.objects[k]
+		out[i] = &pb.ObjectInfo{
+			Key: k, Size: o.size, State: o.state, Checksum: o.checksum,
+			CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.replicas),
+		}
+	}
+	return out, truncated
+}
+
+// segmentView is a snapshot of one segment for placement and status.
+type segmentView struct {
+	id, node, endpoint string
+	tier               pb.Tier
+	epoch              uint64
+	capacity, used     uint64
+	largestFree        uint64
+	objects            int
+}
+
+func (f *FSM) segmentViews() []segmentView {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	out := make([]segmentView, 0, len(f.segments))
+	for _, s := range f.segments {
+		out = append(out, segmentView{
+			id: s.id, node: s.node, endpoint: s.endpoint, tier: s.tier, epoch: s.epoch,
+			capacity: s.alloc.capacity, used: s.alloc.used, largestFree: s.alloc.largestFree(), objects: s.objects,
+		})
+	}
+	slices.SortFunc(out, func(a, b segmentView) int { return cmp.Compare(a.id, b.id) })
+	return out
+}
+
+// objectStats counts objects and the bytes of complete ones.
+func (f *FSM) objectStats() (processing, complete int, completeBytes uint64) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	for _, o := range f.objects {
+		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+			complete++
+			completeBytes += o.size
+		} else {
+			processing++
+		}
+	}
+	return processing, complete, completeBytes
+}
+
+// expiredPuts lists PROCESSING objects whose deadline is before now.
+func (f *FSM) expiredPuts(now int64) []string {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var keys []string
+	for k, o := range f.objects {
+		if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline < now {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// liveNodes returns the epoch of every node that is not down.
+func (f *FSM) liveNodes() map[string]uint64 {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	out := map[string]uint64{}
+	for id, n := range f.nodes {
+		if !n.down {
+			out[id] = n.epoch
+		}
+	}
+	return out
+}
+
+func (f *FSM) member(id string) string {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.members[id]
+}

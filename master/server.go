@@ -1,0 +1,401 @@
+package master
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/raft"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/tidepool-kv/tidepool/master/logstore"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Defaults of the design card.
+const (
+	DefaultLeaseTTL   = 10 * time.Second
+	DefaultPutTimeout = 30 * time.Second
+	DefaultNodeTTL    = 10 * time.Second
+)
+
+// Config configures one master.
+type Config struct {
+	// ID is this master's raft server id; it must be stable across restarts.
+	ID string
+	// Dir holds the raft log, stable store and snapshots.
+	Dir string
+	// RaftAddr is the address raft listens on when Transport is nil.
+	RaftAddr string
+	// Advertise is the gRPC address clients and stores reach this master at;
+	// followers hand it out as the leader's address.
+	Advertise string
+	// Peers are the voters a new cluster starts with; empty means this node
+	// alone. Every peer must be given the same list.
+	Peers []raft.Server
+	// Transport overrides raft's TCP transport (tests use raft's in-memory one).
+	Transport raft.Transport
+
+	LeaseTTL   time.Duration // read lease of GetReplicas; default 10 s
+	PutTimeout time.Duration // unfinished puts are revoked after this; default 30 s
+	NodeTTL    time.Duration // a store silent this long is dead; default 10 s
+	// SweepInterval is how often the leader revokes stale puts and checks
+	// heartbeats; default 1 s.
+	SweepInterval time.Duration
+
+	Registerer prometheus.Registerer // nil: no metrics
+	Logger     *slog.Logger          // nil: discard
+	Now        func() time.Time      // nil: time.Now
+}
+
+// Server is one master: a raft node with the FSM and the gRPC services.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	fsm     *FSM
+	raft    *raft.Raft
+	logs    *logstore.Store
+	trans   raft.Transport
+	notify  chan bool
+	metrics *metrics
+
+	mu struct {
+		sync.Mutex
+		leader      bool
+		leaderSince time.Time
+		lastSeen    map[string]time.Time // node -> last heartbeat, leader only
+		leases      map[string]time.Time // key -> read lease expiry, leader only
+	}
+
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+// New opens the master's stores, starts raft and, for a new cluster,
+// bootstraps it with cfg.Peers.
+func New(cfg Config) (*Server, error) {
+	if cfg.ID == "" {
+		return nil, errors.New("master: config needs an ID")
+	}
+	if cfg.Dir == "" {
+		return nil, errors.New("master: config needs a Dir")
+	}
+	cfg.LeaseTTL = orDefault(cfg.LeaseTTL, DefaultLeaseTTL)
+	cfg.PutTimeout = orDefault(cfg.PutTimeout, DefaultPutTimeout)
+	cfg.NodeTTL = orDefault(cfg.NodeTTL, DefaultNodeTTL)
+	cfg.SweepInterval = orDefault(cfg.SweepInterval, time.Second)
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), stop: make(chan struct{})}
+	s.mu.lastSeen = map[string]time.Time{}
+	s.mu.leases = map[string]time.Time{}
+	if err := s.startRaft(); err != nil {
+		s.closeStores()
+		return nil, err
+	}
+	if cfg.Registerer != nil {
+		m, err := newMetrics(cfg.Registerer, s)
+		if err != nil {
+			s.Close()
+			return nil, err
+		}
+		s.metrics = m
+	}
+	s.wg.Add(1)
+	go s.leaderLoop()
+	return s, nil
+}
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d <= 0 {
+		return def
+	}
+	return d
+}
+
+func (s *Server) startRaft() error {
+	if err := os.MkdirAll(s.cfg.Dir, 0o755); err != nil {
+		return fmt.Errorf("master: create %s: %w", s.cfg.Dir, err)
+	}
+	hlog := hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Warn, Output: logWriter{s.log}})
+	logs, err := logstore.Open(filepath.Join(s.cfg.Dir, "raft"))
+	if err != nil {
+		return fmt.Errorf("master: open raft log: %w", err)
+	}
+	s.logs = logs
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(s.cfg.Dir, 2, hlog)
+	if err != nil {
+		return fmt.Errorf("master: open snapshot store: %w", err)
+	}
+	s.trans = s.cfg.Transport
+	if s.trans == nil {
+		addr, err := net.ResolveTCPAddr("tcp", s.cfg.RaftAddr)
+		if err != nil {
+			return fmt.Errorf("master: raft address %q: %w", s.cfg.RaftAddr, err)
+		}
+		tt, err := raft.NewTCPTransportWithLogger(s.cfg.RaftAddr, addr, 4, 10*time.Second, hlog)
+		if err != nil {
+			return fmt.Errorf("master: raft transport on %s: %w", s.cfg.RaftAddr, err)
+		}
+		s.trans = tt
+	}
+	rc := raft.DefaultConfig()
+	rc.LocalID = raft.ServerID(s.cfg.ID)
+	rc.Logger = hlog
+	rc.NotifyCh = s.notify
+	rc.HeartbeatTimeout = 500 * time.Millisecond
+	rc.ElectionTimeout = 500 * time.Millisecond
+	rc.LeaderLeaseTimeout = 250 * time.Millisecond
+	existing, err := raft.HasExistingState(logs, logs, snaps)
+	if err != nil {
+		return fmt.Errorf("master: inspect raft state: %w", err)
+	}
+	r, err := raft.NewRaft(rc, s.fsm, logs, logs, snaps, s.trans)
+	if err != nil {
+		return fmt.Errorf("master: start raft: %w", err)
+	}
+	s.raft = r
+	if !existing {
+		peers := s.cfg.Peers
+		if len(peers) == 0 {
+			peers = []raft.Server{{ID: rc.LocalID, Address: s.trans.LocalAddr()}}
+		}
+		if err := r.BootstrapCluster(raft.Configuration{Servers: peers}).Error(); err != nil && !errors.Is(err, raft.ErrCantBootstrap) {
+			return fmt.Errorf("master: bootstrap: %w", err)
+		}
+	}
+	return nil
+}
+
+// Serve answers the Master and Registry services on ln until Close.
+func (s *Server) Serve(ln net.Listener) error {
+	gs := grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
+	pb.RegisterMasterServer(gs, &masterService{s: s})
+	pb.RegisterRegistryServer(gs, &registryService{s: s})
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		<-s.stop
+		gs.Stop()
+	}()
+	if err := gs.Serve(ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("master: serve: %w", err)
+	}
+	return nil
+}
+
+// Close stops the services and raft, and closes the stores.
+func (s *Server) Close() error {
+	select {
+	case <-s.stop:
+		return nil
+	default:
+	}
+	close(s.stop)
+	var errs []error
+	if s.raft != nil {
+		errs = append(errs, s.raft.Shutdown().Error())
+	}
+	s.wg.Wait()
+	errs = append(errs, s.closeStores())
+	return errors.Join(errs...)
+}
+
+func (s *Server) closeStores() error {
+	var errs []error
+	if c, ok := s.trans.(io.Closer); ok {
+		errs = append(errs, c.Close())
+	}
+	if s.logs != nil {
+		errs = append(errs, s.logs.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// IsLeader reports whether this master is the raft leader.
+func (s *Server) IsLeader() bool { return s.raft.State() == raft.Leader }
+
+// Leader returns the raft id and gRPC address of the current leader, if known.
+func (s *Server) Leader() (id, addr string) {
+	_, lid := s.raft.LeaderWithID()
+	return string(lid), s.fsm.member(string(lid))
+}
+
+// FSM exposes the state machine, for tests and status pages.
+func (s *Server) FSM() *FSM { return s.fsm }
+
+// apply proposes cmd through raft and returns what FSM.Apply returned.
+func (s *Server) apply(ctx context.Context, cmd *pb.Command) (any, error) {
+	cmd.NowUnixNano = s.cfg.Now().UnixNano()
+	data, err := proto.Marshal(cmd)
+	if err != nil {
+		return nil, fmt.Errorf("encode command: %w", err)
+	}
+	timeout := 10 * time.Second
+	if d, ok := ctx.Deadline(); ok {
+		timeout = time.Until(d)
+	}
+	f := s.raft.Apply(data, timeout)
+	if err := f.Error(); err != nil {
+		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) || errors.Is(err, raft.ErrLeadershipTransferInProgress) {
+			return nil, fmt.Errorf("%w: %v", ErrNotLeader, err)
+		}
+		return nil, fmt.Errorf("raft apply: %w", err)
+	}
+	if err, ok := f.Response().(error); ok {
+		return nil, err
+	}
+	return f.Response(), nil
+}
+
+// leaderLoop tracks leadership and, while leader, revokes stale puts and
+// declares silent stores dead.
+func (s *Server) leaderLoop() {
+	defer s.wg.Done()
+	tick := time.NewTicker(s.cfg.SweepInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case leader := <-s.notify:
+			s.setLeader(leader)
+		case <-tick.C:
+			if s.IsLeader() {
+				s.sweep()
+			}
+		}
+	}
+}
+
+func (s *Server) setLeader(leader bool) {
+	now := s.cfg.Now()
+	s.mu.Lock()
+	s.mu.leader = leader
+	s.mu.leaderSince = now
+	clear(s.mu.leases)
+	clear(s.mu.lastSeen)
+	if leader {
+		// Every store gets a full TTL to reach the new leader.
+		for id := range s.fsm.liveNodes() {
+			s.mu.lastSeen[id] = now
+		}
+	}
+	s.mu.Unlock()
+	if !leader {
+		return
+	}
+	s.log.Info("became raft leader", "id", s.cfg.ID)
+	if s.fsm.member(s.cfg.ID) != s.cfg.Advertise {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_Member{Member: &pb.MemberCmd{Id: s.cfg.ID, Address: s.cfg.Advertise}}}); err != nil {
+			s.log.Warn("record leader address", "err", err)
+		}
+	}
+}
+
+func (s *Server) sweep() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	now := s.cfg.Now()
+	if keys := s.fsm.expiredPuts(now.UnixNano()); len(keys) > 0 {
+		if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_PutRevoke{PutRevoke: &pb.KeysCmd{Keys: keys}}}); err != nil {
+			s.log.Warn("revoke stale puts", "keys", len(keys), "err", err)
+		} else {
+			s.log.Info("revoked stale puts", "keys", len(keys))
+			s.metrics.revoked(len(keys))
+		}
+	}
+	live := s.fsm.liveNodes()
+	var dead []string
+	s.mu.Lock()
+	for id := range live {
+		seen, ok := s.mu.lastSeen[id]
+		if !ok {
+			s.mu.lastSeen[id] = now // registered through another leader
+		} else if now.Sub(seen) > s.cfg.NodeTTL {
+			dead = append(dead, id)
+		}
+	}
+	for k, exp := range s.mu.leases {
+		if now.After(exp) {
+			delete(s.mu.leases, k)
+		}
+	}
+	s.mu.Unlock()
+	for _, id := range dead {
+		s.log.Warn("store node silent, declaring it dead", "node", id, "ttl", s.cfg.NodeTTL)
+		if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: id, Epoch: live[id]}}}); err != nil {
+			s.log.Warn("declare node dead", "node", id, "err", err)
+		}
+		s.mu.Lock()
+		delete(s.mu.lastSeen, id)
+		s.mu.Unlock()
+	}
+}
+
+// lease grants read leases on keys and returns their expiry.
+func (s *Server) lease(keys []string) {
+	exp := s.cfg.Now().Add(s.cfg.LeaseTTL)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, k := range keys {
+		s.mu.leases[k] = exp
+	}
+}
+
+// freeAfter is when space of removed keys may be reused: after every lease
+// this leader granted on them, and after any lease an earlier leader may
+// have granted.
+func (s *Server) freeAfter(keys []string) time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
+	for _, k := range keys {
+		if exp, ok := s.mu.leases[k]; ok && exp.After(t) {
+			t = exp
+		}
+	}
+	return t
+}
+
+func (s *Server) heartbeat(node string, epoch uint64) error {
+	if e, ok := s.fsm.liveNodes()[node]; !ok || e != epoch {
+		return fmt.Errorf("%w: %s@%d", ErrUnknownNode, node, epoch)
+	}
+	s.mu.Lock()
+	s.mu.lastSeen[node] = s.cfg.Now()
+	s.mu.Unlock()
+	return nil
+}
+
+func (s *Server) alive(node string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.mu.lastSeen[node]
+	return ok
+}
+
+// logWriter turns raft's log lines (one per Write) into slog records.
+type logWriter struct{ l *slog.Logger }
+
+func (w logWriter) Write(p []byte) (int, error) {
+	w.l.Warn(strings.TrimSpace(string(p)))
+	return len(p), nil
+}

@@ -1,0 +1,11 @@
+// Package store is the store node daemon. A Node mounts its tiers, serves
+// their bytes to peers through an embedded transfer engine, registers the
+// tiers' segments with the master and heartbeats.
+//
+// Each registration starts a new epoch; segments are served under the
+// names the master gives them ("node/tier@epoch"), so a replica descriptor
+// handed out before a restart addresses a segment that no longer exists and
+// fails with engine.ErrSegmentNotFound instead of reading the wrong bytes.
+// When the master no longer knows the node at its epoch (it was declared
+// dead, or a master's state was lost), the node registers again.
+package store

@@ -1,0 +1,252 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+	"github.com/tidepool-kv/tidepool/tiers"
+)
+
+// Config configures a store node.
+type Config struct {
+	// ID names the node; it must be stable across restarts of the same node.
+	ID      string
+	Masters []string
+	// Listen is the transfer engine's listen address, e.g. "127.0.0.1:0".
+	Listen string
+	// Advertise is the engine address peers dial; default the listener's.
+	Advertise string
+	// Tiers are mounted by the caller and closed by Node.Close.
+	Tiers             []tiers.Tier
+	HeartbeatInterval time.Duration // default 1 s
+	Engine            engine.Config // Registerer and Logger are filled in
+	Registerer        prometheus.Registerer
+	Logger            *slog.Logger
+}
+
+// Node is a running store node.
+type Node struct {
+	cfg      Config
+	log      *slog.Logger
+	eng      *engine.Engine
+	ln       net.Listener
+	masters  *leaderconn.Conn
+	endpoint string
+
+	mu struct {
+		sync.Mutex
+		epoch uint64
+		names []string // engine names of the registered segments
+	}
+	registered chan struct{}
+	stop       chan struct{}
+	wg         sync.WaitGroup
+}
+
+// New starts serving the tiers and registering with the masters in the
+// background; Registered tells when the node is part of the pool.
+func New(cfg Config) (*Node, error) {
+	if cfg.ID == "" || len(cfg.Tiers) == 0 {
+		return nil, errors.New("store: config needs an ID and at least one tier")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.HeartbeatInterval <= 0 {
+		cfg.HeartbeatInterval = time.Second
+	}
+	masters, err := leaderconn.Dial(cfg.Masters)
+	if err != nil {
+		return nil, fmt.Errorf("store: %w", err)
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		masters.Close()
+		return nil, fmt.Errorf("store: listen for transfers on %q: %w", cfg.Listen, err)
+	}
+	ecfg := cfg.Engine
+	ecfg.Registerer, ecfg.Logger = cfg.Registerer, cfg.Logger
+	n := &Node{
+		cfg: cfg, log: cfg.Logger, eng: engine.New(ecfg), ln: ln, masters: masters,
+		endpoint:   cfg.Advertise,
+		registered: make(chan struct{}),
+		stop:       make(chan struct{}),
+	}
+	if n.endpoint == "" {
+		n.endpoint = ln.Addr().String()
+	}
+	n.wg.Add(2)
+	go func() {
+		defer n.wg.Done()
+		if err := n.eng.Serve(ln); err != nil {
+			n.log.Error("transfer engine stopped", "err", err)
+		}
+	}()
+	go n.run()
+	return n, nil
+}
+
+// Endpoint is the address peers reach this node's transfer engine at.
+func (n *Node) Endpoint() string { return n.endpoint }
+
+// Registered is closed once the node has registered with the master.
+func (n *Node) Registered() <-chan struct{} { return n.registered }
+
+// Epoch is the node's current registration epoch, 0 before the first.
+func (n *Node) Epoch() uint64 {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.mu.epoch
+}
+
+// run registers, then heartbeats; it registers again when the master has
+// forgotten this node's epoch.
+func (n *Node) run() {
+	defer n.wg.Done()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		select {
+		case <-n.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	tick := time.NewTicker(n.cfg.HeartbeatInterval)
+	defer tick.Stop()
+	for {
+		if n.Epoch() == 0 {
+			if err := n.register(ctx); err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				n.log.Warn("register with master", "err", err)
+			}
+		} else if err := n.heartbeat(ctx); status.Code(err) == codes.NotFound {
+			n.log.Warn("master forgot this node; registering again", "err", err)
+			n.unregister()
+			continue
+		} else if err != nil && ctx.Err() == nil {
+			n.log.Warn("heartbeat", "err", err)
+		}
+		select {
+		case <-n.stop:
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+func (n *Node) register(ctx context.Context) error {
+	req := &pb.RegisterRequest{Node: n.cfg.ID, Endpoint: n.endpoint}
+	for _, t := range n.cfg.Tiers {
+		req.Segments = append(req.Segments, &pb.SegmentSpec{Name: t.Name(), Tier: tierProto(t.Kind()), Capacity: uint64(t.Capacity())})
+	}
+	var resp *pb.RegisterResponse
+	err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
+		resp, err = pb.NewRegistryClient(cc).Register(ctx, req, opts...)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	if len(resp.SegmentIds) != len(n.cfg.Tiers) {
+		return fmt.Errorf("master returned %d segment ids for %d tiers", len(resp.SegmentIds), len(n.cfg.Tiers))
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for i, t := range n.cfg.Tiers {
+		if err := n.eng.Register(rename(t.Segment(), resp.SegmentIds[i])); err != nil {
+			return err
+		}
+		n.mu.names = append(n.mu.names, resp.SegmentIds[i])
+	}
+	n.mu.epoch = resp.Epoch
+	n.log.Info("registered with master", "node", n.cfg.ID, "epoch", resp.Epoch, "segments", resp.SegmentIds)
+	select {
+	case <-n.registered:
+	default:
+		close(n.registered)
+	}
+	return nil
+}
+
+func (n *Node) unregister() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, name := range n.mu.names {
+		n.eng.Unregister(name)
+	}
+	n.mu.names, n.mu.epoch = nil, 0
+}
+
+func (n *Node) heartbeat(ctx context.Context) error {
+	req := &pb.HeartbeatRequest{Node: n.cfg.ID, Epoch: n.Epoch()}
+	ctx, cancel := context.WithTimeout(ctx, 5*n.cfg.HeartbeatInterval)
+	defer cancel()
+	return n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error {
+		_, err := pb.NewRegistryClient(cc).Heartbeat(ctx, req, opts...)
+		return err
+	})
+}
+
+// Close stops heartbeats and transfers, then closes the tiers.
+func (n *Node) Close() error {
+	select {
+	case <-n.stop:
+		return nil
+	default:
+	}
+	close(n.stop)
+	errs := []error{n.eng.Close()}
+	n.wg.Wait()
+	errs = append(errs, n.masters.Close())
+	for _, t := range n.cfg.Tiers {
+		errs = append(errs, t.Close())
+	}
+	return errors.Join(errs...)
+}
+
+func tierProto(k tiers.Kind) pb.Tier {
+	switch k {
+	case tiers.HBM:
+		return pb.Tier_TIER_HBM
+	case tiers.SSD:
+		return pb.Tier_TIER_SSD
+	}
+	return pb.Tier_TIER_DRAM
+}
+
+// rename serves a tier's segment under the name the master gave it,
+// keeping the zero-copy Mapped fast path when the tier has one.
+func rename(seg engine.Segment, name string) engine.Segment {
+	if m, ok := seg.(engine.Mapped); ok {
+		return mappedAlias{alias{seg, name}, m}
+	}
+	return alias{seg, name}
+}
+
+type alias struct {
+	engine.Segment
+	name string
+}
+
+func (a alias) Name() string { return a.name }
+
+type mappedAlias struct {
+	alias
+	engine.Mapped
+}
