@@ -1,0 +1,240 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"github.com/tidepool-kv/tidepool/client"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// masters is the --masters flag: explicit, else TIDEPOOL_MASTERS, else the
+// local default.
+type masters struct {
+	flag listFlag
+	env  string
+}
+
+func mastersFlag(fs *flag.FlagSet, e *env) *masters {
+	m := &masters{env: e.getenv("TIDEPOOL_MASTERS")}
+	fs.Var(&m.flag, "masters", "master gRPC addresses host:port[,host:port...] (default $TIDEPOOL_MASTERS or "+defaultMaster+")")
+	return m
+}
+
+func (m *masters) list() []string {
+	if len(m.flag) > 0 {
+		return m.flag
+	}
+	if m.env != "" {
+		var l listFlag
+		_ = l.Set(m.env)
+		return l
+	}
+	return []string{defaultMaster}
+}
+
+// clientCommand parses a client command's flags and opens a client.
+func clientCommand(e *env, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet)) (*client.Client, []string, error) {
+	fs := newFlags(name, argsHelp, help, e.stderr)
+	m := mastersFlag(fs, e)
+	if extra != nil {
+		extra(fs)
+	}
+	pos, err := parse(fs, args, minPos, maxPos)
+	if err != nil {
+		return nil, nil, err
+	}
+	c, err := client.New(client.Config{Masters: m.list()})
+	return c, pos, err
+}
+
+// timeout bounds one client command, so a dead cluster gives an error
+// instead of a hang.
+const timeout = 60 * time.Second
+
+func runPut(ctx context.Context, e *env, args []string) error {
+	c, pos, err := clientCommand(e, "put", "KEY FILE", "Store FILE (- for stdin) under KEY.", args, 2, 2, nil)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	var value []byte
+	if pos[1] == "-" {
+		value, err = io.ReadAll(e.stdin)
+	} else {
+		value, err = os.ReadFile(pos[1])
+	}
+	if err != nil {
+		return fmt.Errorf("read value: %w", err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return c.Put(ctx, pos[0], value)
+}
+
+func runGet(ctx context.Context, e *env, args []string) error {
+	var out string
+	c, pos, err := clientCommand(e, "get", "KEY [-o FILE]", "Write the value of KEY to stdout or FILE.", args, 1, 1, func(fs *flag.FlagSet) {
+		fs.StringVar(&out, "o", "", "write the value to this file instead of stdout")
+	})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	value, err := c.Get(ctx, pos[0])
+	if err != nil {
+		return err
+	}
+	if out == "" {
+		_, err = e.stdout.Write(value)
+		return err
+	}
+	// Write beside the target and rename, so a failed get never leaves a
+	// truncated file under the requested name.
+	tmp := out + ".tidepool-tmp"
+	if err := os.WriteFile(tmp, value, 0o644); err != nil {
+		return fmt.Errorf("write %s: %w", out, err)
+	}
+	return os.Rename(tmp, out)
+}
+
+func runExists(ctx context.Context, e *env, args []string) error {
+	c, pos, err := clientCommand(e, "exists", "KEY", "Exit 0 if KEY is present, 1 if not.", args, 1, 1, nil)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	ok, err := c.Exists(ctx, pos[0])
+	if err != nil {
+		return err
+	}
+	if !ok {
+		fmt.Fprintln(e.stdout, "absent")
+		return errAbsent
+	}
+	fmt.Fprintln(e.stdout, "present")
+	return nil
+}
+
+func runRm(ctx context.Context, e *env, args []string) error {
+	c, pos, err := clientCommand(e, "rm", "KEY", "Remove KEY.", args, 1, 1, nil)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return c.Remove(ctx, pos[0])
+}
+
+func runLs(ctx context.Context, e *env, args []string) error {
+	var long bool
+	c, pos, err := clientCommand(e, "ls", "[PREFIX]", "List objects whose key starts with PREFIX, one per line.", args, 0, 1, func(fs *flag.FlagSet) {
+		fs.BoolVar(&long, "l", false, "long listing: size, state, creation time and replicas")
+	})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	prefix := ""
+	if len(pos) == 1 {
+		prefix = pos[0]
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	objs, err := c.List(ctx, prefix)
+	if err != nil {
+		return err
+	}
+	if !long {
+		for _, o := range objs {
+			fmt.Fprintln(e.stdout, o.Key)
+		}
+		return nil
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "KEY\tSIZE\tSTATE\tCREATED\tREPLICAS")
+	for _, o := range objs {
+		var reps []string
+		for _, r := range o.Replicas {
+			reps = append(reps, r.Segment)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%v\n", o.Key, o.Size, stateName(o.State),
+			time.UnixMilli(o.CreatedUnixMs).UTC().Format(time.RFC3339), reps)
+	}
+	return tw.Flush()
+}
+
+func stateName(s pb.ObjectState) string {
+	if s == pb.ObjectState_OBJECT_STATE_COMPLETE {
+		return "complete"
+	}
+	return "processing"
+}
+
+func runStatus(ctx context.Context, e *env, args []string) error {
+	c, _, err := clientCommand(e, "status", "", "Show the cluster's masters and segments.", args, 0, 0, nil)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	st, err := c.Status(ctx)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(e.stdout, "leader %s at %s, raft term %d, commit index %d\n", st.LeaderId, st.LeaderAddress, st.RaftTerm, st.RaftCommitIndex)
+	fmt.Fprintf(e.stdout, "%d objects, %s\n\n", st.Objects, human(st.CompleteBytes))
+	tw := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "MASTER\tADDRESS\tROLE")
+	for _, m := range st.Members {
+		role := "follower"
+		if m.Leader {
+			role = "leader"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\n", m.Id, m.Address, role)
+	}
+	fmt.Fprintln(tw, "\nSEGMENT\tNODE\tTIER\tENDPOINT\tUSED\tCAPACITY\tOBJECTS\tSTATE")
+	for _, s := range st.Segments {
+		state := "alive"
+		if !s.Alive {
+			state = "silent"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Name, s.Node, tierLabel(s.Tier), s.Endpoint, human(s.Used), human(s.Capacity), s.Objects, state)
+	}
+	return tw.Flush()
+}
+
+func tierLabel(t pb.Tier) string {
+	switch t {
+	case pb.Tier_TIER_HBM:
+		return "hbm"
+	case pb.Tier_TIER_SSD:
+		return "ssd"
+	}
+	return "dram"
+}
+
+func human(n uint64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	div, exp := uint64(unit), 0
+	for m := n / unit; m >= unit; m /= unit {
+		div *= unit
+		exp++
+	}
+	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+

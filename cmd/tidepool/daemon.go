@@ -1,0 +1,330 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/hashicorp/raft"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/tidepool-kv/tidepool/master"
+	"github.com/tidepool-kv/tidepool/store"
+	"github.com/tidepool-kv/tidepool/tiers"
+)
+
+const (
+	defaultMaster = "127.0.0.1:50051"
+	defaultRaft   = "127.0.0.1:50052"
+	defaultEngine = "127.0.0.1:50061"
+)
+
+func newLogger(e *env, level string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("%w: --log-level %q: want debug, info, warn or error", errUsage, level)
+	}
+	return slog.New(slog.NewTextHandler(e.stderr, &slog.HandlerOptions{Level: l})), nil
+}
+
+func newRegistry() *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return reg
+}
+
+// serveHTTP serves /metrics, /healthz and /readyz until ctx ends.
+// ready reports whether the daemon can do its work.
+func serveHTTP(ctx context.Context, addr string, reg *prometheus.Registry, ready func() error, log *slog.Logger) (func(), error) {
+	if addr == "" {
+		return func() {}, nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen for HTTP on %q: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := ready(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ready")
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("http server", "err", err)
+		}
+	}()
+	log.Info("serving metrics and health", "addr", "http://"+ln.Addr().String())
+	return func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+		<-done
+	}, nil
+}
+
+// masterFlags are the flags of `tidepool master`, shared with `up`.
+type masterFlags struct {
+	id, dir, listen, advertise, raftAddr, peers string
+	leaseTTL, putTimeout, nodeTTL               time.Duration
+}
+
+func (m *masterFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&m.id, "id", "m1", "raft server id of this master; stable across restarts")
+	fs.StringVar(&m.dir, "dir", "tidepool-master", "directory for the raft log and snapshots")
+	fs.StringVar(&m.listen, "listen", defaultMaster, "gRPC address for clients and stores")
+	fs.StringVar(&m.advertise, "advertise", "", "gRPC address others reach this master at (default --listen)")
+	fs.StringVar(&m.raftAddr, "raft", defaultRaft, "address for raft traffic between masters")
+	fs.StringVar(&m.peers, "peers", "", "initial voters of a new cluster as id=raftaddr,...; empty: this master alone")
+	fs.DurationVar(&m.leaseTTL, "lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get")
+	fs.DurationVar(&m.putTimeout, "put-timeout", master.DefaultPutTimeout, "revoke a put neither ended nor revoked after this")
+	fs.DurationVar(&m.nodeTTL, "node-ttl", master.DefaultNodeTTL, "declare a store dead after this long without a heartbeat")
+}
+
+func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (master.Config, error) {
+	cfg := master.Config{
+		ID: m.id, Dir: m.dir, RaftAddr: m.raftAddr, Advertise: m.advertise,
+		LeaseTTL: m.leaseTTL, PutTimeout: m.putTimeout, NodeTTL: m.nodeTTL,
+		Registerer: reg, Logger: log.With("component", "master"),
+	}
+	if cfg.Advertise == "" {
+		cfg.Advertise = m.listen
+	}
+	for _, p := range strings.Split(m.peers, ",") {
+		if p = strings.TrimSpace(p); p == "" {
+			continue
+		}
+		id, addr, ok := strings.Cut(p, "=")
+		if !ok || id == "" || addr == "" {
+			return cfg, fmt.Errorf("%w: --peers entry %q: want id=host:port", errUsage, p)
+		}
+		cfg.Peers = append(cfg.Peers, raft.Server{ID: raft.ServerID(id), Address: raft.ServerAddress(addr)})
+	}
+	return cfg, nil
+}
+
+// startMaster starts a master serving gRPC on the flags' listen address.
+func startMaster(m *masterFlags, reg prometheus.Registerer, log *slog.Logger) (*master.Server, func() error, error) {
+	cfg, err := m.config(reg, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	ln, err := net.Listen("tcp", m.listen)
+	if err != nil {
+		return nil, nil, fmt.Errorf("listen for gRPC on %q: %w", m.listen, err)
+	}
+	srv, err := master.New(cfg)
+	if err != nil {
+		ln.Close()
+		return nil, nil, err
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	log.Info("master serving", "id", m.id, "grpc", ln.Addr().String(), "raft", m.raftAddr, "dir", m.dir)
+	stop := func() error {
+		err := srv.Close()
+		return errors.Join(err, <-served)
+	}
+	return srv, stop, nil
+}
+
+func runMaster(ctx context.Context, e *env, args []string) error {
+	fs := newFlags("master", "[flags]", "Run a master: the raft-replicated metadata service.", e.stderr)
+	var m masterFlags
+	m.register(fs)
+	httpAddr := fs.String("http", "127.0.0.1:9090", "address for /metrics, /healthz and /readyz (empty: off)")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	if _, err := parse(fs, args, 0, 0); err != nil {
+		return err
+	}
+	log, err := newLogger(e, *level)
+	if err != nil {
+		return err
+	}
+	reg := newRegistry()
+	srv, stop, err := startMaster(&m, reg, log)
+	if err != nil {
+		return err
+	}
+	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error { return leaderKnown(srv) }, log)
+	if err != nil {
+		return errors.Join(err, stop())
+	}
+	<-ctx.Done()
+	log.Info("shutting down")
+	stopHTTP()
+	return stop()
+}
+
+func leaderKnown(srv *master.Server) error {
+	if id, _ := srv.Leader(); id == "" {
+		return errors.New("no raft leader known")
+	}
+	return nil
+}
+
+// storeFlags are the flags of `tidepool store`, shared with `up`.
+type storeFlags struct {
+	id, listen, advertise string
+	tiers                 listFlag
+}
+
+func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
+	host, _ := os.Hostname()
+	fs.StringVar(&s.id, "id", host, "node id; stable across restarts of this node")
+	fs.StringVar(&s.listen, "listen", defaultEngine, "transfer engine address")
+	fs.StringVar(&s.advertise, "advertise", "", "transfer engine address peers dial (default --listen)")
+	fs.Var(&s.tiers, "tier", "a tier to serve, repeatable: dram:SIZE (e.g. dram:8GiB) (default "+defaultTier+")")
+}
+
+// mountTiers creates the tiers the --tier flags describe.
+func mountTiers(specs []string) ([]tiers.Tier, error) {
+	var out []tiers.Tier
+	fail := func(err error) ([]tiers.Tier, error) {
+		for _, t := range out {
+			t.Close()
+		}
+		return nil, err
+	}
+	counts := map[string]int{}
+	for _, spec := range specs {
+		kind, rest, _ := strings.Cut(spec, ":")
+		switch kind {
+		case "dram":
+			size, err := tiers.ParseSize(rest)
+			if err != nil {
+				return fail(fmt.Errorf("%w: --tier %q: %v", errUsage, spec, err))
+			}
+			t, err := tiers.NewDRAM(fmt.Sprintf("dram%d", counts[kind]), size)
+			if err != nil {
+				return fail(err)
+			}
+			counts[kind]++
+			out = append(out, t)
+		default:
+			return fail(fmt.Errorf("%w: --tier %q: unknown tier kind %q (supported: dram)", errUsage, spec, kind))
+		}
+	}
+	return out, nil
+}
+
+func startStore(s *storeFlags, masters []string, reg prometheus.Registerer, log *slog.Logger) (*store.Node, error) {
+	ts, err := mountTiers(s.tiers)
+	if err != nil {
+		return nil, err
+	}
+	n, err := store.New(store.Config{
+		ID: s.id, Masters: masters, Listen: s.listen, Advertise: s.advertise,
+		Tiers: ts, Registerer: reg, Logger: log.With("component", "store"),
+	})
+	if err != nil {
+		for _, t := range ts {
+			t.Close()
+		}
+		return nil, err
+	}
+	log.Info("store serving", "id", s.id, "engine", n.Endpoint(), "tiers", s.tiers.String())
+	return n, nil
+}
+
+func runStore(ctx context.Context, e *env, args []string) error {
+	fs := newFlags("store", "[flags]", "Run a store node: it serves its tiers' bytes to the pool.", e.stderr)
+	var s storeFlags
+	s.register(fs, "dram:1GiB")
+	masters := mastersFlag(fs, e)
+	httpAddr := fs.String("http", "127.0.0.1:9091", "address for /metrics, /healthz and /readyz (empty: off)")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	if _, err := parse(fs, args, 0, 0); err != nil {
+		return err
+	}
+	if len(s.tiers) == 0 {
+		s.tiers = listFlag{"dram:1GiB"}
+	}
+	log, err := newLogger(e, *level)
+	if err != nil {
+		return err
+	}
+	reg := newRegistry()
+	n, err := startStore(&s, masters.list(), reg, log)
+	if err != nil {
+		return err
+	}
+	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error { return registered(n) }, log)
+	if err != nil {
+		return errors.Join(err, n.Close())
+	}
+	<-ctx.Done()
+	log.Info("shutting down")
+	stopHTTP()
+	return n.Close()
+}
+
+func registered(n *store.Node) error {
+	select {
+	case <-n.Registered():
+		return nil
+	default:
+		return errors.New("not registered with a master yet")
+	}
+}
+
+func runUp(ctx context.Context, e *env, args []string) error {
+	fs := newFlags("up", "[flags]", "Run an all-in-one local cluster: one master and one store in this process.", e.stderr)
+	dir := fs.String("dir", "tidepool-data", "directory for the master's raft log and snapshots")
+	listen := fs.String("listen", defaultMaster, "master gRPC address")
+	raftAddr := fs.String("raft", defaultRaft, "master raft address")
+	engineAddr := fs.String("engine", defaultEngine, "store transfer engine address")
+	dram := fs.String("dram", "1GiB", "size of the store's DRAM tier")
+	httpAddr := fs.String("http", "127.0.0.1:9090", "address for /metrics, /healthz and /readyz of both (empty: off)")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	if _, err := parse(fs, args, 0, 0); err != nil {
+		return err
+	}
+	log, err := newLogger(e, *level)
+	if err != nil {
+		return err
+	}
+	reg := newRegistry()
+	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
+		leaseTTL: master.DefaultLeaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL}
+	srv, stopMaster, err := startMaster(&m, reg, log)
+	if err != nil {
+		return err
+	}
+	s := storeFlags{id: "store-0", listen: *engineAddr, tiers: listFlag{"dram:" + *dram}}
+	n, err := startStore(&s, []string{*listen}, reg, log)
+	if err != nil {
+		return errors.Join(err, stopMaster())
+	}
+	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error {
+		return errors.Join(leaderKnown(srv), registered(n))
+	}, log)
+	if err != nil {
+		return errors.Join(err, n.Close(), stopMaster())
+	}
+	select {
+	case <-n.Registered():
+		log.Info("tidepool is up", "masters", *listen, "hint", "tidepool put KEY FILE; tidepool get KEY")
+	case <-ctx.Done():
+	}
+	<-ctx.Done()
+	log.Info("shutting down")
+	stopHTTP()
+	return errors.Join(n.Close(), stopMaster())
+}

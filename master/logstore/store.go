@@ -1,0 +1,253 @@
+package logstore
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/cockroachdb/pebble/v2"
+	"github.com/hashicorp/raft"
+)
+
+var (
+	_ raft.LogStore    = (*Store)(nil)
+	_ raft.StableStore = (*Store)(nil)
+)
+
+// Store is a raft.LogStore and raft.StableStore backed by a pebble DB.
+// It is safe for concurrent use.
+type Store struct {
+	db     *pebble.DB
+	closed atomic.Bool
+
+	// writeMu serializes writers so that the cached bounds in mu are
+	// updated in the same order as the commits they describe (raft calls
+	// StoreLogs and DeleteRange from different goroutines).
+	writeMu sync.Mutex
+
+	mu struct {
+		sync.RWMutex
+		// first and last are the lowest and highest stored log indexes,
+		// both 0 when the log is empty.
+		first, last uint64
+	}
+}
+
+// Open opens or creates a Store in dir.
+func Open(dir string) (*Store, error) {
+	opts := &pebble.Options{
+		// The raft log is write-mostly and reads hit recent entries, which
+		// live in the memtable; keep memory use modest.
+		CacheSize:          8 << 20,
+		MemTableSize:       4 << 20,
+		FormatMajorVersion: pebble.FormatNewest,
+		Logger:             quietLogger{pebble.DefaultLogger},
+	}
+	db, err := pebble.Open(dir, opts)
+	if err != nil {
+		return nil, fmt.Errorf("logstore: opening %s: %w", dir, err)
+	}
+	s := &Store{db: db}
+	first, last, err := s.bounds()
+	if err != nil {
+		_ = db.Close()
+		return nil, err
+	}
+	s.mu.first, s.mu.last = first, last
+	return s, nil
+}
+
+// Close closes the underlying DB. Calling Close more than once is a no-op.
+func (s *Store) Close() error {
+	if !s.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	return s.db.Close()
+}
+
+// FirstIndex implements raft.LogStore.
+func (s *Store) FirstIndex() (uint64, error) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.mu.first, nil
+}
+
+// LastIndex implements raft.LogStore.
+func (s *Store) LastIndex() (uint64, error) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.mu.last, nil
+}
+
+// GetLog implements raft.LogStore. It returns raft.ErrLogNotFound if there
+// is no entry at index.
+func (s *Store) GetLog(index uint64, l *raft.Log) error {
+	v, closer, err := s.db.Get(logKey(index))
+	if errors.Is(err, pebble.ErrNotFound) {
+		return raft.ErrLogNotFound
+	}
+	if err != nil {
+		return fmt.Errorf("logstore: reading log %d: %w", index, err)
+	}
+	defer closer.Close()
+	var out raft.Log
+	if err := decodeLog(v, &out); err != nil {
+		return fmt.Errorf("logstore: log %d: %w", index, err)
+	}
+	if out.Index != index {
+		return fmt.Errorf("logstore: log key %d holds entry with index %d", index, out.Index)
+	}
+	*l = out
+	return nil
+}
+
+// StoreLog implements raft.LogStore.
+func (s *Store) StoreLog(l *raft.Log) error {
+	return s.StoreLogs([]*raft.Log{l})
+}
+
+// StoreLogs implements raft.LogStore. All entries are written in a single
+// synced batch.
+func (s *Store) StoreLogs(logs []*raft.Log) error {
+	if len(logs) == 0 {
+		return nil
+	}
+	b := s.db.NewBatch()
+	defer b.Close()
+	var buf []byte
+	lo, hi := logs[0].Index, logs[0].Index
+	for _, l := range logs {
+		buf = appendLog(buf[:0], l)
+		// Batch.Set copies key and value, so buf can be reused.
+		if err := b.Set(logKey(l.Index), buf, nil); err != nil {
+			return fmt.Errorf("logstore: batching log %d: %w", l.Index, err)
+		}
+		lo, hi = min(lo, l.Index), max(hi, l.Index)
+	}
+
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	if err := b.Commit(pebble.Sync); err != nil {
+		return fmt.Errorf("logstore: committing logs %d-%d: %w", lo, hi, err)
+	}
+	s.mu.Lock()
+	if s.mu.first == 0 || lo < s.mu.first {
+		s.mu.first = lo
+	}
+	s.mu.last = max(s.mu.last, hi)
+	s.mu.Unlock()
+	return nil
+}
+
+// DeleteRange implements raft.LogStore. The range [lo, hi] is inclusive.
+func (s *Store) DeleteRange(lo, hi uint64) error {
+	if lo > hi {
+		return nil
+	}
+	b := s.db.NewBatch()
+	defer b.Close()
+	end := []byte{logPrefix + 1} // past every log key, for hi == MaxUint64
+	if hi < ^uint64(0) {
+		end = logKey(hi + 1)
+	}
+	if err := b.DeleteRange(logKey(lo), end, nil); err != nil {
+		return fmt.Errorf("logstore: batching delete %d-%d: %w", lo, hi, err)
+	}
+
+	s.writeMu.Lock()
+	defer s.writeMu.Unlock()
+	if err := b.Commit(pebble.Sync); err != nil {
+		return fmt.Errorf("logstore: deleting logs %d-%d: %w", lo, hi, err)
+	}
+	// The log may have gaps, so recompute the bounds rather than derive
+	// them from lo and hi.
+	first, last, err := s.bounds()
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.mu.first, s.mu.last = first, last
+	s.mu.Unlock()
+	return nil
+}
+
+// bounds reads the lowest and highest log indexes from the DB.
+func (s *Store) bounds() (first, last uint64, err error) {
+	it, err := s.db.NewIter(&pebble.IterOptions{
+		LowerBound: []byte{logPrefix},
+		UpperBound: []byte{logPrefix + 1},
+	})
+	if err != nil {
+		return 0, 0, fmt.Errorf("logstore: %w", err)
+	}
+	defer it.Close()
+	if it.First() {
+		if first, err = parseLogKey(it.Key()); err != nil {
+			return 0, 0, err
+		}
+	}
+	if it.Last() {
+		if last, err = parseLogKey(it.Key()); err != nil {
+			return 0, 0, err
+		}
+	}
+	if err := it.Error(); err != nil {
+		return 0, 0, fmt.Errorf("logstore: scanning log bounds: %w", err)
+	}
+	return first, last, nil
+}
+
+// Set implements raft.StableStore.
+func (s *Store) Set(key, val []byte) error {
+	if err := s.db.Set(stableKey(key), val, pebble.Sync); err != nil {
+		return fmt.Errorf("logstore: setting %q: %w", key, err)
+	}
+	return nil
+}
+
+// Get implements raft.StableStore. A missing key yields an error whose text
+// is exactly "not found": raft compares err.Error() against that string.
+func (s *Store) Get(key []byte) ([]byte, error) {
+	v, closer, err := s.db.Get(stableKey(key))
+	if errors.Is(err, pebble.ErrNotFound) {
+		return nil, errors.New("not found")
+	}
+	if err != nil {
+		return nil, fmt.Errorf("logstore: getting %q: %w", key, err)
+	}
+	defer closer.Close()
+	return append([]byte{}, v...), nil
+}
+
+// SetUint64 implements raft.StableStore. The value shares the key space of
+// Set and is stored as 8 big-endian bytes.
+func (s *Store) SetUint64(key []byte, val uint64) error {
+	return s.Set(key, binary.BigEndian.AppendUint64(nil, val))
+}
+
+// GetUint64 implements raft.StableStore. Like raft's InmemStore, a missing
+// key yields 0 and no error.
+func (s *Store) GetUint64(key []byte) (uint64, error) {
+	v, closer, err := s.db.Get(stableKey(key))
+	if errors.Is(err, pebble.ErrNotFound) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("logstore: getting %q: %w", key, err)
+	}
+	defer closer.Close()
+	if len(v) != 8 {
+		return 0, fmt.Errorf("logstore: value of %q is %d bytes, not a uint64", key, len(v))
+	}
+	return binary.BigEndian.Uint64(v), nil
+}
+
+// quietLogger drops pebble's chatty informational messages but keeps
+// errors and fatal errors.
+type quietLogger struct {
+	pebble.Logger
+}
+
+func (quietLogger) Infof(string, ...any) {}
