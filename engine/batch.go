@@ -1,0 +1,323 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Target names a segment on a peer: the peer engine's host:port and the segment's name.
+type Target struct {
+	Endpoint string
+	Segment  string
+}
+
+func (t Target) String() string { return t.Endpoint + "/" + t.Segment }
+
+// Priority is a task's QoS class. It is carried to the transport but not yet scheduled on. The
+// zero value means Medium, so callers that do not care land in the middle class.
+type Priority int
+
+const (
+	High   Priority = iota + 1 // foreground gets on an inference's critical path
+	Medium                     // puts, prefetch; the default
+	Low                        // demotion, repair, rebalancing
+)
+
+func (p Priority) String() string {
+	switch p {
+	case High:
+		return "high"
+	case Medium, 0:
+		return "medium"
+	case Low:
+		return "low"
+	default:
+		return fmt.Sprintf("priority(%d)", int(p))
+	}
+}
+
+// Options qualify one task.
+type Options struct {
+	Priority Priority
+	// Deadline, if set, bounds the whole task, queueing included; past it the task ends TimedOut.
+	Deadline time.Time
+}
+
+// State is where a task is in its life. Pending and Running are transient; the others are
+// terminal, and every task reaches exactly one of them.
+type State int32
+
+const (
+	Pending  State = iota // added, not yet started
+	Running               // on the wire
+	Done                  // all bytes moved
+	Failed                // the peer or the network said no; Err says why
+	Canceled              // the Submit context was canceled
+	TimedOut              // the deadline (Options.Deadline or the Submit context's) passed
+)
+
+func (s State) String() string {
+	switch s {
+	case Pending:
+		return "pending"
+	case Running:
+		return "running"
+	case Done:
+		return "done"
+	case Failed:
+		return "failed"
+	case Canceled:
+		return "canceled"
+	case TimedOut:
+		return "timed_out"
+	default:
+		return fmt.Sprintf("state(%d)", int(s))
+	}
+}
+
+// Terminal reports whether s is a final state.
+func (s State) Terminal() bool { return s >= Done }
+
+// Task is one transfer in a batch.
+type Task struct {
+	op    Op
+	opts  Options
+	state atomic.Int32
+	err   error // written once, before state turns terminal
+	done  chan struct{}
+	start time.Time
+}
+
+func newTask(kind OpKind, buf []byte, t Target, off int64, o Options) *Task {
+	return &Task{
+		op:   Op{Kind: kind, Target: t, Offset: off, Buf: buf, Priority: o.Priority},
+		opts: o,
+		done: make(chan struct{}),
+	}
+}
+
+// State returns the task's current state.
+func (t *Task) State() State { return State(t.state.Load()) }
+
+// Err returns why the task did not finish Done: nil while it is not terminal and when it is Done.
+// Errors wrap the engine's sentinels; Canceled wraps context.Canceled, TimedOut wraps both
+// ErrTimedOut and context.DeadlineExceeded.
+func (t *Task) Err() error {
+	if !t.State().Terminal() {
+		return nil
+	}
+	return t.err // the atomic load above orders this read after finish's write
+}
+
+// Done returns a channel closed when the task reaches a terminal state.
+func (t *Task) Done() <-chan struct{} { return t.done }
+
+// finish moves t to its terminal state. Each task is finished by exactly one goroutine.
+func (t *Task) finish(s State, err error) {
+	if err != nil {
+		t.err = fmt.Errorf("%s %s[%d:+%d]: %w", t.op.Kind, t.op.Target, t.op.Offset, len(t.op.Buf), err)
+	}
+	t.state.Store(int32(s))
+	close(t.done)
+}
+
+// validate catches what no peer can serve, before any I/O.
+func (t *Task) validate() error {
+	switch op := &t.op; {
+	case op.Target.Endpoint == "":
+		return fmt.Errorf("%w: empty endpoint", ErrInvalid)
+	case op.Target.Segment == "" || len(op.Target.Segment) > MaxSegmentName:
+		return fmt.Errorf("%w: segment name must be 1..%d bytes", ErrInvalid, MaxSegmentName)
+	case op.Offset < 0 || int64(len(op.Buf)) > (1<<63-1)-op.Offset:
+		return fmt.Errorf("%w: offset %d", ErrOutOfRange, op.Offset)
+	}
+	return nil
+}
+
+// Batch is a set of transfers submitted together. Build it with Read and Write, start it with
+// Submit, then Wait. A batch is submitted once; Wait and the Task methods may be called from any
+// goroutine.
+type Batch struct {
+	e  *Engine
+	mu struct {
+		sync.Mutex
+		tasks     []*Task
+		submitted bool
+	}
+}
+
+// Read adds a task that copies len(dst) bytes at off in the target segment into dst. dst must not
+// be touched until the task is terminal.
+func (b *Batch) Read(dst []byte, t Target, off int64, o Options) *Task {
+	return b.add(newTask(OpRead, dst, t, off, o))
+}
+
+// Write adds a task that copies src into the target segment at off. src must not be modified
+// until the task is terminal.
+func (b *Batch) Write(src []byte, t Target, off int64, o Options) *Task {
+	return b.add(newTask(OpWrite, src, t, off, o))
+}
+
+func (b *Batch) add(t *Task) *Task {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.mu.submitted {
+		// No panic: the task fails on its own and is not part of the batch.
+		t.finish(Failed, fmt.Errorf("%w: batch already submitted", ErrInvalid))
+		return t
+	}
+	b.mu.tasks = append(b.mu.tasks, t)
+	return t
+}
+
+// Submit starts every task. Canceling ctx cancels the tasks not yet terminal (they end Canceled,
+// or TimedOut if ctx's deadline passed), so ctx must outlive the transfers, not just this call.
+// Submit does not block on I/O.
+func (b *Batch) Submit(ctx context.Context) error {
+	b.mu.Lock()
+	if b.mu.submitted {
+		b.mu.Unlock()
+		return fmt.Errorf("%w: batch already submitted", ErrInvalid)
+	}
+	b.mu.submitted = true
+	tasks := b.mu.tasks
+	b.mu.Unlock()
+
+	now := time.Now()
+	for _, t := range tasks {
+		t.start = now
+	}
+	if !b.e.start() {
+		for _, t := range tasks {
+			b.e.finish(t, Failed, ErrClosed)
+		}
+		return ErrClosed
+	}
+	go b.e.dispatch(ctx, tasks)
+	return nil
+}
+
+// Wait blocks until every task is terminal and returns the first error in task order, or nil if
+// all are Done. If ctx ends first it returns ctx.Err(); the tasks go on.
+func (b *Batch) Wait(ctx context.Context) error {
+	b.mu.Lock()
+	submitted, tasks := b.mu.submitted, b.mu.tasks
+	b.mu.Unlock()
+	if !submitted {
+		return fmt.Errorf("%w: Wait before Submit", ErrInvalid)
+	}
+	for _, t := range tasks {
+		select {
+		case <-t.done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	for _, t := range tasks {
+		if t.err != nil {
+			return t.err
+		}
+	}
+	return nil
+}
+
+// dispatch starts a batch's tasks in order as in-flight slots free up, and returns when all are
+// terminal. It is where the QoS scheduler will plug in: today it is FIFO per batch.
+func (e *Engine) dispatch(ctx context.Context, tasks []*Task) {
+	defer e.wg.Done()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := context.AfterFunc(e.ctx, func() { cancel(ErrClosed) })
+	defer stop()
+
+	var wg sync.WaitGroup
+	for _, t := range tasks {
+		if err := t.validate(); err != nil {
+			e.finish(t, Failed, err)
+			continue
+		}
+		tctx, tcancel := ctx, context.CancelFunc(func() {})
+		if !t.opts.Deadline.IsZero() {
+			tctx, tcancel = context.WithDeadlineCause(ctx, t.opts.Deadline, ErrTimedOut)
+		}
+		if err := e.acquire(tctx); err != nil {
+			s, err := outcome(tctx, err)
+			e.finish(t, s, err)
+			tcancel()
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer tcancel()
+			defer e.release()
+			t.state.Store(int32(Running))
+			s, err := outcome(tctx, e.transfer(tctx, &t.op))
+			e.finish(t, s, err)
+		}()
+	}
+	wg.Wait()
+}
+
+// finish records metrics and moves t to its terminal state.
+func (e *Engine) finish(t *Task, s State, err error) {
+	e.met.task(t.op.Kind, s, len(t.op.Buf), time.Since(t.start))
+	t.finish(s, err)
+}
+
+// outcome turns a transfer's error into the task's terminal state. Once ctx is done its cause
+// wins over whatever the transport reported, since the transport's error (a closed connection)
+// is only the symptom.
+func outcome(ctx context.Context, err error) (State, error) {
+	if err == nil {
+		return Done, nil
+	}
+	if ctx.Err() == nil {
+		return Failed, err
+	}
+	switch cause := context.Cause(ctx); {
+	case errors.Is(cause, ErrClosed):
+		return Failed, ErrClosed
+	case errors.Is(cause, ErrTimedOut), errors.Is(cause, context.DeadlineExceeded):
+		return TimedOut, fmt.Errorf("%w: %w", ErrTimedOut, context.DeadlineExceeded)
+	case cause == ctx.Err():
+		return Canceled, cause
+	default:
+		return Canceled, fmt.Errorf("%w: %w", ctx.Err(), cause)
+	}
+}
+
+// transfer moves one task's bytes: cut into spans, the spans run in parallel, the first error
+// cancels the rest.
+func (e *Engine) transfer(ctx context.Context, op *Op) error {
+	spans := split(len(op.Buf), e.cfg.ConnsPerPeer)
+	if len(spans) == 1 {
+		return e.tr.Do(ctx, op)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+	)
+	run := func(s span) {
+		sub := *op
+		sub.Offset += int64(s.off)
+		sub.Buf = op.Buf[s.off : s.off+s.n : s.off+s.n]
+		if err := e.tr.Do(ctx, &sub); err != nil {
+			once.Do(func() { first = err; cancel() })
+		}
+	}
+	for _, s := range spans[1:] {
+		wg.Add(1)
+		go func() { defer wg.Done(); run(s) }()
+	}
+	run(spans[0])
+	wg.Wait()
+	return first
+}

@@ -1,0 +1,40 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"testing"
+)
+
+func BenchmarkReadTCP(b *testing.B)  { benchTCP(b, OpRead) }
+func BenchmarkWriteTCP(b *testing.B) { benchTCP(b, OpWrite) }
+
+// benchTCP moves one task of each size per iteration over loopback, so it measures a single
+// request's throughput (chunked over the pool for sizes above 1 MiB), not aggregate bandwidth.
+func benchTCP(b *testing.B, kind OpKind) {
+	for _, size := range []int{64 << 10, 1 << 20, 4 << 20} {
+		b.Run(fmt.Sprintf("%dKiB", size>>10), func(b *testing.B) {
+			p := startPeer(b, Config{}, NewMemSegment("dram", make([]byte, size)))
+			c := newClient(b, Config{})
+			tgt := Target{p.addr, "dram"}
+			buf := make([]byte, size)
+			ctx := context.Background()
+			b.SetBytes(int64(size))
+			b.ResetTimer()
+			for range b.N {
+				batch := c.NewBatch()
+				if kind == OpRead {
+					batch.Read(buf, tgt, 0, Options{})
+				} else {
+					batch.Write(buf, tgt, 0, Options{})
+				}
+				if err := batch.Submit(ctx); err != nil {
+					b.Fatal(err)
+				}
+				if err := batch.Wait(ctx); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

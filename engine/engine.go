@@ -1,0 +1,246 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Config configures an Engine. The zero value is usable.
+type Config struct {
+	ConnsPerPeer int                   // pooled TCP connections per peer endpoint; default 4
+	MaxInflight  int                   // concurrent tasks in flight per engine; default 64
+	Registerer   prometheus.Registerer // nil = no metrics
+	Logger       *slog.Logger          // nil = discard
+	DialTimeout  time.Duration         // default 5s
+
+	// Transport replaces the built-in TCP transport (tests use it for fakes with fault injection).
+	// The engine owns it: Close closes it. nil = TCP built from the fields above.
+	Transport Transport
+}
+
+const (
+	defaultConnsPerPeer = 4
+	defaultMaxInflight  = 64
+	defaultDialTimeout  = 5 * time.Second
+)
+
+func (c Config) withDefaults() Config {
+	if c.ConnsPerPeer <= 0 {
+		c.ConnsPerPeer = defaultConnsPerPeer
+	}
+	if c.MaxInflight <= 0 {
+		c.MaxInflight = defaultMaxInflight
+	}
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = defaultDialTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+// Engine moves bytes between local buffers and segments served by peer engines, and serves its
+// own registered segments to peers. It is safe for concurrent use.
+type Engine struct {
+	cfg  Config
+	log  *slog.Logger
+	met  *metrics // nil without a Registerer
+	tr   Transport
+	segs segments
+
+	slots   chan struct{} // one per task in flight; the QoS scheduler replaces this later
+	scratch sync.Pool     // *[]byte of scratchSize, for segments that are not Mapped
+
+	// ctx is canceled with cause ErrClosed by Close, which fails every task still in flight.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	// wg counts every goroutine the engine starts and every running Serve; Close waits for it.
+	wg sync.WaitGroup
+
+	mu struct {
+		sync.Mutex
+		closed    bool
+		listeners map[net.Listener]struct{}
+		conns     map[net.Conn]struct{}
+	}
+}
+
+// scratchSize is the staging buffer for segments without Mapped: payloads move through it in
+// pieces, so a large request never needs a buffer of its own size.
+const scratchSize = 1 << 20
+
+// New returns an engine. It starts no goroutines until Serve or Batch.Submit.
+func New(cfg Config) *Engine {
+	cfg = cfg.withDefaults()
+	e := &Engine{
+		cfg:   cfg,
+		log:   cfg.Logger,
+		met:   newMetrics(cfg.Registerer, cfg.Logger),
+		tr:    cfg.Transport,
+		slots: make(chan struct{}, cfg.MaxInflight),
+	}
+	if e.tr == nil {
+		e.tr = newTCPTransport(cfg.ConnsPerPeer, cfg.DialTimeout)
+	}
+	e.scratch.New = func() any { b := make([]byte, scratchSize); return &b }
+	e.ctx, e.cancel = context.WithCancelCause(context.Background())
+	e.mu.listeners = make(map[net.Listener]struct{})
+	e.mu.conns = make(map[net.Conn]struct{})
+	return e
+}
+
+// Register serves seg to peers under seg.Name(). Names are 1..255 bytes; a duplicate name is an
+// error wrapping ErrExists.
+func (e *Engine) Register(seg Segment) error {
+	return e.segs.add(seg)
+}
+
+// Unregister stops serving the named segment: later requests for it fail with
+// ErrSegmentNotFound. Requests already being served finish.
+func (e *Engine) Unregister(name string) {
+	e.segs.remove(name)
+}
+
+// Serve accepts peer connections on ln until Close, then returns nil. Serve closes ln. It may be
+// called for several listeners.
+func (e *Engine) Serve(ln net.Listener) error {
+	e.mu.Lock()
+	if e.mu.closed {
+		e.mu.Unlock()
+		ln.Close()
+		return ErrClosed
+	}
+	e.mu.listeners[ln] = struct{}{}
+	e.wg.Add(1)
+	e.mu.Unlock()
+	defer func() {
+		e.mu.Lock()
+		delete(e.mu.listeners, ln)
+		e.mu.Unlock()
+		ln.Close()
+		e.wg.Done()
+	}()
+
+	var backoff time.Duration
+	for {
+		nc, err := ln.Accept()
+		if err != nil {
+			if e.closed() {
+				return nil
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return fmt.Errorf("engine: listener closed: %w", err)
+			}
+			// Like net/http: ride out transient errors (EMFILE, ECONNABORTED) instead of giving up.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			e.log.Warn("engine: accept failed; retrying", "err", err, "backoff", backoff)
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+			case <-e.ctx.Done():
+				t.Stop()
+				return nil
+			}
+			continue
+		}
+		backoff = 0
+		if !e.trackConn(nc) {
+			nc.Close()
+			return nil
+		}
+		go e.serveConn(nc)
+	}
+}
+
+// trackConn registers a server connection so Close can close it; false once closed.
+func (e *Engine) trackConn(nc net.Conn) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.mu.closed {
+		return false
+	}
+	e.mu.conns[nc] = struct{}{}
+	e.wg.Add(1)
+	return true
+}
+
+func (e *Engine) untrackConn(nc net.Conn) {
+	e.mu.Lock()
+	delete(e.mu.conns, nc)
+	e.mu.Unlock()
+	nc.Close()
+}
+
+// start counts a goroutine the engine is about to start; false once closed. Adding to wg only
+// under mu and only while open is what makes Close's wg.Wait race-free.
+func (e *Engine) start() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.mu.closed {
+		return false
+	}
+	e.wg.Add(1)
+	return true
+}
+
+func (e *Engine) closed() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.mu.closed
+}
+
+// Close stops the accept loops, closes every connection, fails the tasks in flight with ErrClosed,
+// closes the transport and waits for every goroutine the engine started. It is idempotent.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	if e.mu.closed {
+		e.mu.Unlock()
+		e.wg.Wait()
+		return nil
+	}
+	e.mu.closed = true
+	var closers []interface{ Close() error }
+	for ln := range e.mu.listeners {
+		closers = append(closers, ln)
+	}
+	for nc := range e.mu.conns {
+		closers = append(closers, nc)
+	}
+	e.mu.Unlock()
+
+	e.cancel(ErrClosed)
+	for _, c := range closers {
+		c.Close()
+	}
+	err := e.tr.Close()
+	e.wg.Wait()
+	return err
+}
+
+// NewBatch returns an empty batch bound to this engine.
+func (e *Engine) NewBatch() *Batch {
+	return &Batch{e: e}
+}
+
+// acquire takes an in-flight slot, or fails when ctx is done first.
+func (e *Engine) acquire(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	select {
+	case e.slots <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (e *Engine) release() { <-e.slots }

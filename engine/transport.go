@@ -1,0 +1,49 @@
+package engine
+
+import "context"
+
+// OpKind says which way an Op moves bytes.
+type OpKind uint8
+
+const (
+	OpRead  OpKind = iota + 1 // peer segment -> Buf
+	OpWrite                   // Buf -> peer segment
+)
+
+func (k OpKind) String() string {
+	switch k {
+	case OpRead:
+		return "read"
+	case OpWrite:
+		return "write"
+	default:
+		return "unknown"
+	}
+}
+
+// Op is one contiguous transfer between a local buffer and a peer segment: what the engine hands a
+// Transport after it has sliced a task.
+type Op struct {
+	Kind     OpKind
+	Target   Target
+	Offset   int64
+	Buf      []byte
+	Priority Priority // carried so a transport can map classes onto rails or queues
+}
+
+// Transport moves the bytes of one Op. It is the plug-in point for the ways bytes can travel
+// (tcp today; shm, local and file later, and in-memory twins with fault injection in tests).
+//
+// The contract:
+//   - Do moves all of op.Buf or returns an error; it is safe for concurrent use.
+//   - Do returns promptly once ctx is done, even if the peer is stuck (close what it is blocked on).
+//   - Errors wrap the engine's sentinels: ErrSegmentNotFound and ErrOutOfRange as the peer reported
+//     them, ErrUnavailable for dial and connection failures, ErrProtocol for malformed frames,
+//     ErrClosed after Close.
+//   - Do does not keep op.Buf after it returns.
+//   - Close releases every connection and makes later Do calls fail with ErrClosed.
+type Transport interface {
+	Name() string
+	Do(ctx context.Context, op *Op) error
+	Close() error
+}
