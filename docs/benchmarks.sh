@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-3s}
-for cmd in iperf3 redis-server redis-benchmark; do
+for cmd in iperf3 redis-server redis-cli redis-benchmark; do
 	command -v "$cmd" >/dev/null || { echo "benchmarks.sh: $cmd not found (apt-get install -y iperf3 redis-server redis-tools)" >&2; exit 1; }
 done
 PY=/usr/bin/python3
@@ -19,13 +19,16 @@ echo "building tidepool" >&2
 go build -o "$work/tidepool" ./cmd/tidepool
 
 echo "iperf3 loopback, 5 s, one stream" >&2
-iperf3 -s -1 -p 55201 >/dev/null 2>&1 & pids+=($!)
-for _ in $(seq 50); do iperf3 -c 127.0.0.1 -p 55201 -t 5 -J >"$work/iperf.json" 2>/dev/null && break; sleep 0.1; done
+iperf3 -s -p 55201 >/dev/null 2>&1 & pids+=($!)
+for _ in $(seq 50); do
+	iperf3 -c 127.0.0.1 -p 55201 -t 5 -J >"$work/iperf.json" 2>/dev/null && grep -q sum_received "$work/iperf.json" && break
+	sleep 0.2
+done
 iperf_gbps=$($PY -c 'import json,sys; print("%.2f" % (json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_per_second"]/8e9))' "$work/iperf.json")
 
 echo "redis-benchmark, 4 MiB values" >&2
 redis-server --port 55202 --save '' --appendonly no >/dev/null 2>&1 & pids+=($!)
-for _ in $(seq 50); do redis-benchmark -p 55202 -n 1 -t ping -q >/dev/null 2>&1 && break; sleep 0.1; done
+for _ in $(seq 50); do redis-cli -p 55202 ping >/dev/null 2>&1 && break; sleep 0.1; done
 redis=$(redis-benchmark -p 55202 -d 4194304 -t set,get -n 400 -c 4 -q 2>/dev/null | tr '\r' '\n' | grep -E '^(SET|GET):' | sed -E 's/^(SET|GET): ([0-9.]+) requests per second.*/\1 \2/' | sort -u)
 redis_set=$(echo "$redis" | awk '$1=="SET"{printf "%.2f", $2*4194304/1e9}')
 redis_get=$(echo "$redis" | awk '$1=="GET"{printf "%.2f", $2*4194304/1e9}')

@@ -32,6 +32,9 @@ func (a *allocator) rounded(n uint64) uint64 {
 
 // alloc returns the offset of a free range of at least n bytes.
 func (a *allocator) alloc(n uint64) (uint64, bool) {
+	if n > a.capacity { // also keeps rounded from overflowing
+		return 0, false
+	}
 	n = a.rounded(n)
 	for i, s := range a.free {
 		if s.len < n {

@@ -49,6 +49,16 @@ func TestAllocator(t *testing.T) {
 				t.Fatal("alloc beyond capacity succeeded")
 			}
 		}},
+		{"size that overflows rounding", func(a *allocator, t *testing.T) {
+			for _, n := range []uint64{1<<64 - 1, 1<<64 - 63, 1<<64 - 64} {
+				if off, ok := a.alloc(n); ok {
+					t.Fatalf("alloc(%d) = %d, true on a 1 KiB segment", n, off)
+				}
+			}
+			if a.used != 0 {
+				t.Fatalf("used = %d after failed allocs", a.used)
+			}
+		}},
 		{"reserve splits", func(a *allocator, t *testing.T) {
 			if err := a.reserve(128, 64); err != nil {
 				t.Fatal(err)

@@ -2,6 +2,7 @@ package master
 
 import (
 	"cmp"
+	"math/bits"
 	"slices"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -20,10 +21,11 @@ func (s *Server) candidates(size uint64, tier pb.Tier) []string {
 			}
 			return 1
 		}
-		// Compare free ratios without floats: (cap-used)/cap.
-		fa := (a.capacity - a.used) * (b.capacity >> 10)
-		fb := (b.capacity - b.used) * (a.capacity >> 10)
-		return cmp.Compare(fb, fa)
+		// Compare free ratios (cap-used)/cap exactly, by cross-multiplying
+		// in 128 bits: 64-bit products overflow for segments of 128 GiB.
+		ha, la := bits.Mul64(a.capacity-a.used, b.capacity)
+		hb, lb := bits.Mul64(b.capacity-b.used, a.capacity)
+		return cmp.Or(cmp.Compare(hb, ha), cmp.Compare(lb, la))
 	})
 	ids := make([]string, len(views))
 	for i, v := range views {

@@ -1,0 +1,265 @@
+package client_test
+
+import (
+	"context"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/raft"
+
+	"github.com/tidepool-kv/tidepool/client"
+	"github.com/tidepool-kv/tidepool/master"
+	"github.com/tidepool-kv/tidepool/store"
+	"github.com/tidepool-kv/tidepool/tiers"
+)
+
+// Timeouts of the test clusters: short enough that sweeps, dead stores and
+// abandoned puts show up within a test, long enough for -race on a busy box.
+const (
+	testSweep     = 50 * time.Millisecond
+	testNodeTTL   = time.Second
+	testPutTO     = 3 * time.Second
+	testHeartbeat = 100 * time.Millisecond
+	startTimeout  = 15 * time.Second
+)
+
+// storeSpec describes one store node of a test cluster.
+type storeSpec struct {
+	id       string
+	capacity int64 // of its single DRAM tier; default 64 MiB
+	// proxied puts a proxy in front of the node's transfer engine and
+	// advertises the proxy, so a test can stall or cut the node's traffic.
+	proxied bool
+}
+
+type clusterOpts struct {
+	stores []storeSpec // default: one 64 MiB store "s0"
+	// master adjusts the master's config (timeouts) before it starts.
+	master func(*master.Config)
+	// heartbeat is the stores' heartbeat interval; default testHeartbeat.
+	heartbeat time.Duration
+}
+
+// cluster is one master and N store nodes in this process, on loopback:
+// real raft (in-memory transport), real gRPC, real transfer engines.
+type cluster struct {
+	t        testing.TB
+	opts     clusterOpts
+	log      *slog.Logger
+	dir      string
+	raftAddr raft.ServerAddress
+	addr     string // master gRPC address; a restarted master listens here again
+	master   *master.Server
+	served   chan error
+	stores   []*storeNode
+	clients  []*client.Client
+}
+
+type storeNode struct {
+	spec  storeSpec
+	node  *store.Node
+	tier  *tiers.DRAMTier
+	proxy *proxy // nil unless spec.proxied
+}
+
+// newCluster starts a master and the stores and waits until every store
+// has registered; everything is closed when the test ends.
+func newCluster(t testing.TB, opts clusterOpts) *cluster {
+	t.Helper()
+	if opts.stores == nil {
+		opts.stores = []storeSpec{{id: "s0"}}
+	}
+	if opts.heartbeat == 0 {
+		opts.heartbeat = testHeartbeat
+	}
+	c := &cluster{t: t, opts: opts, dir: t.TempDir(), log: testLogger()}
+	t.Cleanup(c.close)
+	c.startMaster()
+	for i, spec := range opts.stores {
+		if spec.capacity == 0 {
+			spec.capacity = 64 << 20
+		}
+		c.stores = append(c.stores, &storeNode{spec: spec})
+		c.startStore(i)
+	}
+	return c
+}
+
+// testLogger discards logs unless TIDEPOOL_TEST_LOG is set. It writes to
+// stderr, not t.Log, so a late line from a background goroutine is harmless.
+func testLogger() *slog.Logger {
+	if os.Getenv("TIDEPOOL_TEST_LOG") == "" {
+		return slog.New(slog.DiscardHandler)
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+func (c *cluster) close() {
+	for _, cl := range c.clients {
+		if err := cl.Close(); err != nil {
+			c.t.Errorf("close client: %v", err)
+		}
+	}
+	for _, s := range c.stores {
+		c.stopStore(s)
+	}
+	c.stopMaster()
+}
+
+// startMaster starts the master on the cluster's Dir and gRPC address,
+// both kept from an earlier start.
+func (c *cluster) startMaster() {
+	c.t.Helper()
+	listen := c.addr
+	if listen == "" {
+		listen = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		c.t.Fatalf("master listen: %v", err)
+	}
+	c.addr = ln.Addr().String()
+	addr, trans := raft.NewInmemTransport(c.raftAddr)
+	c.raftAddr = addr
+	cfg := master.Config{
+		ID: "m0", Dir: c.dir, Advertise: c.addr, Transport: trans,
+		SweepInterval: testSweep, NodeTTL: testNodeTTL, PutTimeout: testPutTO,
+		Logger: c.log,
+	}
+	if c.opts.master != nil {
+		c.opts.master(&cfg)
+	}
+	srv, err := master.New(cfg)
+	if err != nil {
+		ln.Close()
+		c.t.Fatalf("master: %v", err)
+	}
+	c.master, c.served = srv, make(chan error, 1)
+	go func() { c.served <- srv.Serve(ln) }()
+}
+
+func (c *cluster) stopMaster() {
+	if c.master == nil {
+		return
+	}
+	if err := c.master.Close(); err != nil {
+		c.t.Errorf("close master: %v", err)
+	}
+	if err := <-c.served; err != nil {
+		c.t.Errorf("master Serve: %v", err)
+	}
+	c.master = nil
+}
+
+// restartMaster closes the master and starts a new Server on the same Dir
+// and addresses.
+func (c *cluster) restartMaster() {
+	c.t.Helper()
+	c.stopMaster()
+	c.startMaster()
+}
+
+// startStore starts store i with a fresh, empty tier and waits until it has
+// registered.
+func (c *cluster) startStore(i int) {
+	c.t.Helper()
+	s := c.stores[i]
+	tier, err := tiers.NewDRAM("dram0", s.spec.capacity)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	cfg := store.Config{
+		ID: s.spec.id, Masters: []string{c.addr}, Listen: "127.0.0.1:0",
+		Tiers: []tiers.Tier{tier}, HeartbeatInterval: c.opts.heartbeat, Logger: c.log,
+	}
+	if s.spec.proxied {
+		// The node picks its listener itself, so reserve a port for it
+		// and point the proxy there.
+		cfg.Listen = freePort(c.t)
+		if s.proxy == nil {
+			s.proxy = newProxy(c.t, "")
+		}
+		s.proxy.setTarget(cfg.Listen)
+		cfg.Advertise = s.proxy.addr()
+	}
+	node, err := store.New(cfg)
+	if err != nil {
+		tier.Close()
+		c.t.Fatalf("store %s: %v", s.spec.id, err)
+	}
+	s.node, s.tier = node, tier
+	select {
+	case <-node.Registered():
+	case <-time.After(startTimeout):
+		c.t.Fatalf("store %s did not register within %v", s.spec.id, startTimeout)
+	}
+}
+
+// stopStore closes a store node, which also unmaps its tier.
+func (c *cluster) stopStore(s *storeNode) {
+	if s.node == nil {
+		return
+	}
+	if err := s.node.Close(); err != nil {
+		c.t.Errorf("close store %s: %v", s.spec.id, err)
+	}
+	s.node, s.tier = nil, nil
+}
+
+// restartStore closes store i and starts it again, same ID, empty tier.
+func (c *cluster) restartStore(i int) {
+	c.t.Helper()
+	c.stopStore(c.stores[i])
+	c.startStore(i)
+}
+
+// newClient returns a client of the cluster, closed at the end of the test.
+func (c *cluster) newClient() *client.Client {
+	c.t.Helper()
+	cl, err := client.New(client.Config{Masters: []string{c.addr}, Logger: c.log})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.clients = append(c.clients, cl)
+	return cl
+}
+
+func freePort(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// testCtx bounds one test's calls.
+func testCtx(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(t.Context(), 45*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// waitFor polls cond until it holds or the timeout passes.
+func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// value returns n deterministic pseudo-random bytes.
+func value(seed uint64, n int) []byte {
+	b := make([]byte, n)
+	rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8), byte(seed >> 16), byte(seed >> 24)}).Read(b)
+	return b
+}

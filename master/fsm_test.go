@@ -1,0 +1,887 @@
+package master
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/hashicorp/raft"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// t0 is an arbitrary wall-clock origin for FSM commands, in unix nanos.
+const t0 int64 = 1_700_000_000_000_000_000
+
+// fsmDriver applies commands to an FSM the way raft would: encoded, with an
+// increasing log index and the proposer's clock inside the command.
+type fsmDriver struct {
+	t     testing.TB
+	f     *FSM
+	index uint64
+}
+
+func newDriver(t testing.TB) *fsmDriver { return &fsmDriver{t: t, f: NewFSM()} }
+
+func (d *fsmDriver) apply(now int64, cmd *pb.Command) any {
+	d.t.Helper()
+	cmd.NowUnixNano = now
+	data, err := proto.Marshal(cmd)
+	if err != nil {
+		d.t.Fatalf("encode command: %v", err)
+	}
+	d.index++
+	return d.f.Apply(&raft.Log{Index: d.index, Term: 1, Type: raft.LogCommand, Data: data})
+}
+
+func (d *fsmDriver) register(now int64, nodeID, endpoint string, specs ...*pb.SegmentSpec) RegisterResult {
+	d.t.Helper()
+	out := d.apply(now, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{Node: nodeID, Endpoint: endpoint, Segments: specs}}})
+	res, ok := out.(RegisterResult)
+	if !ok {
+		d.t.Fatalf("register %s: Apply returned %T %v", nodeID, out, out)
+	}
+	return res
+}
+
+// putStart starts one put and returns its result.
+func (d *fsmDriver) putStart(now int64, key string, size uint64, deadline int64, candidates ...string) PutStartResult {
+	d.t.Helper()
+	out := d.apply(now, &pb.Command{Op: &pb.Command_PutStart{PutStart: &pb.PutStartCmd{Items: []*pb.PutStartItem{{
+		Key: key, Size: size, Checksum: uint32(size), Candidates: candidates, DeadlineUnixNano: deadline,
+	}}}}})
+	res, ok := out.([]PutStartResult)
+	if !ok || len(res) != 1 {
+		d.t.Fatalf("put start %q: Apply returned %T %v", key, out, out)
+	}
+	return res[0]
+}
+
+func (d *fsmDriver) keys(now int64, cmd *pb.Command) error {
+	d.t.Helper()
+	out := d.apply(now, cmd)
+	errs, ok := out.([]error)
+	if !ok || len(errs) != 1 {
+		d.t.Fatalf("Apply returned %T %v, want one error slot", out, out)
+	}
+	return errs[0]
+}
+
+func (d *fsmDriver) putEnd(now int64, key string) error {
+	return d.keys(now, &pb.Command{Op: &pb.Command_PutEnd{PutEnd: &pb.KeysCmd{Keys: []string{key}}}})
+}
+
+func (d *fsmDriver) revoke(now int64, key string) error {
+	return d.keys(now, &pb.Command{Op: &pb.Command_PutRevoke{PutRevoke: &pb.KeysCmd{Keys: []string{key}}}})
+}
+
+func (d *fsmDriver) remove(now int64, key string, freeAfter int64) error {
+	return d.keys(now, &pb.Command{Op: &pb.Command_Remove{Remove: &pb.RemoveCmd{Keys: []string{key}, FreeAfterUnixNano: freeAfter}}})
+}
+
+func (d *fsmDriver) nodeDown(now int64, nodeID string, epoch uint64) any {
+	return d.apply(now, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: nodeID, Epoch: epoch}}})
+}
+
+// tick applies a command that changes nothing but the FSM's notion of now.
+func (d *fsmDriver) tick(now int64) {
+	d.t.Helper()
+	if out := d.apply(now, &pb.Command{Op: &pb.Command_Member{Member: &pb.MemberCmd{Id: "tick", Address: "-"}}}); out != nil {
+		d.t.Fatalf("member command: %v", out)
+	}
+}
+
+// put runs a whole put and fails the test unless it succeeds.
+func (d *fsmDriver) put(now int64, key string, size uint64, candidates ...string) *pb.Extent {
+	d.t.Helper()
+	r := d.putStart(now, key, size, now+1e9, candidates...)
+	if r.Err != nil || r.Exists || len(r.Replicas) != 1 {
+		d.t.Fatalf("put start %q: %+v", key, r)
+	}
+	if err := d.putEnd(now, key); err != nil {
+		d.t.Fatalf("put end %q: %v", key, err)
+	}
+	return r.Replicas[0]
+}
+
+func (d *fsmDriver) segment(id string) segmentView {
+	d.t.Helper()
+	for _, v := range d.f.segmentViews() {
+		if v.id == id {
+			return v
+		}
+	}
+	d.t.Fatalf("segment %s not in %v", id, d.f.segmentViews())
+	return segmentView{}
+}
+
+func dram(name string, capacity uint64) *pb.SegmentSpec {
+	return &pb.SegmentSpec{Name: name, Tier: pb.Tier_TIER_DRAM, Capacity: capacity}
+}
+
+func ssd(name string, capacity uint64) *pb.SegmentSpec {
+	return &pb.SegmentSpec{Name: name, Tier: pb.Tier_TIER_SSD, Capacity: capacity}
+}
+
+func listKeys(f *FSM) []string {
+	objs, _ := f.list("", "", math.MaxInt32)
+	keys := make([]string, len(objs))
+	for i, o := range objs {
+		keys[i] = o.Key
+	}
+	return keys
+}
+
+// visible reports whether readers see key, checking that replicas and
+// exists agree on it.
+func visible(t testing.TB, f *FSM, key string) bool {
+	t.Helper()
+	r := f.replicas([]string{key})[0]
+	ok := r.Status.Code == int32(codes.OK)
+	if ok != f.exists([]string{key})[0] {
+		t.Fatalf("replicas (code %d) and exists disagree on %q", r.Status.Code, key)
+	}
+	return ok
+}
+
+func TestFSMRegister(t *testing.T) {
+	d := newDriver(t)
+	res := d.register(t0, "n1", "10.0.0.1:7000", dram("dram0", 1000), ssd("ssd0", 10000))
+	want := RegisterResult{Epoch: 1, SegmentIDs: []string{"n1/dram0@1", "n1/ssd0@1"}}
+	if res.Epoch != want.Epoch || !slices.Equal(res.SegmentIDs, want.SegmentIDs) {
+		t.Fatalf("register = %+v, want %+v", res, want)
+	}
+	// Capacities are rounded down to the tier's alignment.
+	wantViews := []segmentView{
+		{id: "n1/dram0@1", node: "n1", endpoint: "10.0.0.1:7000", tier: pb.Tier_TIER_DRAM, epoch: 1, capacity: 960, largestFree: 960},
+		{id: "n1/ssd0@1", node: "n1", endpoint: "10.0.0.1:7000", tier: pb.Tier_TIER_SSD, epoch: 1, capacity: 8192, largestFree: 8192},
+	}
+	if got := d.f.segmentViews(); !slices.Equal(got, wantViews) {
+		t.Fatalf("segment views\n got %+v\nwant %+v", got, wantViews)
+	}
+	if got := d.f.liveNodes(); len(got) != 1 || got["n1"] != 1 {
+		t.Fatalf("live nodes = %v", got)
+	}
+	// An SSD allocation takes a whole 4 KiB block.
+	d.put(t0, "k", 1, "n1/ssd0@1")
+	if v := d.segment("n1/ssd0@1"); v.used != 4096 || v.objects != 1 {
+		t.Fatalf("ssd segment after a 1-byte put: %+v", v)
+	}
+}
+
+func TestFSMTwoPhasePut(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep1", dram("dram0", 4096)).SegmentIDs[0]
+
+	r := d.putStart(t0+1, "k", 100, t0+1e9, "missing/seg@1", seg)
+	if r.Err != nil || r.Exists {
+		t.Fatalf("put start = %+v", r)
+	}
+	wantExt := &pb.Extent{Segment: seg, Offset: 0, Length: 100}
+	if len(r.Replicas) != 1 || !proto.Equal(r.Replicas[0], wantExt) {
+		t.Fatalf("replicas = %v, want [%v]", r.Replicas, wantExt)
+	}
+	if visible(t, d.f, "k") {
+		t.Fatal("a PROCESSING object is visible")
+	}
+	if got := d.f.replicas([]string{"k"})[0].Status.Code; got != int32(codes.NotFound) {
+		t.Fatalf("replicas of a PROCESSING object: code %d, want NotFound", got)
+	}
+	objs, _ := d.f.list("", "", 10)
+	if len(objs) != 1 || objs[0].State != pb.ObjectState_OBJECT_STATE_PROCESSING || objs[0].CreatedUnixMs != (t0+1)/1e6 {
+		t.Fatalf("list = %v", objs)
+	}
+	if v := d.segment(seg); v.used != 128 || v.objects != 1 {
+		t.Fatalf("segment after put start: %+v", v)
+	}
+	if p, c, _ := d.f.objectStats(); p != 1 || c != 0 {
+		t.Fatalf("stats: %d processing, %d complete", p, c)
+	}
+
+	if err := d.putEnd(t0+2, "k"); err != nil {
+		t.Fatalf("put end: %v", err)
+	}
+	if !visible(t, d.f, "k") {
+		t.Fatal("a COMPLETE object is invisible")
+	}
+	got := d.f.replicas([]string{"k"})[0]
+	want := &pb.ObjectReplicas{Status: &pb.ItemStatus{}, Size: 100, Checksum: 100, Replicas: []*pb.Replica{
+		{Segment: seg, Node: "n1", Endpoint: "ep1", Offset: 0, Length: 100, Tier: pb.Tier_TIER_DRAM},
+	}}
+	if !proto.Equal(got, want) {
+		t.Fatalf("replicas = %v, want %v", got, want)
+	}
+	if _, c, b := d.f.objectStats(); c != 1 || b != 100 {
+		t.Fatalf("stats: %d complete, %d bytes", c, b)
+	}
+
+	// Ending twice is harmless; ending an unknown key is not.
+	if err := d.putEnd(t0+3, "k"); err != nil {
+		t.Fatalf("second put end: %v", err)
+	}
+	if err := d.putEnd(t0+3, "other"); !errors.Is(err, ErrNotInProgress) {
+		t.Fatalf("put end of an unknown key: %v, want ErrNotInProgress", err)
+	}
+	// A complete object cannot be revoked.
+	if err := d.revoke(t0+3, "k"); !errors.Is(err, ErrNotInProgress) {
+		t.Fatalf("revoke of a complete object: %v, want ErrNotInProgress", err)
+	}
+
+	// A put of a complete key succeeds and allocates nothing.
+	r = d.putStart(t0+4, "k", 200, t0+1e9, seg)
+	if r.Err != nil || !r.Exists || len(r.Replicas) != 0 {
+		t.Fatalf("put of an existing key = %+v, want Exists", r)
+	}
+	if v := d.segment(seg); v.used != 128 || v.objects != 1 {
+		t.Fatalf("segment after a put of an existing key: %+v", v)
+	}
+}
+
+func TestFSMPutInProgress(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep1", dram("dram0", 4096)).SegmentIDs[0]
+	deadline := t0 + 100
+	if r := d.putStart(t0, "k", 100, deadline, seg); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	for _, now := range []int64{t0 + 1, deadline} {
+		if r := d.putStart(now, "k", 100, now+100, seg); !errors.Is(r.Err, ErrPutInProgress) {
+			t.Fatalf("second put at deadline%+d: %+v, want ErrPutInProgress", now-deadline, r)
+		}
+	}
+	// Remove refuses a PROCESSING object.
+	if err := d.remove(deadline, "k", 0); !errors.Is(err, ErrPutInProgress) {
+		t.Fatalf("remove of a PROCESSING object: %v", err)
+	}
+	if got := d.f.expiredPuts(deadline); len(got) != 0 {
+		t.Fatalf("expired puts at the deadline: %v", got)
+	}
+	if got := d.f.expiredPuts(deadline + 1); !slices.Equal(got, []string{"k"}) {
+		t.Fatalf("expired puts after the deadline: %v", got)
+	}
+
+	// Past the deadline the abandoned put is replaced; its space is reused.
+	r := d.putStart(deadline+1, "k", 300, deadline+1000, seg)
+	if r.Err != nil || r.Exists || len(r.Replicas) != 1 || r.Replicas[0].Offset != 0 || r.Replicas[0].Length != 300 {
+		t.Fatalf("put after the deadline = %+v", r)
+	}
+	if v := d.segment(seg); v.used != 320 || v.objects != 1 {
+		t.Fatalf("segment after the replacing put: %+v", v)
+	}
+	if got := d.f.expiredPuts(deadline + 1); len(got) != 0 {
+		t.Fatalf("the new put already counts as expired: %v", got)
+	}
+	objs, _ := d.f.list("", "", 10)
+	if len(objs) != 1 || objs[0].Size != 300 {
+		t.Fatalf("list = %v", objs)
+	}
+}
+
+func TestFSMRevokeFreesSpace(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep1", dram("dram0", 4096)).SegmentIDs[0]
+	d.put(t0, "keep", 64, seg)
+	if r := d.putStart(t0, "k", 4000, t0+1e9, seg); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if v := d.segment(seg); v.used != 4096 {
+		t.Fatalf("used = %d, want a full segment", v.used)
+	}
+	if err := d.revoke(t0+1, "k"); err != nil {
+		t.Fatalf("revoke: %v", err)
+	}
+	if v := d.segment(seg); v.used != 64 || v.objects != 1 || v.largestFree != 4032 {
+		t.Fatalf("segment after revoke: %+v", v)
+	}
+	if keys := listKeys(d.f); !slices.Equal(keys, []string{"keep"}) {
+		t.Fatalf("objects after revoke: %v", keys)
+	}
+	if err := d.revoke(t0+2, "k"); !errors.Is(err, ErrNotInProgress) {
+		t.Fatalf("second revoke: %v, want ErrNotInProgress", err)
+	}
+	if err := d.putEnd(t0+2, "k"); !errors.Is(err, ErrNotInProgress) {
+		t.Fatalf("put end after revoke: %v, want ErrNotInProgress", err)
+	}
+}
+
+func TestFSMPutStartErrors(t *testing.T) {
+	tests := []struct {
+		name  string
+		specs []*pb.SegmentSpec // nil: no node registered
+		fill  uint64            // bytes put first, into the first segment
+		size  uint64
+		cands func(ids []string) []string
+		want  error
+	}{
+		{name: "no segments", size: 1, want: ErrNoSegments},
+		{name: "larger than any segment", specs: []*pb.SegmentSpec{dram("a", 4096), dram("b", 8192)}, size: 8193, want: ErrTooLarge},
+		{name: "larger than any segment, offered anyway", specs: []*pb.SegmentSpec{dram("a", 4096)}, size: 4097, cands: allIDs, want: ErrTooLarge},
+		{name: "size overflows alignment", specs: []*pb.SegmentSpec{dram("a", 4096)}, size: math.MaxUint64, cands: allIDs, want: ErrTooLarge},
+		{name: "full", specs: []*pb.SegmentSpec{dram("a", 4096)}, fill: 4096, size: 64, cands: allIDs, want: ErrNoSpace},
+		{name: "fragment too small", specs: []*pb.SegmentSpec{dram("a", 4096)}, fill: 4000, size: 128, cands: allIDs, want: ErrNoSpace},
+		{name: "no candidates", specs: []*pb.SegmentSpec{dram("a", 4096)}, size: 64, want: ErrNoSpace},
+		{name: "only unknown candidates", specs: []*pb.SegmentSpec{dram("a", 4096)}, size: 64,
+			cands: func([]string) []string { return []string{"n1/a@2", "other/a@1"} }, want: ErrNoSpace},
+		{name: "zero size", specs: []*pb.SegmentSpec{dram("a", 4096)}, size: 0, cands: allIDs, want: ErrInvalidRequest},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			d := newDriver(t)
+			var ids []string
+			if tc.specs != nil {
+				ids = d.register(t0, "n1", "ep", tc.specs...).SegmentIDs
+			}
+			if tc.fill > 0 {
+				d.put(t0, "fill", tc.fill, ids[0])
+			}
+			var cands []string
+			if tc.cands != nil {
+				cands = tc.cands(ids)
+			}
+			before := d.f.segmentViews()
+			r := d.putStart(t0+1, "k", tc.size, t0+1e9, cands...)
+			if !errors.Is(r.Err, tc.want) || r.Exists || len(r.Replicas) != 0 {
+				t.Fatalf("put start = %+v, want error %v", r, tc.want)
+			}
+			if after := d.f.segmentViews(); !slices.Equal(before, after) {
+				t.Fatalf("a failed put changed the segments:\n%+v\n%+v", before, after)
+			}
+			if visible(t, d.f, "k") || slices.Contains(listKeys(d.f), "k") {
+				t.Fatal("a failed put left an object behind")
+			}
+		})
+	}
+}
+
+func allIDs(ids []string) []string { return ids }
+
+func TestFSMPutStartBatch(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep", dram("a", 256)).SegmentIDs[0]
+	out := d.apply(t0, &pb.Command{Op: &pb.Command_PutStart{PutStart: &pb.PutStartCmd{Items: []*pb.PutStartItem{
+		{Key: "a", Size: 100, Candidates: []string{seg}, DeadlineUnixNano: t0 + 10},
+		{Key: "a", Size: 100, Candidates: []string{seg}, DeadlineUnixNano: t0 + 10}, // same key again
+		{Key: "b", Size: 100, Candidates: []string{seg}, DeadlineUnixNano: t0 + 10},
+		{Key: "c", Size: 100, Candidates: []string{seg}, DeadlineUnixNano: t0 + 10}, // no room left
+	}}}})
+	res := out.([]PutStartResult)
+	wantErrs := []error{nil, ErrPutInProgress, nil, ErrNoSpace}
+	if len(res) != len(wantErrs) {
+		t.Fatalf("%d results, want %d", len(res), len(wantErrs))
+	}
+	for i, want := range wantErrs {
+		if (want == nil) != (res[i].Err == nil) || (want != nil && !errors.Is(res[i].Err, want)) {
+			t.Errorf("item %d: %v, want %v", i, res[i].Err, want)
+		}
+	}
+	if res[0].Replicas[0].Offset != 0 || res[2].Replicas[0].Offset != 128 {
+		t.Fatalf("offsets %d and %d, want 0 and 128", res[0].Replicas[0].Offset, res[2].Replicas[0].Offset)
+	}
+}
+
+func TestFSMRemoveDefersFree(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep", dram("a", 4096)).SegmentIDs[0]
+	d.put(t0, "k", 100, seg)
+	d.put(t0, "now", 100, seg)
+
+	// Removed at once when nothing holds a lease.
+	if err := d.remove(t0+10, "now", t0+10); err != nil {
+		t.Fatal(err)
+	}
+	if v := d.segment(seg); v.used != 128 || v.objects != 1 {
+		t.Fatalf("after an immediate remove: %+v", v)
+	}
+
+	freeAfter := t0 + 1000
+	if err := d.remove(t0+10, "k", freeAfter); err != nil {
+		t.Fatal(err)
+	}
+	if visible(t, d.f, "k") || len(listKeys(d.f)) != 0 {
+		t.Fatal("a removed object is still listed")
+	}
+	if v := d.segment(seg); v.used != 128 || v.objects != 0 {
+		t.Fatalf("space freed before the leases ended: %+v", v)
+	}
+	// A put in the meantime must not land on the leased range.
+	ext := d.put(t0+20, "other", 64, seg)
+	if ext.Offset < 128 {
+		t.Fatalf("a new put reused leased space at offset %d", ext.Offset)
+	}
+	if err := d.remove(t0+20, "other", 0); err != nil {
+		t.Fatal(err)
+	}
+	d.tick(freeAfter - 1)
+	if v := d.segment(seg); v.used != 128 {
+		t.Fatalf("used = %d before free_after, want 128", v.used)
+	}
+	d.tick(freeAfter + 1)
+	if v := d.segment(seg); v.used != 0 || v.largestFree != 4096 {
+		t.Fatalf("after free_after passed: %+v", v)
+	}
+	if err := d.remove(freeAfter+2, "k", 0); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("second remove: %v, want ErrNotFound", err)
+	}
+	// The key can be put again.
+	d.put(freeAfter+3, "k", 100, seg)
+}
+
+func TestFSMReregisterDropsOldEpoch(t *testing.T) {
+	d := newDriver(t)
+	old := d.register(t0, "n1", "ep-old", dram("a", 4096)).SegmentIDs[0]
+	other := d.register(t0, "n2", "ep2", dram("a", 4096)).SegmentIDs[0]
+	d.put(t0, "k1", 100, old)
+	d.put(t0, "k2", 100, other)
+	d.put(t0, "gone", 100, old)
+	if err := d.remove(t0, "gone", t0+1e12); err != nil { // leaves a pending free on old
+		t.Fatal(err)
+	}
+	if r := d.putStart(t0, "p1", 100, t0+1e12, old); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+
+	res := d.register(t0+1, "n1", "ep-new", dram("a", 8192))
+	if res.Epoch != 2 || !slices.Equal(res.SegmentIDs, []string{"n1/a@2"}) {
+		t.Fatalf("re-register = %+v", res)
+	}
+	if keys := listKeys(d.f); !slices.Equal(keys, []string{"k2"}) {
+		t.Fatalf("objects after re-register: %v, want only k2", keys)
+	}
+	if visible(t, d.f, "k1") || !visible(t, d.f, "k2") {
+		t.Fatal("k1 survived its node's restart or k2 did not survive")
+	}
+	views := d.f.segmentViews()
+	if len(views) != 2 || views[0].id != "n1/a@2" || views[0].used != 0 || views[0].endpoint != "ep-new" || views[1].id != other {
+		t.Fatalf("segments after re-register: %+v", views)
+	}
+	if len(d.f.pending) != 0 {
+		t.Fatalf("pending frees of a dropped segment remain: %v", d.f.pending)
+	}
+	// The old epoch's segment is no longer a valid candidate.
+	if r := d.putStart(t0+2, "k3", 100, t0+1e9, old); !errors.Is(r.Err, ErrNoSpace) {
+		t.Fatalf("put on an old-epoch segment: %+v", r)
+	}
+	if err := d.putEnd(t0+2, "p1"); !errors.Is(err, ErrNotInProgress) {
+		t.Fatalf("put end of a put on the old epoch: %v", err)
+	}
+}
+
+func TestFSMNodeDown(t *testing.T) {
+	d := newDriver(t)
+	s1 := d.register(t0, "n1", "ep1", dram("a", 4096)).SegmentIDs[0]
+	s2 := d.register(t0, "n2", "ep2", dram("a", 4096)).SegmentIDs[0]
+	d.put(t0, "k1", 100, s1)
+	d.put(t0, "k2", 100, s2)
+
+	for _, tc := range []struct {
+		node  string
+		epoch uint64
+	}{{"n1", 2}, {"n1", 0}, {"nobody", 1}} {
+		if err, _ := d.nodeDown(t0+1, tc.node, tc.epoch).(error); !errors.Is(err, ErrUnknownNode) {
+			t.Fatalf("node down %s@%d: %v, want ErrUnknownNode", tc.node, tc.epoch, err)
+		}
+	}
+	if keys := listKeys(d.f); len(keys) != 2 {
+		t.Fatalf("a refused node down dropped objects: %v", keys)
+	}
+
+	if out := d.nodeDown(t0+1, "n1", 1); out != nil {
+		t.Fatalf("node down: %v", out)
+	}
+	if keys := listKeys(d.f); !slices.Equal(keys, []string{"k2"}) {
+		t.Fatalf("objects after node down: %v", keys)
+	}
+	if views := d.f.segmentViews(); len(views) != 1 || views[0].id != s2 {
+		t.Fatalf("segments after node down: %+v", views)
+	}
+	if live := d.f.liveNodes(); len(live) != 1 || live["n2"] != 1 {
+		t.Fatalf("live nodes: %v", live)
+	}
+	if err, _ := d.nodeDown(t0+2, "n1", 1).(error); !errors.Is(err, ErrUnknownNode) {
+		t.Fatalf("second node down: %v, want ErrUnknownNode", err)
+	}
+	res := d.register(t0+3, "n1", "ep1", dram("a", 4096))
+	if res.Epoch != 2 || !slices.Equal(res.SegmentIDs, []string{"n1/a@2"}) {
+		t.Fatalf("register after node down = %+v, want epoch 2", res)
+	}
+	if live := d.f.liveNodes(); live["n1"] != 2 {
+		t.Fatalf("live nodes: %v", live)
+	}
+}
+
+func TestFSMBadCommands(t *testing.T) {
+	tests := []struct {
+		name string
+		data []byte
+	}{
+		{"garbage", []byte{0xff, 0xff, 0xff}},
+		{"truncated", func() []byte {
+			b, _ := proto.Marshal(&pb.Command{NowUnixNano: t0, Op: &pb.Command_Register{Register: &pb.RegisterCmd{Node: "n1", Endpoint: "ep"}}})
+			return b[:len(b)-2]
+		}()},
+		{"empty", nil},
+		{"no op", func() []byte { b, _ := proto.Marshal(&pb.Command{NowUnixNano: t0}); return b }()},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := NewFSM()
+			out := f.Apply(&raft.Log{Index: 7, Data: tc.data})
+			err, ok := out.(error)
+			if !ok || !errors.Is(err, ErrInvalidRequest) {
+				t.Fatalf("Apply = %T %v, want ErrInvalidRequest", out, out)
+			}
+			if len(f.nodes)+len(f.objects)+len(f.segments)+len(f.members) != 0 {
+				t.Fatal("a bad command changed the state")
+			}
+		})
+	}
+}
+
+// memSink is a raft.SnapshotSink that keeps the snapshot in memory.
+type memSink struct {
+	bytes.Buffer
+	closed, cancelled bool
+}
+
+func (s *memSink) ID() string    { return "mem" }
+func (s *memSink) Close() error  { s.closed = true; return nil }
+func (s *memSink) Cancel() error { s.cancelled = true; return nil }
+
+func snapshotBytes(t testing.TB, f *FSM) []byte {
+	t.Helper()
+	snap, err := f.Snapshot()
+	if err != nil {
+		t.Fatalf("snapshot: %v", err)
+	}
+	defer snap.Release()
+	var sink memSink
+	if err := snap.Persist(&sink); err != nil {
+		t.Fatalf("persist: %v", err)
+	}
+	if !sink.closed || sink.cancelled {
+		t.Fatalf("persist left the sink closed=%v cancelled=%v", sink.closed, sink.cancelled)
+	}
+	return sink.Bytes()
+}
+
+func restored(t testing.TB, data []byte) *FSM {
+	t.Helper()
+	f := NewFSM()
+	if err := f.Restore(io.NopCloser(bytes.NewReader(data))); err != nil {
+		t.Fatalf("restore: %v", err)
+	}
+	return f
+}
+
+// sameState fails the test unless two FSMs answer every query alike.
+func sameState(t testing.TB, a, b *FSM) {
+	t.Helper()
+	la, ta := a.list("", "", math.MaxInt32)
+	lb, tb := b.list("", "", math.MaxInt32)
+	if ta || tb || len(la) != len(lb) {
+		t.Fatalf("list: %d vs %d objects", len(la), len(lb))
+	}
+	keys := make([]string, len(la))
+	for i := range la {
+		if !proto.Equal(la[i], lb[i]) {
+			t.Fatalf("list item %d:\n%v\n%v", i, la[i], lb[i])
+		}
+		keys[i] = la[i].Key
+	}
+	if va, vb := a.segmentViews(), b.segmentViews(); !slices.Equal(va, vb) {
+		t.Fatalf("segment views:\n%+v\n%+v", va, vb)
+	}
+	if len(keys) > 0 {
+		ra, rb := a.replicas(keys), b.replicas(keys)
+		for i := range ra {
+			if !proto.Equal(ra[i], rb[i]) {
+				t.Fatalf("replicas of %q:\n%v\n%v", keys[i], ra[i], rb[i])
+			}
+		}
+	}
+	if !maps.Equal(a.liveNodes(), b.liveNodes()) {
+		t.Fatalf("live nodes %v vs %v", a.liveNodes(), b.liveNodes())
+	}
+	for _, v := range a.segmentViews() {
+		sa, sb := a.segments[v.id].alloc, b.segments[v.id].alloc
+		if !slices.Equal(sa.free, sb.free) {
+			t.Fatalf("free lists of %s differ:\n%v\n%v", v.id, sa.free, sb.free)
+		}
+	}
+}
+
+func TestFSMSnapshotRestore(t *testing.T) {
+	d := newDriver(t)
+	s1 := d.register(t0, "n1", "ep1", dram("a", 8192), ssd("b", 1<<20)).SegmentIDs
+	s2 := d.register(t0, "n2", "ep2", dram("a", 8192)).SegmentIDs
+	d.register(t0, "n3", "ep3", dram("a", 8192))
+	d.nodeDown(t0, "n3", 1)
+	d.apply(t0, &pb.Command{Op: &pb.Command_Member{Member: &pb.MemberCmd{Id: "m1", Address: "127.0.0.1:1"}}})
+	for i := range 20 {
+		d.put(t0+int64(i), fmt.Sprintf("k%02d", i), uint64(100+i*37), s1[i%2], s2[0])
+	}
+	for i := 0; i < 20; i += 3 {
+		if err := d.remove(t0+100, fmt.Sprintf("k%02d", i), t0+int64(i%2)*1e6); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r := d.putStart(t0+200, "processing", 500, t0+1e9, s2[0]); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if len(d.f.pending) == 0 {
+		t.Fatal("setup left no pending frees")
+	}
+
+	data := snapshotBytes(t, d.f)
+	g := restored(t, data)
+	sameState(t, d.f, g)
+	if got := g.member("m1"); got != "127.0.0.1:1" {
+		t.Fatalf("member after restore: %q", got)
+	}
+	if again := snapshotBytes(t, g); !bytes.Equal(data, again) {
+		t.Fatal("a restored FSM snapshots differently")
+	}
+	if got := g.expiredPuts(t0 + 1e9 + 1); !slices.Equal(got, []string{"processing"}) {
+		t.Fatal("the PROCESSING put's deadline was not restored")
+	}
+
+	// Both continue identically: the allocators were rebuilt exactly.
+	e := &fsmDriver{t: t, f: g, index: d.index}
+	for i := range 10 {
+		now := t0 + 2e6 + int64(i)
+		key := fmt.Sprintf("after%d", i)
+		ra := d.putStart(now, key, uint64(1000+i), now+10, s1[0], s2[0], s1[1])
+		rb := e.putStart(now, key, uint64(1000+i), now+10, s1[0], s2[0], s1[1])
+		if fmt.Sprint(ra) != fmt.Sprint(rb) {
+			t.Fatalf("put %d diverged: %v vs %v", i, ra, rb)
+		}
+	}
+	sameState(t, d.f, g)
+	// A down node stays down, and its next registration is epoch 2.
+	if d.register(t0+3e6, "n3", "ep3", dram("a", 8192)).Epoch != 2 || e.register(t0+3e6, "n3", "ep3", dram("a", 8192)).Epoch != 2 {
+		t.Fatal("a down node's epoch was not restored")
+	}
+
+	// Restore replaces whatever state the FSM had.
+	h := &fsmDriver{t: t, f: NewFSM()}
+	h.register(t0, "stale", "ep", dram("x", 4096))
+	h.put(t0, "stale-key", 10, "stale/x@1")
+	if err := h.f.Restore(io.NopCloser(bytes.NewReader(data))); err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(listKeys(h.f), "stale-key") || h.f.liveNodes()["stale"] != 0 {
+		t.Fatal("restore kept state from before")
+	}
+}
+
+func TestFSMRestoreBadSnapshot(t *testing.T) {
+	f := NewFSM()
+	if err := f.Restore(io.NopCloser(bytes.NewReader([]byte{0xff, 0xff}))); err == nil {
+		t.Fatal("restore of garbage succeeded")
+	}
+	// Two objects claiming the same range: the restore reports it.
+	snap := &pb.Snapshot{
+		Nodes: []*pb.Node{{Id: "n1", Endpoint: "ep", Epoch: 1, Segments: []*pb.SegmentSpec{dram("a", 4096)}}},
+		Objects: []*pb.Object{
+			{Key: "a", Size: 64, State: pb.ObjectState_OBJECT_STATE_COMPLETE, Replicas: []*pb.Extent{{Segment: "n1/a@1", Offset: 0, Length: 64}}},
+			{Key: "b", Size: 64, State: pb.ObjectState_OBJECT_STATE_COMPLETE, Replicas: []*pb.Extent{{Segment: "n1/a@1", Offset: 0, Length: 64}}},
+		},
+	}
+	data, err := proto.Marshal(snap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Restore(io.NopCloser(bytes.NewReader(data))); err == nil {
+		t.Fatal("restore of overlapping extents succeeded")
+	}
+}
+
+// checkInvariants verifies the allocator accounting against the tables:
+// every segment's used bytes are exactly its live and pending extents.
+func checkInvariants(t testing.TB, f *FSM) {
+	t.Helper()
+	want := map[string]uint64{}
+	count := map[string]int{}
+	for _, o := range f.objects {
+		if len(o.replicas) == 0 {
+			t.Fatalf("object %q has no replica", o.key)
+		}
+		for _, r := range o.replicas {
+			s := f.segments[r.Segment]
+			if s == nil {
+				t.Fatalf("object %q on unknown segment %s", o.key, r.Segment)
+			}
+			want[r.Segment] += s.alloc.rounded(r.Length)
+			count[r.Segment]++
+		}
+	}
+	for _, p := range f.pending {
+		s := f.segments[p.Extent.Segment]
+		if s == nil {
+			t.Fatalf("pending free on unknown segment %s", p.Extent.Segment)
+		}
+		want[p.Extent.Segment] += s.alloc.rounded(p.Extent.Length)
+	}
+	for id, s := range f.segments {
+		var free uint64
+		for _, sp := range s.alloc.free {
+			free += sp.len
+		}
+		if s.alloc.used != want[id] || s.alloc.used+free != s.alloc.capacity || s.objects != count[id] {
+			t.Fatalf("segment %s: used %d free %d capacity %d objects %d; tables say used %d objects %d",
+				id, s.alloc.used, free, s.alloc.capacity, s.objects, want[id], count[id])
+		}
+	}
+}
+
+// randomCommands builds a reproducible command stream over a few nodes and
+// keys. It never looks at an FSM, so every FSM gets the same stream; it only
+// models node epochs, so that most candidates name live segments.
+func randomCommands(seed uint64, n int) []*pb.Command {
+	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	nodes := []string{"n0", "n1", "n2", "n3"}
+	names := []string{"a", "b"}
+	epoch := map[string]uint64{}
+	// someEpoch is usually the node's current epoch, sometimes a stale one.
+	someEpoch := func(node string) uint64 {
+		if rng.IntN(5) == 0 {
+			return uint64(rng.IntN(int(epoch[node]) + 2))
+		}
+		return epoch[node]
+	}
+	now := t0
+	keys := func(k int) []string {
+		out := make([]string, k)
+		for i := range out {
+			out[i] = fmt.Sprintf("key%02d", rng.IntN(40))
+		}
+		return out
+	}
+	cmds := make([]*pb.Command, 0, n)
+	for i := range n {
+		now += rng.Int64N(50)
+		c := &pb.Command{NowUnixNano: now}
+		switch p := rng.IntN(100); {
+		case i < len(nodes) || p < 3:
+			var specs []*pb.SegmentSpec
+			for _, name := range names[:1+rng.IntN(2)] {
+				tier := pb.Tier_TIER_DRAM
+				if rng.IntN(3) == 0 {
+					tier = pb.Tier_TIER_SSD
+				}
+				specs = append(specs, &pb.SegmentSpec{Name: name, Tier: tier, Capacity: uint64(16384 + rng.IntN(65536))})
+			}
+			node := nodes[rng.IntN(len(nodes))]
+			if i < len(nodes) {
+				node = nodes[i]
+			}
+			epoch[node]++
+			c.Op = &pb.Command_Register{Register: &pb.RegisterCmd{Node: node, Endpoint: node + ":7000", Segments: specs}}
+		case p < 5:
+			node := nodes[rng.IntN(len(nodes))]
+			c.Op = &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: node, Epoch: someEpoch(node)}}
+		case p < 50:
+			cmd := &pb.PutStartCmd{}
+			for _, k := range keys(1 + rng.IntN(3)) {
+				var cands []string
+				for range rng.IntN(4) {
+					node := nodes[rng.IntN(len(nodes))]
+					cands = append(cands, SegmentID(node, names[rng.IntN(2)], someEpoch(node)))
+				}
+				cmd.Items = append(cmd.Items, &pb.PutStartItem{
+					Key: k, Size: uint64(rng.IntN(6000)), Checksum: rng.Uint32(),
+					Candidates: cands, DeadlineUnixNano: now + rng.Int64N(200),
+				})
+			}
+			c.Op = &pb.Command_PutStart{PutStart: cmd}
+		case p < 80:
+			c.Op = &pb.Command_PutEnd{PutEnd: &pb.KeysCmd{Keys: keys(1 + rng.IntN(3))}}
+		case p < 86:
+			c.Op = &pb.Command_PutRevoke{PutRevoke: &pb.KeysCmd{Keys: keys(1 + rng.IntN(2))}}
+		case p < 97:
+			c.Op = &pb.Command_Remove{Remove: &pb.RemoveCmd{Keys: keys(1), FreeAfterUnixNano: now - 100 + rng.Int64N(400)}}
+		default:
+			c.Op = &pb.Command_Member{Member: &pb.MemberCmd{Id: fmt.Sprintf("m%d", rng.IntN(3)), Address: fmt.Sprintf("127.0.0.1:%d", rng.IntN(100))}}
+		}
+		cmds = append(cmds, c)
+	}
+	return cmds
+}
+
+func applyRaw(t testing.TB, f *FSM, index uint64, c *pb.Command) string {
+	t.Helper()
+	data, err := proto.Marshal(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fmt.Sprint(f.Apply(&raft.Log{Index: index, Term: 1, Data: data}))
+}
+
+func TestFSMDeterminism(t *testing.T) {
+	for seed := range uint64(4) {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			cmds := randomCommands(seed, 1500)
+			a, b := NewFSM(), NewFSM()
+			var c *FSM // restored from a's snapshot half way
+			peak := 0  // most objects at once
+			half := len(cmds) / 2
+			for i, cmd := range cmds {
+				if i == half {
+					c = restored(t, snapshotBytes(t, a))
+				}
+				ra := applyRaw(t, a, uint64(i+1), cmd)
+				if rb := applyRaw(t, b, uint64(i+1), cmd); ra != rb {
+					t.Fatalf("command %d (%v) returned %s and %s", i, cmd, ra, rb)
+				}
+				if c != nil {
+					if rc := applyRaw(t, c, uint64(i+1), cmd); ra != rc {
+						t.Fatalf("command %d (%v) on the restored FSM returned %s, want %s", i, cmd, rc, ra)
+					}
+				}
+				checkInvariants(t, a)
+				peak = max(peak, len(a.objects))
+			}
+			sa, sb, sc := snapshotBytes(t, a), snapshotBytes(t, b), snapshotBytes(t, c)
+			if !bytes.Equal(sa, sb) {
+				t.Fatal("two FSMs fed the same commands snapshot differently")
+			}
+			if !bytes.Equal(sa, sc) {
+				t.Fatal("an FSM restored half way snapshots differently at the end")
+			}
+			sameState(t, a, b)
+			sameState(t, a, c)
+			if peak < 10 {
+				t.Fatalf("at most %d objects at once: the stream exercises too little", peak)
+			}
+		})
+	}
+}
+
+// TestFSMResultNotAliased: the extents a put start returns are read after
+// Apply, outside raft's FSM goroutine (BatchPutStart describes them under
+// the read lock). A later command dropping the object must not rewrite them.
+func TestFSMResultNotAliased(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep", dram("a", 4096)).SegmentIDs[0]
+	r := d.putStart(t0, "k", 100, t0+10, seg)
+	if r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	d.nodeDown(t0+1, "n1", 1)
+	if len(r.Replicas) != 1 || r.Replicas[0] == nil || r.Replicas[0].Segment != seg {
+		t.Fatalf("returned replicas changed after the node went down: %v", r.Replicas)
+	}
+	d.f.mu.RLock()
+	defer d.f.mu.RUnlock()
+	if got := d.f.describe(r.Replicas); len(got) != 0 {
+		t.Fatalf("describe of a dropped segment: %v", got)
+	}
+}
