@@ -658,7 +658,6 @@ func TestMasterRestart(t *testing.T) {
 // belongs in master: wait for raft.Barrier after becoming leader before
 // serving leader-only RPCs (and refresh lastSeen after it).
 func TestMasterRestartHeartbeats(t *testing.T) {
-	t.Skip("known master bug: leader serves Heartbeat/GetReplicas before its FSM replays the raft log; remove this skip with the fix")
 	c := newCluster(t, clusterOpts{
 		stores:    []storeSpec{{id: "s0"}, {id: "s1"}},
 		heartbeat: 10 * time.Millisecond,

@@ -3,6 +3,7 @@ package client
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -74,6 +75,10 @@ func rpcError(err error) error {
 		return err
 	}
 	if s := fromCode(st.Code()); s != nil {
+		// The master's message often starts with the same words.
+		if rest, ok := strings.CutPrefix(st.Message(), s.Error()); ok {
+			return fmt.Errorf("%w%s", s, rest)
+		}
 		return fmt.Errorf("%w: %s", s, st.Message())
 	}
 	return fmt.Errorf("master: %s: %s", st.Code(), st.Message())

@@ -119,7 +119,7 @@ func (f *FSM) Apply(l *raft.Log) any {
 	case *pb.Command_PutEnd:
 		return f.eachKey(op.PutEnd.Keys, f.putEnd)
 	case *pb.Command_PutRevoke:
-		return f.eachKey(op.PutRevoke.Keys, f.putRevoke)
+		return f.eachKey(op.PutRevoke.Keys, func(k string) error { return f.putRevoke(k, op.PutRevoke.OnlyExpired, now) })
 	case *pb.Command_Remove:
 		return f.eachKey(op.Remove.Keys, func(k string) error { return f.remove(k, op.Remove.FreeAfterUnixNano, now) })
 	case *pb.Command_Register:
@@ -203,9 +203,9 @@ func (f *FSM) putEnd(key string) error {
 	return nil
 }
 
-func (f *FSM) putRevoke(key string) error {
+func (f *FSM) putRevoke(key string, onlyExpired bool, now int64) error {
 	o := f.objects[key]
-	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING {
+	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (onlyExpired && o.deadline >= now) {
 		return fmt.Errorf("%w: %q", ErrNotInProgress, key)
 	}
 	f.drop(o) // no reader was ever leased a PROCESSING object

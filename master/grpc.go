@@ -293,10 +293,12 @@ func (r *registryService) Register(ctx context.Context, req *pb.RegisterRequest)
 	if req.Node == "" || req.Endpoint == "" || len(req.Segments) == 0 {
 		return nil, fmt.Errorf("%w: register needs a node id, an endpoint and at least one segment", ErrInvalidRequest)
 	}
+	names := map[string]bool{}
 	for _, sp := range req.Segments {
-		if sp.Name == "" || sp.Capacity == 0 {
-			return nil, fmt.Errorf("%w: segment %q needs a name and a capacity", ErrInvalidRequest, sp.Name)
+		if sp.Name == "" || sp.Capacity < alignment(sp.Tier) || names[sp.Name] {
+			return nil, fmt.Errorf("%w: segment %q needs a unique name and a capacity of at least %d bytes", ErrInvalidRequest, sp.Name, alignment(sp.Tier))
 		}
+		names[sp.Name] = true
 	}
 	out, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{Node: req.Node, Endpoint: req.Endpoint, Segments: req.Segments}}})
 	if err != nil {

@@ -70,16 +70,22 @@ type Server struct {
 	notify  chan bool
 	metrics *metrics
 
+	grpc    *grpc.Server
+
 	mu struct {
 		sync.Mutex
+		// leader is set once this node is raft leader and its FSM has
+		// applied every earlier entry; only then does it serve.
 		leader      bool
 		leaderSince time.Time
 		lastSeen    map[string]time.Time // node -> last heartbeat, leader only
 		leases      map[string]time.Time // key -> read lease expiry, leader only
 	}
 
-	stop chan struct{}
-	wg   sync.WaitGroup
+	stop      chan struct{}
+	closeOnce sync.Once
+	closeErr  error
+	wg        sync.WaitGroup
 }
 
 // New opens the master's stores, starts raft and, for a new cluster,
@@ -102,6 +108,9 @@ func New(cfg Config) (*Server, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), stop: make(chan struct{})}
+	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
+	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
+	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
 	s.mu.lastSeen = map[string]time.Time{}
 	s.mu.leases = map[string]time.Time{}
 	if err := s.startRaft(); err != nil {
@@ -183,37 +192,29 @@ func (s *Server) startRaft() error {
 }
 
 // Serve answers the Master and Registry services on ln until Close.
+// It may be called once; it returns nil after Close.
 func (s *Server) Serve(ln net.Listener) error {
-	gs := grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
-	pb.RegisterMasterServer(gs, &masterService{s: s})
-	pb.RegisterRegistryServer(gs, &registryService{s: s})
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		<-s.stop
-		gs.Stop()
-	}()
-	if err := gs.Serve(ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+	if err := s.grpc.Serve(ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("master: serve: %w", err)
 	}
 	return nil
 }
 
-// Close stops the services and raft, and closes the stores.
+// Close stops the services and raft, and closes the stores. It is safe to
+// call more than once.
 func (s *Server) Close() error {
-	select {
-	case <-s.stop:
-		return nil
-	default:
-	}
-	close(s.stop)
-	var errs []error
-	if s.raft != nil {
-		errs = append(errs, s.raft.Shutdown().Error())
-	}
-	s.wg.Wait()
-	errs = append(errs, s.closeStores())
-	return errors.Join(errs...)
+	s.closeOnce.Do(func() {
+		close(s.stop)
+		s.grpc.Stop()
+		var errs []error
+		if s.raft != nil {
+			errs = append(errs, s.raft.Shutdown().Error())
+		}
+		s.wg.Wait()
+		errs = append(errs, s.closeStores())
+		s.closeErr = errors.Join(errs...)
+	})
+	return s.closeErr
 }
 
 func (s *Server) closeStores() error {
@@ -227,8 +228,14 @@ func (s *Server) closeStores() error {
 	return errors.Join(errs...)
 }
 
-// IsLeader reports whether this master is the raft leader.
-func (s *Server) IsLeader() bool { return s.raft.State() == raft.Leader }
+// IsLeader reports whether this master is the raft leader and has caught
+// up with the log, so it may serve.
+func (s *Server) IsLeader() bool {
+	s.mu.Lock()
+	leader := s.mu.leader
+	s.mu.Unlock()
+	return leader && s.raft.State() == raft.Leader
+}
 
 // Leader returns the raft id and gRPC address of the current leader, if known.
 func (s *Server) Leader() (id, addr string) {
@@ -274,11 +281,36 @@ func (s *Server) leaderLoop() {
 		case <-s.stop:
 			return
 		case leader := <-s.notify:
+			if leader {
+				leader = s.catchUp()
+			}
 			s.setLeader(leader)
 		case <-tick.C:
 			if s.IsLeader() {
 				s.sweep()
 			}
+		}
+	}
+}
+
+// catchUp waits until the FSM has applied every entry of earlier terms:
+// raft announces leadership before that, and after a restart the FSM is
+// still empty then. Serving earlier would answer "not found" for complete
+// objects and "unknown node" to live stores.
+func (s *Server) catchUp() bool {
+	for {
+		err := s.raft.Barrier(10 * time.Second).Error()
+		if err == nil {
+			return true
+		}
+		s.log.Warn("leader barrier", "err", err)
+		select {
+		case <-s.stop:
+			return false
+		default:
+		}
+		if s.raft.State() != raft.Leader {
+			return false
 		}
 	}
 }
@@ -315,11 +347,12 @@ func (s *Server) sweep() {
 	defer cancel()
 	now := s.cfg.Now()
 	if keys := s.fsm.expiredPuts(now.UnixNano()); len(keys) > 0 {
-		if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_PutRevoke{PutRevoke: &pb.KeysCmd{Keys: keys}}}); err != nil {
+		out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_PutRevoke{PutRevoke: &pb.KeysCmd{Keys: keys, OnlyExpired: true}}})
+		if err != nil {
 			s.log.Warn("revoke stale puts", "keys", len(keys), "err", err)
-		} else {
-			s.log.Info("revoked stale puts", "keys", len(keys))
-			s.metrics.revoked(len(keys))
+		} else if n := countNil(out.([]error)); n > 0 {
+			s.log.Info("revoked stale puts", "keys", n)
+			s.metrics.revoked(n)
 		}
 	}
 	live := s.fsm.liveNodes()
@@ -348,6 +381,16 @@ func (s *Server) sweep() {
 		delete(s.mu.lastSeen, id)
 		s.mu.Unlock()
 	}
+}
+
+func countNil(errs []error) int {
+	n := 0
+	for _, err := range errs {
+		if err == nil {
+			n++
+		}
+	}
+	return n
 }
 
 // lease grants read leases on keys and returns their expiry.

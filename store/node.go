@@ -53,6 +53,8 @@ type Node struct {
 	}
 	registered chan struct{}
 	stop       chan struct{}
+	closeOnce  sync.Once
+	closeErr   error
 	wg         sync.WaitGroup
 }
 
@@ -118,7 +120,9 @@ func (n *Node) run() {
 	defer n.wg.Done()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go func() {
+	n.wg.Add(1)
+	go func() { // cancels in-flight master calls on Close
+		defer n.wg.Done()
 		select {
 		case <-n.stop:
 			cancel()
@@ -170,6 +174,10 @@ func (n *Node) register(ctx context.Context) error {
 	defer n.mu.Unlock()
 	for i, t := range n.cfg.Tiers {
 		if err := n.eng.Register(rename(t.Segment(), resp.SegmentIds[i])); err != nil {
+			for _, name := range n.mu.names {
+				n.eng.Unregister(name)
+			}
+			n.mu.names = nil
 			return err
 		}
 		n.mu.names = append(n.mu.names, resp.SegmentIds[i])
@@ -204,20 +212,19 @@ func (n *Node) heartbeat(ctx context.Context) error {
 }
 
 // Close stops heartbeats and transfers, then closes the tiers.
+// It is safe to call more than once.
 func (n *Node) Close() error {
-	select {
-	case <-n.stop:
-		return nil
-	default:
-	}
-	close(n.stop)
-	errs := []error{n.eng.Close()}
-	n.wg.Wait()
-	errs = append(errs, n.masters.Close())
-	for _, t := range n.cfg.Tiers {
-		errs = append(errs, t.Close())
-	}
-	return errors.Join(errs...)
+	n.closeOnce.Do(func() {
+		close(n.stop)
+		errs := []error{n.eng.Close()}
+		n.wg.Wait()
+		errs = append(errs, n.masters.Close())
+		for _, t := range n.cfg.Tiers {
+			errs = append(errs, t.Close())
+		}
+		n.closeErr = errors.Join(errs...)
+	})
+	return n.closeErr
 }
 
 func tierProto(k tiers.Kind) pb.Tier {

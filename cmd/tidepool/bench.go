@@ -36,7 +36,7 @@ func runBench(ctx context.Context, e *env, args []string) error {
 	var duration time.Duration
 	var asJSON bool
 	var getKeys int
-	c, _, err := clientCommand(e, "bench", "[flags]",
+	ctx, c, _, done, err := clientCommand(ctx, e, time.Hour, "bench", "[flags]",
 		"Measure put and get against a running cluster: one row per op, value size and concurrency,\nwith throughput in GB/s (10^9 bytes) and p50/p99 latency per request.",
 		args, 0, 0, func(fs *flag.FlagSet) {
 			fs.Var(&ops, "ops", "operations to run: put, get (default put,get)")
@@ -49,7 +49,7 @@ func runBench(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer done()
 	if len(ops) == 0 {
 		ops = listFlag{"put", "get"}
 	}

@@ -38,31 +38,34 @@ func (m *masters) list() []string {
 	return []string{defaultMaster}
 }
 
-// clientCommand parses a client command's flags and opens a client.
-func clientCommand(e *env, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet)) (*client.Client, []string, error) {
+// clientCommand parses a client command's flags and opens a client. The
+// returned context ends after --timeout, so a dead cluster gives an error
+// instead of a hang.
+func clientCommand(ctx context.Context, e *env, limit time.Duration, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet)) (context.Context, *client.Client, []string, func(), error) {
 	fs := newFlags(name, argsHelp, help, e.stderr)
 	m := mastersFlag(fs, e)
+	timeout := fs.Duration("timeout", limit, "give up after this long (the client retries while no master leader is reachable)")
 	if extra != nil {
 		extra(fs)
 	}
 	pos, err := parse(fs, args, minPos, maxPos)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, nil, err
 	}
 	c, err := client.New(client.Config{Masters: m.list()})
-	return c, pos, err
+	if err != nil {
+		return nil, nil, nil, nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	return ctx, c, pos, func() { cancel(); c.Close() }, nil
 }
 
-// timeout bounds one client command, so a dead cluster gives an error
-// instead of a hang.
-const timeout = 60 * time.Second
-
 func runPut(ctx context.Context, e *env, args []string) error {
-	c, pos, err := clientCommand(e, "put", "KEY FILE", "Store FILE (- for stdin) under KEY.", args, 2, 2, nil)
+	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "put", "KEY FILE", "Store FILE (- for stdin) under KEY.", args, 2, 2, nil)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer done()
 	var value []byte
 	if pos[1] == "-" {
 		value, err = io.ReadAll(e.stdin)
@@ -72,22 +75,18 @@ func runPut(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return fmt.Errorf("read value: %w", err)
 	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
 	return c.Put(ctx, pos[0], value)
 }
 
 func runGet(ctx context.Context, e *env, args []string) error {
 	var out string
-	c, pos, err := clientCommand(e, "get", "KEY [-o FILE]", "Write the value of KEY to stdout or FILE.", args, 1, 1, func(fs *flag.FlagSet) {
+	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "get", "KEY [-o FILE]", "Write the value of KEY to stdout or FILE.", args, 1, 1, func(fs *flag.FlagSet) {
 		fs.StringVar(&out, "o", "", "write the value to this file instead of stdout")
 	})
 	if err != nil {
 		return err
 	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+	defer done()
 	value, err := c.Get(ctx, pos[0])
 	if err != nil {
 		return err
@@ -106,13 +105,11 @@ func runGet(ctx context.Context, e *env, args []string) error {
 }
 
 func runExists(ctx context.Context, e *env, args []string) error {
-	c, pos, err := clientCommand(e, "exists", "KEY", "Exit 0 if KEY is present, 1 if not.", args, 1, 1, nil)
+	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "exists", "KEY", "Exit 0 if KEY is present, 1 if not.", args, 1, 1, nil)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+	defer done()
 	ok, err := c.Exists(ctx, pos[0])
 	if err != nil {
 		return err
@@ -126,31 +123,27 @@ func runExists(ctx context.Context, e *env, args []string) error {
 }
 
 func runRm(ctx context.Context, e *env, args []string) error {
-	c, pos, err := clientCommand(e, "rm", "KEY", "Remove KEY.", args, 1, 1, nil)
+	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "rm", "KEY", "Remove KEY.", args, 1, 1, nil)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+	defer done()
 	return c.Remove(ctx, pos[0])
 }
 
 func runLs(ctx context.Context, e *env, args []string) error {
 	var long bool
-	c, pos, err := clientCommand(e, "ls", "[PREFIX]", "List objects whose key starts with PREFIX, one per line.", args, 0, 1, func(fs *flag.FlagSet) {
+	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "ls", "[PREFIX]", "List objects whose key starts with PREFIX, one per line.", args, 0, 1, func(fs *flag.FlagSet) {
 		fs.BoolVar(&long, "l", false, "long listing: size, state, creation time and replicas")
 	})
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer done()
 	prefix := ""
 	if len(pos) == 1 {
 		prefix = pos[0]
 	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
 	objs, err := c.List(ctx, prefix)
 	if err != nil {
 		return err
@@ -182,13 +175,11 @@ func stateName(s pb.ObjectState) string {
 }
 
 func runStatus(ctx context.Context, e *env, args []string) error {
-	c, _, err := clientCommand(e, "status", "", "Show the cluster's masters and segments.", args, 0, 0, nil)
+	ctx, c, _, done, err := clientCommand(ctx, e, time.Minute, "status", "", "Show the cluster's masters and segments.", args, 0, 0, nil)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+	defer done()
 	st, err := c.Status(ctx)
 	if err != nil {
 		return err

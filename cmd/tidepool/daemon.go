@@ -162,7 +162,7 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error { return leaderKnown(srv) }, log)
+	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error { return leaderKnown(srv, m.id) }, log)
 	if err != nil {
 		return errors.Join(err, stop())
 	}
@@ -172,9 +172,11 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	return stop()
 }
 
-func leaderKnown(srv *master.Server) error {
-	if id, _ := srv.Leader(); id == "" {
-		return errors.New("no raft leader known")
+// leaderKnown is a master's readiness: a leader is known, and if it is this
+// master, it has caught up with the log.
+func leaderKnown(srv *master.Server, self string) error {
+	if id, _ := srv.Leader(); id == "" || (id == self && !srv.IsLeader()) {
+		return errors.New("no raft leader serving yet")
 	}
 	return nil
 }
@@ -313,7 +315,7 @@ func runUp(ctx context.Context, e *env, args []string) error {
 		return errors.Join(err, stopMaster())
 	}
 	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error {
-		return errors.Join(leaderKnown(srv), registered(n))
+		return errors.Join(leaderKnown(srv, m.id), registered(n))
 	}, log)
 	if err != nil {
 		return errors.Join(err, n.Close(), stopMaster())

@@ -320,8 +320,11 @@ func (x *PutStartCmd) GetItems() []*PutStartItem {
 }
 
 type KeysCmd struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Keys          []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Keys  []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	// Revoke only puts whose deadline has passed at the command's time, so
+	// the leader's sweep never revokes a newer put of the same key.
+	OnlyExpired   bool `protobuf:"varint,2,opt,name=only_expired,json=onlyExpired,proto3" json:"only_expired,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -361,6 +364,13 @@ func (x *KeysCmd) GetKeys() []string {
 		return x.Keys
 	}
 	return nil
+}
+
+func (x *KeysCmd) GetOnlyExpired() bool {
+	if x != nil {
+		return x.OnlyExpired
+	}
+	return false
 }
 
 type RemoveCmd struct {
@@ -955,9 +965,10 @@ const file_fsm_proto_rawDesc = "" +
 	"candidates\x12,\n" +
 	"\x12deadline_unix_nano\x18\x05 \x01(\x03R\x10deadlineUnixNano\">\n" +
 	"\vPutStartCmd\x12/\n" +
-	"\x05items\x18\x01 \x03(\v2\x19.tidepool.v1.PutStartItemR\x05items\"\x1d\n" +
+	"\x05items\x18\x01 \x03(\v2\x19.tidepool.v1.PutStartItemR\x05items\"@\n" +
 	"\aKeysCmd\x12\x12\n" +
-	"\x04keys\x18\x01 \x03(\tR\x04keys\"P\n" +
+	"\x04keys\x18\x01 \x03(\tR\x04keys\x12!\n" +
+	"\fonly_expired\x18\x02 \x01(\bR\vonlyExpired\"P\n" +
 	"\tRemoveCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
 	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"s\n" +
