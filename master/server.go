@@ -70,7 +70,7 @@ type Server struct {
 	notify  chan bool
 	metrics *metrics
 
-	grpc    *grpc.Server
+	grpc *grpc.Server
 
 	mu struct {
 		sync.Mutex
