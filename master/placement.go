@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"math/bits"
 	"slices"
+	"strings"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -36,13 +37,5 @@ func (s *Server) candidates(size uint64, tier pb.Tier) []string {
 
 // tierName is the short lower-case name of a tier, as in flags and metrics.
 func tierName(t pb.Tier) string {
-	switch t {
-	case pb.Tier_TIER_HBM:
-		return "hbm"
-	case pb.Tier_TIER_DRAM:
-		return "dram"
-	case pb.Tier_TIER_SSD:
-		return "ssd"
-	}
-	return "unspecified"
+	return strings.ToLower(strings.TrimPrefix(t.String(), "TIER_"))
 }

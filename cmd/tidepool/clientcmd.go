@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -201,19 +202,9 @@ func runStatus(ctx context.Context, e *env, args []string) error {
 		if !s.Alive {
 			state = "silent"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Name, s.Node, tierLabel(s.Tier), s.Endpoint, human(s.Used), human(s.Capacity), s.Objects, state)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Name, s.Node, tierName(s.Tier), s.Endpoint, human(s.Used), human(s.Capacity), s.Objects, state)
 	}
 	return tw.Flush()
-}
-
-func tierLabel(t pb.Tier) string {
-	switch t {
-	case pb.Tier_TIER_HBM:
-		return "hbm"
-	case pb.Tier_TIER_SSD:
-		return "ssd"
-	}
-	return "dram"
 }
 
 func human(n uint64) string {
@@ -227,4 +218,9 @@ func human(n uint64) string {
 		exp++
 	}
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+
+// tierName is a tier as flags spell it: "dram", "ssd", "hbm".
+func tierName(t pb.Tier) string {
+	return strings.ToLower(strings.TrimPrefix(t.String(), "TIER_"))
 }

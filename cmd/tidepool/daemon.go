@@ -36,10 +36,29 @@ func newLogger(e *env, level string) (*slog.Logger, error) {
 	return slog.New(slog.NewTextHandler(e.stderr, &slog.HandlerOptions{Level: l})), nil
 }
 
-func newRegistry() *prometheus.Registry {
+// daemon is what every daemon command sets up: its logger, its metrics
+// registry and the address of its HTTP endpoints.
+type daemon struct {
+	http string
+	log  *slog.Logger
+	reg  *prometheus.Registry
+}
+
+// parseDaemon adds --http and --log-level to fs, parses args and sets up
+// the daemon.
+func parseDaemon(e *env, fs *flag.FlagSet, args []string, httpDefault string) (*daemon, error) {
+	httpAddr := fs.String("http", httpDefault, "address for /metrics, /healthz and /readyz (empty: off)")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	if _, err := parse(fs, args, 0, 0); err != nil {
+		return nil, err
+	}
+	log, err := newLogger(e, *level)
+	if err != nil {
+		return nil, err
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	return reg
+	return &daemon{http: *httpAddr, log: log, reg: reg}, nil
 }
 
 // serveHTTP serves /metrics, /healthz and /readyz until ctx ends.
@@ -148,21 +167,16 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	fs := newFlags("master", "[flags]", "Run a master: the raft-replicated metadata service.", e.stderr)
 	var m masterFlags
 	m.register(fs)
-	httpAddr := fs.String("http", "127.0.0.1:9090", "address for /metrics, /healthz and /readyz (empty: off)")
-	level := fs.String("log-level", "info", "debug, info, warn or error")
-	if _, err := parse(fs, args, 0, 0); err != nil {
-		return err
-	}
-	log, err := newLogger(e, *level)
+	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
 		return err
 	}
-	reg := newRegistry()
-	srv, stop, err := startMaster(&m, reg, log)
+	log := d.log
+	srv, stop, err := startMaster(&m, d.reg, log)
 	if err != nil {
 		return err
 	}
-	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error { return leaderKnown(srv, m.id) }, log)
+	stopHTTP, err := serveHTTP(ctx, d.http, d.reg, func() error { return leaderKnown(srv, m.id) }, log)
 	if err != nil {
 		return errors.Join(err, stop())
 	}
@@ -250,24 +264,19 @@ func runStore(ctx context.Context, e *env, args []string) error {
 	var s storeFlags
 	s.register(fs, "dram:1GiB")
 	masters := mastersFlag(fs, e)
-	httpAddr := fs.String("http", "127.0.0.1:9091", "address for /metrics, /healthz and /readyz (empty: off)")
-	level := fs.String("log-level", "info", "debug, info, warn or error")
-	if _, err := parse(fs, args, 0, 0); err != nil {
+	d, err := parseDaemon(e, fs, args, "127.0.0.1:9091")
+	if err != nil {
 		return err
 	}
 	if len(s.tiers) == 0 {
 		s.tiers = listFlag{"dram:1GiB"}
 	}
-	log, err := newLogger(e, *level)
+	log := d.log
+	n, err := startStore(&s, masters.list(), d.reg, log)
 	if err != nil {
 		return err
 	}
-	reg := newRegistry()
-	n, err := startStore(&s, masters.list(), reg, log)
-	if err != nil {
-		return err
-	}
-	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error { return registered(n) }, log)
+	stopHTTP, err := serveHTTP(ctx, d.http, d.reg, func() error { return registered(n) }, log)
 	if err != nil {
 		return errors.Join(err, n.Close())
 	}
@@ -293,16 +302,11 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	raftAddr := fs.String("raft", defaultRaft, "master raft address")
 	engineAddr := fs.String("engine", defaultEngine, "store transfer engine address")
 	dram := fs.String("dram", "1GiB", "size of the store's DRAM tier")
-	httpAddr := fs.String("http", "127.0.0.1:9090", "address for /metrics, /healthz and /readyz of both (empty: off)")
-	level := fs.String("log-level", "info", "debug, info, warn or error")
-	if _, err := parse(fs, args, 0, 0); err != nil {
-		return err
-	}
-	log, err := newLogger(e, *level)
+	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
 		return err
 	}
-	reg := newRegistry()
+	log, reg := d.log, d.reg
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
 		leaseTTL: master.DefaultLeaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL}
 	srv, stopMaster, err := startMaster(&m, reg, log)
@@ -314,7 +318,7 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return errors.Join(err, stopMaster())
 	}
-	stopHTTP, err := serveHTTP(ctx, *httpAddr, reg, func() error {
+	stopHTTP, err := serveHTTP(ctx, d.http, reg, func() error {
 		return errors.Join(leaderKnown(srv, m.id), registered(n))
 	}, log)
 	if err != nil {
