@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"time"
 )
 
 // serveConn answers one peer connection's requests, one at a time, until the peer hangs up, sends
@@ -16,6 +17,13 @@ func (e *Engine) serveConn(nc net.Conn) {
 	tuneConn(nc)
 	s := serverConn{e: e, nc: nc, br: bufio.NewReaderSize(nc, connReadBuf)}
 	for {
+		// An idle connection may wait forever for its next request, but once
+		// a request starts it must keep moving: a peer that stalls half-way
+		// would otherwise hold this goroutine and connection for good.
+		if _, err := s.br.Peek(1); err != nil {
+			return
+		}
+		_ = nc.SetDeadline(time.Now().Add(requestGrace))
 		h, err := readRequest(s.br, &s.hdr)
 		if err != nil {
 			if errors.Is(err, ErrProtocol) {
@@ -24,12 +32,21 @@ func (e *Engine) serveConn(nc net.Conn) {
 			}
 			return
 		}
+		_ = nc.SetDeadline(time.Now().Add(requestGrace + time.Duration(h.n)*time.Second/minPeerRate))
 		if err := s.serve(h); err != nil {
 			e.log.Debug("engine: connection dropped", "peer", nc.RemoteAddr(), "err", err)
 			return
 		}
+		_ = nc.SetDeadline(time.Time{})
 	}
 }
+
+// A request must finish within requestGrace plus its length at minPeerRate
+// bytes per second, or the server drops the connection.
+const (
+	requestGrace = 10 * time.Second
+	minPeerRate  = 1 << 20
+)
 
 type serverConn struct {
 	e    *Engine
