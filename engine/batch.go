@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,6 +17,10 @@ type Target struct {
 }
 
 func (t Target) String() string { return t.Endpoint + "/" + t.Segment }
+
+// Rails returns the peer's rail addresses: Endpoint is one address, or
+// several separated by commas when the peer listens on several rails.
+func (t Target) Rails() []string { return strings.Split(t.Endpoint, ",") }
 
 // Priority is a task's QoS class. It is carried to the transport but not yet scheduled on. The
 // zero value means Medium, so callers that do not care land in the middle class.

@@ -64,7 +64,12 @@ func (t *tcpTransport) Do(ctx context.Context, op *Op) error {
 	if n := len(op.Target.Segment); n == 0 || n > MaxSegmentName {
 		return fmt.Errorf("%w: segment name of %d bytes", ErrInvalid, n)
 	}
-	p, err := t.peer(op.Target.Endpoint)
+	if op.Rail == "" {
+		o := *op
+		o.Rail = op.Target.Rails()[0]
+		op = &o
+	}
+	p, err := t.peer(op.Rail)
 	if err != nil {
 		return err
 	}
@@ -198,20 +203,20 @@ func (c *tcpConn) exchange(op *Op) (keep bool, err error) {
 		_, err = c.nc.Write(hdr)
 	}
 	if err != nil {
-		return false, fmt.Errorf("%w: send to %s: %w", ErrUnavailable, op.Target.Endpoint, err)
+		return false, fmt.Errorf("%w: send to %s: %w", ErrUnavailable, op.Rail, err)
 	}
 
 	h, err := readResponse(c.br, &c.resp)
 	if err != nil {
 		if errors.Is(err, ErrProtocol) {
-			return false, fmt.Errorf("response from %s: %w", op.Target.Endpoint, err)
+			return false, fmt.Errorf("response from %s: %w", op.Rail, err)
 		}
-		return false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, op.Target.Endpoint, err)
+		return false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, op.Rail, err)
 	}
 	if h.status != statusOK {
 		msg := make([]byte, h.n) // at most maxErrMsg, checked by readResponse
 		if _, err := io.ReadFull(c.br, msg); err != nil {
-			return false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, op.Target.Endpoint, noEOF(err))
+			return false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, op.Rail, noEOF(err))
 		}
 		return true, fmt.Errorf("%w: %s", statusErr(h.status), msg)
 	}
@@ -220,11 +225,11 @@ func (c *tcpConn) exchange(op *Op) (keep bool, err error) {
 		want = uint64(len(op.Buf))
 	}
 	if h.n != want {
-		return false, fmt.Errorf("%w: response from %s has %d bytes, want %d", ErrProtocol, op.Target.Endpoint, h.n, want)
+		return false, fmt.Errorf("%w: response from %s has %d bytes, want %d", ErrProtocol, op.Rail, h.n, want)
 	}
 	if want > 0 {
 		if _, err := io.ReadFull(c.br, op.Buf); err != nil {
-			return false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, op.Target.Endpoint, noEOF(err))
+			return false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, op.Rail, noEOF(err))
 		}
 	}
 	return true, nil

@@ -29,6 +29,9 @@ type Op struct {
 	Offset   int64
 	Buf      []byte
 	Priority Priority // carried so a transport can map classes onto rails or queues
+	// Rail is the peer address this op travels over, one of the target's
+	// rails (see Target.Rails); the engine binds it when it dispatches the op.
+	Rail string
 }
 
 // Transport moves the bytes of one Op. It is the plug-in point for the ways bytes can travel
