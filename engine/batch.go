@@ -50,6 +50,8 @@ type Options struct {
 	Priority Priority
 	// Deadline, if set, bounds the whole task, queueing included; past it the task ends TimedOut.
 	Deadline time.Time
+	// Tenant names whose in-flight cap (Config.TenantInflight) the task counts against.
+	Tenant string
 }
 
 // State is where a task is in its life. Pending and Running are transient; the others are
@@ -261,7 +263,7 @@ func (e *Engine) dispatch(ctx context.Context, tasks []*Task) {
 			defer tcancel()
 			defer e.release()
 			t.state.Store(int32(Running))
-			s, err := outcome(tctx, e.transfer(tctx, &t.op))
+			s, err := outcome(tctx, e.transfer(tctx, &t.op, t.opts))
 			e.finish(t, s, err)
 		}()
 	}
@@ -296,33 +298,16 @@ func outcome(ctx context.Context, err error) (State, error) {
 	}
 }
 
-// transfer moves one task's bytes: cut into spans, the spans run in parallel, the first error
-// cancels the rest.
-func (e *Engine) transfer(ctx context.Context, op *Op) error {
-	spans := split(len(op.Buf), e.cfg.ConnsPerPeer)
-	if len(spans) == 1 {
-		return e.tr.Do(ctx, op)
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var (
-		wg    sync.WaitGroup
-		once  sync.Once
-		first error
-	)
-	run := func(s span) {
-		sub := *op
-		sub.Offset += int64(s.off)
-		sub.Buf = op.Buf[s.off : s.off+s.n : s.off+s.n]
-		if err := e.tr.Do(ctx, &sub); err != nil {
-			once.Do(func() { first = err; cancel() })
+// transfer moves one task's bytes: through shared memory when the peer is
+// on this host, else sliced and sprayed over the peer's rails.
+func (e *Engine) transfer(ctx context.Context, op *Op, opts Options) error {
+	if e.shm != nil {
+		// Anything but a mapped copy's own verdict falls over to the rails,
+		// which may reach the peer where the shared mapping cannot.
+		err := e.shm.Do(ctx, op)
+		if err == nil || errors.Is(err, ErrOutOfRange) {
+			return err
 		}
 	}
-	for _, s := range spans[1:] {
-		wg.Add(1)
-		go func() { defer wg.Done(); run(s) }()
-	}
-	run(spans[0])
-	wg.Wait()
-	return first
+	return e.peer(e.tr, op.Target).do(ctx, op, opts)
 }

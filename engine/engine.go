@@ -23,6 +23,18 @@ type Config struct {
 	// Transport replaces the built-in TCP transport (tests use it for fakes with fault injection).
 	// The engine owns it: Close closes it. nil = TCP built from the fields above.
 	Transport Transport
+
+	// RoundRobin deals slices to rails in turn when they are cut, as
+	// Mooncake's engine does, instead of spraying them by predicted finish
+	// time when they are dispatched. It is the baseline for benchmarks.
+	RoundRobin bool
+	// RailBandwidth is every rail's nominal bandwidth in bytes per second,
+	// the seed of its estimate; default 1.25e9 (10 Gbit/s).
+	RailBandwidth float64
+	// TenantInflight caps the bytes in flight per tenant and peer; 0: no cap.
+	TenantInflight int64
+	// NoShm turns off the same-host shared-memory transport.
+	NoShm bool
 }
 
 const (
@@ -41,6 +53,9 @@ func (c Config) withDefaults() Config {
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = defaultDialTimeout
 	}
+	if c.RailBandwidth <= 0 {
+		c.RailBandwidth = 1.25e9
+	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -56,7 +71,9 @@ type Engine struct {
 	tr   Transport
 	segs segments
 
-	slots   chan struct{} // one per task in flight; the QoS scheduler replaces this later
+	shm *shmTransport // nil when off or with a custom Transport
+
+	slots   chan struct{} // one per task in flight
 	scratch sync.Pool     // *[]byte of scratchSize, for segments that are not Mapped
 
 	// ctx is canceled with cause ErrClosed by Close, which fails every task still in flight.
@@ -64,6 +81,9 @@ type Engine struct {
 	cancel context.CancelCauseFunc
 	// wg counts every goroutine the engine starts and every running Serve; Close waits for it.
 	wg sync.WaitGroup
+
+	peersMu sync.Mutex
+	peers   map[peerKey]*peer
 
 	mu struct {
 		sync.Mutex
@@ -88,7 +108,27 @@ func New(cfg Config) *Engine {
 		slots: make(chan struct{}, cfg.MaxInflight),
 	}
 	if e.tr == nil {
-		e.tr = newTCPTransport(cfg.ConnsPerPeer, cfg.DialTimeout)
+		tcp := newTCPTransport(cfg.ConnsPerPeer, cfg.DialTimeout)
+		e.tr = tcp
+		if !cfg.NoShm {
+			e.shm = newShmTransport(func(ctx context.Context, addr, segment string) (shmInfo, error) {
+				// A peer that cannot answer a describe quickly is not worth
+				// sharing memory with: remember it as unsupported and use tcp.
+				ctx, cancel := context.WithTimeout(ctx, time.Second)
+				defer cancel()
+				info, err := tcp.describe(ctx, addr, segment)
+				if err != nil && !errors.Is(err, ErrSegmentNotFound) && !errors.Is(err, ErrUnsupported) {
+					err = fmt.Errorf("%w: describe: %w", ErrUnsupported, err)
+				}
+				return info, err
+			})
+		}
+	}
+	e.peers = map[peerKey]*peer{}
+	if cfg.Registerer != nil {
+		if err := cfg.Registerer.Register(railCollector{e}); err != nil {
+			e.log.Warn("engine: rail metrics not registered", "err", err)
+		}
 	}
 	e.scratch.New = func() any { b := make([]byte, scratchSize); return &b }
 	e.ctx, e.cancel = context.WithCancelCause(context.Background())

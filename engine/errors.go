@@ -25,4 +25,8 @@ var (
 	ErrInvalid = errors.New("engine: invalid argument")
 	// ErrExists: a segment of that name is already registered.
 	ErrExists = errors.New("engine: segment already registered")
+	// ErrUnsupported: the transport cannot reach this segment (shm: the peer is on another host,
+	// its segment cannot be shared, or its memory cannot be mapped); the engine falls over to the
+	// next transport.
+	ErrUnsupported = errors.New("engine: unsupported by this transport")
 )

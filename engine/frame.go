@@ -15,20 +15,35 @@ import (
 //
 //	magic    2  0x54 0x50 ("TP")
 //	version  1  1
-//	op       1  1 = read, 2 = write
+//	op       1  1 = read, 2 = write, 3 = describe
 //	namelen  2  length of the segment name, at most 255
 //	name     namelen bytes
 //	offset   8  byte offset in the segment
 //	length   8  bytes to move, at most MaxOpLen
 //	payload  length bytes, writes only
 //
+// A describe request asks how to map the segment from the same host (the shm transport); its
+// offset and length must be 0.
+//
 // Response:
 //
 //	magic    2  0x54 0x50
-//	status   1  0 ok, 1 not found, 2 out of range, 3 bad request, 4 internal
-//	length   8  ok: payload length (the request's length for reads, 0 for writes);
-//	            otherwise: length of the error message, at most 1 KiB
-//	payload  length bytes: the data for an ok read, or the error message
+//	status   1  0 ok, 1 not found, 2 out of range, 3 bad request, 4 internal,
+//	            5 unsupported (describe of a segment that cannot be shared)
+//	length   8  ok: payload length (the request's length for reads, 0 for writes,
+//	            describeLen for describes); otherwise: length of the error message, at most 1 KiB
+//	payload  length bytes: the data for an ok read, the describe record, or the error message
+//
+// Describe record (an ok describe's payload, describeLen = 68 bytes):
+//
+//	bootid  36  the owner's /proc/sys/kernel/random/boot_id, as text
+//	pid      4  the owner's process id
+//	fd       4  the owner's fd of a memfd (or file) whose bytes [0, size) are the segment
+//	size     8  the segment's size
+//	dev      8  st_dev of that file
+//	ino      8  st_ino of that file: with dev, lets the client check that /proc/<pid>/fd/<fd>
+//	            is that very file (a peer in another pid namespace shares the boot id, but its
+//	            pid names some other process here)
 //
 // A request the server cannot parse (bad magic, version or op, name or length over its cap) makes
 // it drop that connection: after garbage it cannot find the next frame boundary. A well-formed
@@ -38,14 +53,16 @@ const (
 	frameMagic   uint16 = 0x5450
 	frameVersion byte   = 1
 
-	opRead  byte = 1
-	opWrite byte = 2
+	opRead     byte = 1
+	opWrite    byte = 2
+	opDescribe byte = 3
 
-	statusOK         byte = 0
-	statusNotFound   byte = 1
-	statusOutOfRange byte = 2
-	statusBadRequest byte = 3
-	statusInternal   byte = 4
+	statusOK          byte = 0
+	statusNotFound    byte = 1
+	statusOutOfRange  byte = 2
+	statusBadRequest  byte = 3
+	statusInternal    byte = 4
+	statusUnsupported byte = 5
 
 	// MaxOpLen caps the length of one wire operation, so a garbage length cannot make either side
 	// allocate or wait for gigabytes. Tasks larger than this are split before they reach the wire.
@@ -99,7 +116,7 @@ func readRequest(r io.Reader, buf *[reqMax]byte) (reqHeader, error) {
 		return reqHeader{}, fmt.Errorf("%w: unsupported version %d", ErrProtocol, v)
 	}
 	h := reqHeader{op: buf[3]}
-	if h.op != opRead && h.op != opWrite {
+	if h.op != opRead && h.op != opWrite && h.op != opDescribe {
 		return reqHeader{}, fmt.Errorf("%w: bad op %d", ErrProtocol, h.op)
 	}
 	nameLen := int(binary.BigEndian.Uint16(buf[4:]))
@@ -115,6 +132,10 @@ func readRequest(r io.Reader, buf *[reqMax]byte) (reqHeader, error) {
 	h.n = binary.BigEndian.Uint64(rest[nameLen+8:])
 	if h.n > MaxOpLen {
 		return reqHeader{}, fmt.Errorf("%w: length %d over cap %d", ErrProtocol, h.n, MaxOpLen)
+	}
+	if h.op == opDescribe && (h.off != 0 || h.n != 0) {
+		// A length would leave the server guessing whether a payload follows.
+		return reqHeader{}, fmt.Errorf("%w: describe with offset %d, length %d", ErrProtocol, h.off, h.n)
 	}
 	return h, nil
 }
@@ -136,7 +157,7 @@ func readResponse(r io.Reader, buf *[respLen]byte) (respHeader, error) {
 	}
 	h := respHeader{status: buf[2], n: binary.BigEndian.Uint64(buf[3:])}
 	switch {
-	case h.status > statusInternal:
+	case h.status > statusUnsupported:
 		return respHeader{}, fmt.Errorf("%w: unknown status %d", ErrProtocol, h.status)
 	case h.status != statusOK && h.n > maxErrMsg:
 		return respHeader{}, fmt.Errorf("%w: error message of %d bytes", ErrProtocol, h.n)
@@ -155,6 +176,8 @@ func statusErr(status byte) error {
 		return ErrOutOfRange
 	case statusBadRequest:
 		return ErrProtocol
+	case statusUnsupported:
+		return ErrUnsupported
 	default:
 		return ErrRemote
 	}
@@ -169,6 +192,8 @@ func errStatus(err error) byte {
 		return statusOutOfRange
 	case errors.Is(err, ErrProtocol), errors.Is(err, ErrInvalid):
 		return statusBadRequest
+	case errors.Is(err, ErrUnsupported):
+		return statusUnsupported
 	default:
 		return statusInternal
 	}

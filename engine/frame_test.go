@@ -20,6 +20,7 @@ func TestRequestRoundTrip(t *testing.T) {
 		{"read", opRead, "dram-0", 0, 1},
 		{"write", opWrite, "hbm", 1 << 40, MaxOpLen},
 		{"max name", opRead, strings.Repeat("x", MaxSegmentName), 7, 0},
+		{"describe", opDescribe, "dram-0", 0, 0},
 		{"empty name", opWrite, "", 0, 0}, // well formed; the server answers bad request
 	}
 	for _, tt := range tests {
@@ -61,7 +62,9 @@ func TestReadRequestRejects(t *testing.T) {
 		{"bad magic", with(0, 'X'), ErrProtocol},
 		{"bad version", with(2, 9), ErrProtocol},
 		{"op zero", with(3, 0), ErrProtocol},
-		{"op unknown", with(3, 3), ErrProtocol},
+		{"op unknown", with(3, 4), ErrProtocol},
+		{"describe with length", appendRequest(nil, opDescribe, "seg", 0, 1), ErrProtocol},
+		{"describe with offset", appendRequest(nil, opDescribe, "seg", 1, 0), ErrProtocol},
 		{"name too long", longName, ErrProtocol},
 		{"length over cap", appendRequest(nil, opWrite, "seg", 0, MaxOpLen+1), ErrProtocol},
 		{"length huge", appendRequest(nil, opRead, "seg", 0, 1<<63), ErrProtocol},
@@ -100,7 +103,7 @@ func TestReadResponseRejects(t *testing.T) {
 		{"empty", nil, io.EOF},
 		{"truncated", ok[:respLen-1], io.ErrUnexpectedEOF},
 		{"bad magic", badMagic, ErrProtocol},
-		{"unknown status", appendResponse(nil, respHeader{statusInternal + 1, 0}), ErrProtocol},
+		{"unknown status", appendResponse(nil, respHeader{statusUnsupported + 1, 0}), ErrProtocol},
 		{"error message too long", appendResponse(nil, respHeader{statusNotFound, maxErrMsg + 1}), ErrProtocol},
 		{"payload over cap", appendResponse(nil, respHeader{statusOK, MaxOpLen + 1}), ErrProtocol},
 	}
@@ -115,7 +118,7 @@ func TestReadResponseRejects(t *testing.T) {
 }
 
 func TestStatusMapping(t *testing.T) {
-	for _, s := range []byte{statusNotFound, statusOutOfRange, statusBadRequest, statusInternal} {
+	for _, s := range []byte{statusNotFound, statusOutOfRange, statusBadRequest, statusInternal, statusUnsupported} {
 		if got := errStatus(statusErr(s)); got != s {
 			t.Errorf("status %d -> %v -> %d", s, statusErr(s), got)
 		}

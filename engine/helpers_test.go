@@ -12,14 +12,14 @@ import (
 	"time"
 )
 
-// peer is an engine serving on a loopback port, closed at the end of the test.
-type peer struct {
+// testPeer is an engine serving on a loopback port, closed at the end of the test.
+type testPeer struct {
 	*Engine
 	addr    string
 	accepts *atomic.Int64 // connections the listener accepted
 }
 
-func startPeer(t testing.TB, cfg Config, segs ...Segment) peer {
+func startPeer(t testing.TB, cfg Config, segs ...Segment) testPeer {
 	t.Helper()
 	e := New(cfg)
 	for _, s := range segs {
@@ -42,7 +42,7 @@ func startPeer(t testing.TB, cfg Config, segs ...Segment) peer {
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	return peer{Engine: e, addr: ln.Addr().String(), accepts: &cl.n}
+	return testPeer{Engine: e, addr: ln.Addr().String(), accepts: &cl.n}
 }
 
 // newClient returns an engine that only dials, closed at the end of the test.

@@ -16,6 +16,12 @@ type metrics struct {
 	served    *prometheus.CounterVec   // op: read or written by peers in our segments (server side)
 	latency   *prometheus.HistogramVec // op: Submit to terminal state
 	malformed prometheus.Counter
+
+	classBytes    *prometheus.CounterVec   // class: bytes of slices that finished
+	classRequests *prometheus.CounterVec   // class, result: requests through the scheduler
+	queueWait     *prometheus.HistogramVec // class: slice enqueue to dispatch
+	service       *prometheus.HistogramVec // class: slice dispatch to completion
+	retries       prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, log *slog.Logger) *metrics {
@@ -44,6 +50,83 @@ func newMetrics(reg prometheus.Registerer, log *slog.Logger) *metrics {
 			Name: "tidepool_engine_malformed_frames_total",
 			Help: "Requests the server could not parse; each dropped its connection.",
 		})),
+		classBytes: register(reg, log, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tidepool_engine_class_bytes_total",
+			Help: "Bytes moved over rails, by QoS class.",
+		}, []string{"class"})),
+		classRequests: register(reg, log, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tidepool_engine_class_requests_total",
+			Help: "Requests scheduled over rails, by QoS class and result (ok, failed).",
+		}, []string{"class", "result"})),
+		queueWait: register(reg, log, prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "tidepool_engine_queue_wait_seconds",
+			Help:    "Time a slice waited for a rail, by QoS class.",
+			Buckets: prometheus.ExponentialBuckets(10e-6, 4, 10), // 10us .. 2.6s
+		}, []string{"class"})),
+		service: register(reg, log, prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "tidepool_engine_transfer_seconds",
+			Help:    "Time a slice took on its rail from dispatch, by QoS class.",
+			Buckets: prometheus.ExponentialBuckets(10e-6, 4, 10),
+		}, []string{"class"})),
+		retries: register(reg, log, prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tidepool_engine_slice_retries_total",
+			Help: "Slices retried on another rail after a rail error.",
+		})),
+	}
+}
+
+// slice records one slice's queue wait and transfer time.
+func (m *metrics) slice(class Priority, n int, wait, service time.Duration, ok bool) {
+	if m == nil {
+		return
+	}
+	c := class.String()
+	m.queueWait.WithLabelValues(c).Observe(wait.Seconds())
+	m.service.WithLabelValues(c).Observe(service.Seconds())
+	if ok {
+		m.classBytes.WithLabelValues(c).Add(float64(n))
+	}
+}
+
+func (m *metrics) request(class Priority, err error) {
+	if m == nil {
+		return
+	}
+	result := "ok"
+	if err != nil {
+		result = "failed"
+	}
+	m.classRequests.WithLabelValues(class.String(), result).Inc()
+}
+
+func (m *metrics) retry() {
+	if m != nil {
+		m.retries.Inc()
+	}
+}
+
+// railCollector reads every rail's state at scrape time.
+type railCollector struct{ e *Engine }
+
+var (
+	descRailInflight = prometheus.NewDesc("tidepool_engine_rail_inflight_bytes", "Bytes in flight on a rail.", []string{"peer", "rail"}, nil)
+	descRailBW       = prometheus.NewDesc("tidepool_engine_rail_bandwidth_bytes_per_second", "EWMA of a rail's observed bandwidth.", []string{"peer", "rail"}, nil)
+	descRailErrors   = prometheus.NewDesc("tidepool_engine_rail_errors_total", "Errors a rail has had.", []string{"peer", "rail"}, nil)
+	descRailState    = prometheus.NewDesc("tidepool_engine_rail_state", "1 for a rail's current state (up, probing, paused).", []string{"peer", "rail", "state"}, nil)
+)
+
+func (c railCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descRailInflight, descRailBW, descRailErrors, descRailState} {
+		ch <- d
+	}
+}
+
+func (c railCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, r := range c.e.Rails() {
+		ch <- prometheus.MustNewConstMetric(descRailInflight, prometheus.GaugeValue, float64(r.InflightBytes), r.Peer, r.Addr)
+		ch <- prometheus.MustNewConstMetric(descRailBW, prometheus.GaugeValue, r.Bandwidth, r.Peer, r.Addr)
+		ch <- prometheus.MustNewConstMetric(descRailErrors, prometheus.CounterValue, float64(r.Errors), r.Peer, r.Addr)
+		ch <- prometheus.MustNewConstMetric(descRailState, prometheus.GaugeValue, 1, r.Peer, r.Addr, r.State)
 	}
 }
 

@@ -21,6 +21,15 @@ type Mapped interface {
 	Bytes() []byte
 }
 
+// Shareable is implemented by segments that co-located peers can map (the shm transport).
+// ShareFD returns the fd of a memfd (or file) whose bytes [0, Size()) are the segment's bytes,
+// mapped MAP_SHARED by the owner, so a write through any mapping is seen through all of them; or
+// -1 if it can no longer be shared. The fd must stay open, and keep those bytes, for the life of
+// the registration.
+type Shareable interface {
+	ShareFD() int
+}
+
 // MaxSegmentName is the longest segment name the wire format carries.
 const MaxSegmentName = 255
 

@@ -68,6 +68,9 @@ func (s *serverConn) serve(h reqHeader) error {
 		}
 		return s.sendError(err)
 	}
+	if h.op == opDescribe {
+		return s.describe(seg)
+	}
 	off, n := int64(h.off), int64(h.n)
 	if h.op == opRead {
 		err = s.read(seg, off, n)
@@ -170,6 +173,18 @@ func (s *serverConn) write(seg Segment, off, n int64) error {
 		done += int64(len(chunk))
 	}
 	return s.sendOK()
+}
+
+// describe answers with the record a same-host client needs to map seg (see describeSegment), or
+// with statusUnsupported if seg cannot be shared.
+func (s *serverConn) describe(seg Segment) error {
+	info, err := describeSegment(seg)
+	if err != nil {
+		return s.sendError(err)
+	}
+	b := appendResponse(s.resp[:0], respHeader{status: statusOK, n: describeLen})
+	_, err = s.nc.Write(appendShmInfo(b, info))
+	return err
 }
 
 func (s *serverConn) sendOK() error {

@@ -45,6 +45,19 @@ type tcpConn struct {
 // bytes of a payload: bufio reads requests at least this large straight into the caller's buffer.
 const connReadBuf = 4 << 10
 
+// NewTCPTransport returns the TCP transport an engine builds by default,
+// for callers that wrap it (enginetest.Shaper) and pass it as
+// Config.Transport.
+func NewTCPTransport(connsPerRail int, dialTimeout time.Duration) Transport {
+	if connsPerRail <= 0 {
+		connsPerRail = defaultConnsPerPeer
+	}
+	if dialTimeout <= 0 {
+		dialTimeout = defaultDialTimeout
+	}
+	return newTCPTransport(connsPerRail, dialTimeout)
+}
+
 func newTCPTransport(conns int, dialTimeout time.Duration) *tcpTransport {
 	t := &tcpTransport{conns: conns, dialer: net.Dialer{Timeout: dialTimeout, KeepAlive: 30 * time.Second}}
 	t.mu.peers = make(map[string]*tcpPeer)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"time"
 
@@ -25,9 +26,11 @@ type Config struct {
 	// ID names the node; it must be stable across restarts of the same node.
 	ID      string
 	Masters []string
-	// Listen is the transfer engine's listen address, e.g. "127.0.0.1:0".
+	// Listen is the transfer engine's listen address, e.g. "127.0.0.1:0",
+	// or several separated by commas: one rail each.
 	Listen string
-	// Advertise is the engine address peers dial; default the listener's.
+	// Advertise is the engine address peers dial, or several separated by
+	// commas; default the listeners' addresses.
 	Advertise string
 	// Tiers are mounted by the caller and closed by Node.Close.
 	Tiers             []tiers.Tier
@@ -42,7 +45,7 @@ type Node struct {
 	cfg      Config
 	log      *slog.Logger
 	eng      *engine.Engine
-	ln       net.Listener
+	lns      []net.Listener
 	masters  *leaderconn.Conn
 	endpoint string
 
@@ -74,34 +77,47 @@ func New(cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, fmt.Errorf("store: %w", err)
 	}
-	ln, err := net.Listen("tcp", cfg.Listen)
-	if err != nil {
-		masters.Close()
-		return nil, fmt.Errorf("store: listen for transfers on %q: %w", cfg.Listen, err)
+	var lns []net.Listener
+	var addrs []string
+	for _, addr := range strings.Split(cfg.Listen, ",") {
+		ln, err := net.Listen("tcp", strings.TrimSpace(addr))
+		if err != nil {
+			for _, l := range lns {
+				l.Close()
+			}
+			masters.Close()
+			return nil, fmt.Errorf("store: listen for transfers on %q: %w", addr, err)
+		}
+		lns = append(lns, ln)
+		addrs = append(addrs, ln.Addr().String())
 	}
 	ecfg := cfg.Engine
 	ecfg.Registerer, ecfg.Logger = cfg.Registerer, cfg.Logger
 	n := &Node{
-		cfg: cfg, log: cfg.Logger, eng: engine.New(ecfg), ln: ln, masters: masters,
+		cfg: cfg, log: cfg.Logger, eng: engine.New(ecfg), lns: lns, masters: masters,
 		endpoint:   cfg.Advertise,
 		registered: make(chan struct{}),
 		stop:       make(chan struct{}),
 	}
 	if n.endpoint == "" {
-		n.endpoint = ln.Addr().String()
+		n.endpoint = strings.Join(addrs, ",")
 	}
-	n.wg.Add(2)
-	go func() {
-		defer n.wg.Done()
-		if err := n.eng.Serve(ln); err != nil {
-			n.log.Error("transfer engine stopped", "err", err)
-		}
-	}()
+	for _, ln := range lns {
+		n.wg.Add(1)
+		go func() {
+			defer n.wg.Done()
+			if err := n.eng.Serve(ln); err != nil {
+				n.log.Error("transfer engine stopped", "err", err)
+			}
+		}()
+	}
+	n.wg.Add(1)
 	go n.run()
 	return n, nil
 }
 
-// Endpoint is the address peers reach this node's transfer engine at.
+// Endpoint is the address peers reach this node's transfer engine at:
+// one per rail, separated by commas.
 func (n *Node) Endpoint() string { return n.endpoint }
 
 // Registered is closed once the node has registered with the master.

@@ -18,9 +18,10 @@ type DRAMTier struct {
 }
 
 var (
-	_ Tier           = (*DRAMTier)(nil)
-	_ engine.Segment = (*DRAMTier)(nil)
-	_ engine.Mapped  = (*DRAMTier)(nil)
+	_ Tier             = (*DRAMTier)(nil)
+	_ engine.Segment   = (*DRAMTier)(nil)
+	_ engine.Mapped    = (*DRAMTier)(nil)
+	_ engine.Shareable = (*DRAMTier)(nil)
 )
 
 // NewDRAM maps capacity bytes of host memory. Pages are committed lazily by
@@ -56,6 +57,10 @@ func (t *DRAMTier) Segment() engine.Segment { return t }
 // Bytes returns the whole mapping; the engine reads and writes it in place.
 func (t *DRAMTier) Bytes() []byte { return t.mem }
 
+// ShareFD returns the memfd behind the mapping, so same-host clients can map the tier (the
+// engine's shm transport); -1 after Close.
+func (t *DRAMTier) ShareFD() int { return t.fd }
+
 // ErrOutOfRange reports an access outside a tier.
 var ErrOutOfRange = errors.New("tiers: access out of range")
 
@@ -79,6 +84,6 @@ func (t *DRAMTier) Close() error {
 		return nil
 	}
 	err := errors.Join(unix.Munmap(t.mem), unix.Close(t.fd))
-	t.mem = nil
+	t.mem, t.fd = nil, -1
 	return err
 }

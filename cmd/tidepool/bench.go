@@ -31,6 +31,9 @@ type benchRow struct {
 }
 
 func runBench(ctx context.Context, e *env, args []string) error {
+	if len(args) > 0 && args[0] == "engine" {
+		return runBenchEngine(ctx, e, args[1:])
+	}
 	var ops, sizes listFlag
 	var conc listFlag
 	var duration time.Duration

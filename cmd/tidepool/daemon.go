@@ -204,7 +204,7 @@ type storeFlags struct {
 func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
 	host, _ := os.Hostname()
 	fs.StringVar(&s.id, "id", host, "node id; stable across restarts of this node")
-	fs.StringVar(&s.listen, "listen", defaultEngine, "transfer engine address")
+	fs.StringVar(&s.listen, "listen", defaultEngine, "transfer engine address, or several separated by commas: one rail each")
 	fs.StringVar(&s.advertise, "advertise", "", "transfer engine address peers dial (default --listen)")
 	fs.Var(&s.tiers, "tier", "a tier to serve, repeatable: dram:SIZE (e.g. dram:8GiB) (default "+defaultTier+")")
 }

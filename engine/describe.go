@@ -1,0 +1,176 @@
+package engine
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// shmInfo is the describe record: what a client on the same host needs to map a segment (see
+// frame.go for its wire layout).
+type shmInfo struct {
+	bootID string // the owner's boot id; equal to ours means the same kernel
+	pid    uint32 // the owner's process
+	fd     uint32 // the owner's fd of the segment's memfd or file
+	size   uint64 // the segment's size
+	dev    uint64 // identity of that file, checked after opening it through /proc
+	ino    uint64
+}
+
+const (
+	bootIDLen   = 36 // a UUID as text
+	describeLen = bootIDLen + 4 + 4 + 8 + 8 + 8
+	bootIDPath  = "/proc/sys/kernel/random/boot_id"
+)
+
+// hostBootID is this host's boot id, read once: it names the running kernel, which is what two
+// processes must share to map each other's memory.
+var hostBootID = sync.OnceValues(func() (string, error) {
+	b, err := os.ReadFile(bootIDPath)
+	if err != nil {
+		return "", err
+	}
+	b = bytes.TrimSpace(b)
+	if len(b) != bootIDLen {
+		return "", fmt.Errorf("%s: %d bytes, want %d", bootIDPath, len(b), bootIDLen)
+	}
+	return string(b), nil
+})
+
+func appendShmInfo(dst []byte, info shmInfo) []byte {
+	dst = append(dst, info.bootID...)
+	dst = binary.BigEndian.AppendUint32(dst, info.pid)
+	dst = binary.BigEndian.AppendUint32(dst, info.fd)
+	dst = binary.BigEndian.AppendUint64(dst, info.size)
+	dst = binary.BigEndian.AppendUint64(dst, info.dev)
+	return binary.BigEndian.AppendUint64(dst, info.ino)
+}
+
+func parseShmInfo(b *[describeLen]byte) shmInfo {
+	r := b[bootIDLen:]
+	return shmInfo{
+		bootID: string(b[:bootIDLen]),
+		pid:    binary.BigEndian.Uint32(r[0:]),
+		fd:     binary.BigEndian.Uint32(r[4:]),
+		size:   binary.BigEndian.Uint64(r[8:]),
+		dev:    binary.BigEndian.Uint64(r[16:]),
+		ino:    binary.BigEndian.Uint64(r[24:]),
+	}
+}
+
+// describeSegment is the server's answer to a describe: seg's memfd as this process sees it. It
+// fails with ErrUnsupported if seg is not Shareable or its fd is unusable.
+func describeSegment(seg Segment) (shmInfo, error) {
+	sh, ok := seg.(Shareable)
+	if !ok {
+		return shmInfo{}, fmt.Errorf("%w: segment %q cannot be shared", ErrUnsupported, seg.Name())
+	}
+	fd := sh.ShareFD()
+	if fd < 0 {
+		return shmInfo{}, fmt.Errorf("%w: segment %q has no shareable fd", ErrUnsupported, seg.Name())
+	}
+	boot, err := hostBootID()
+	if err != nil {
+		return shmInfo{}, fmt.Errorf("%w: boot id: %w", ErrUnsupported, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return shmInfo{}, fmt.Errorf("%w: segment %q: fstat fd %d: %w", ErrUnsupported, seg.Name(), fd, err)
+	}
+	size := seg.Size()
+	if st.Size < size {
+		return shmInfo{}, fmt.Errorf("%w: segment %q: fd %d holds %d bytes, segment has %d",
+			ErrUnsupported, seg.Name(), fd, st.Size, size)
+	}
+	return shmInfo{
+		bootID: boot,
+		pid:    uint32(os.Getpid()),
+		fd:     uint32(fd),
+		size:   uint64(size),
+		dev:    uint64(st.Dev),
+		ino:    uint64(st.Ino),
+	}, nil
+}
+
+// describe asks the peer at addr how to map its segment from this host. Errors: ErrUnsupported
+// if the peer cannot share that segment, ErrSegmentNotFound if it serves none of that name, and
+// the usual connection errors of Do.
+func (t *tcpTransport) describe(ctx context.Context, addr, segment string) (shmInfo, error) {
+	if n := len(segment); n == 0 || n > MaxSegmentName {
+		return shmInfo{}, fmt.Errorf("%w: segment name of %d bytes", ErrInvalid, n)
+	}
+	var info shmInfo
+	err := t.call(ctx, addr, func(c *tcpConn) (bool, error) {
+		var keep bool
+		var err error
+		info, keep, err = c.describe(addr, segment)
+		return keep, err
+	})
+	return info, err
+}
+
+// call runs one exchange on a pooled connection to addr, with Do's rules: ctx closes the
+// connection under a stuck exchange, and a failure on a connection that sat idle in the pool is
+// retried once on a fresh one. exchange reports whether the connection can be kept.
+func (t *tcpTransport) call(ctx context.Context, addr string, exchange func(*tcpConn) (keep bool, err error)) error {
+	p, err := t.peer(addr)
+	if err != nil {
+		return err
+	}
+	for {
+		c, err := t.acquire(ctx, p)
+		if err != nil {
+			return err
+		}
+		stop := context.AfterFunc(ctx, func() { c.nc.Close() })
+		keep, err := exchange(c)
+		if !stop() {
+			// The connection was closed under us; if the exchange finished first, its result stands.
+			keep = false
+			if err != nil {
+				err = context.Cause(ctx)
+			}
+		}
+		t.release(p, c, keep)
+		if err == nil || keep || !c.reused || ctx.Err() != nil || !errors.Is(err, ErrUnavailable) {
+			return t.closedErr(err)
+		}
+	}
+}
+
+// describe sends one describe request and reads its answer. keep as for exchange.
+func (c *tcpConn) describe(addr, segment string) (_ shmInfo, keep bool, _ error) {
+	hdr := appendRequest(c.hdr[:0], opDescribe, segment, 0, 0)
+	if _, err := c.nc.Write(hdr); err != nil {
+		return shmInfo{}, false, fmt.Errorf("%w: send to %s: %w", ErrUnavailable, addr, err)
+	}
+	h, err := readResponse(c.br, &c.resp)
+	if err != nil {
+		if errors.Is(err, ErrProtocol) {
+			return shmInfo{}, false, fmt.Errorf("response from %s: %w", addr, err)
+		}
+		return shmInfo{}, false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, addr, err)
+	}
+	if h.status != statusOK {
+		msg := make([]byte, h.n) // at most maxErrMsg, checked by readResponse
+		if _, err := io.ReadFull(c.br, msg); err != nil {
+			return shmInfo{}, false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, addr, noEOF(err))
+		}
+		return shmInfo{}, true, fmt.Errorf("%w: %s", statusErr(h.status), msg)
+	}
+	if h.n != describeLen {
+		return shmInfo{}, false, fmt.Errorf("%w: describe from %s has %d bytes, want %d", ErrProtocol, addr, h.n, describeLen)
+	}
+	var rec [describeLen]byte
+	if _, err := io.ReadFull(c.br, rec[:]); err != nil {
+		return shmInfo{}, false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, addr, noEOF(err))
+	}
+	return parseShmInfo(&rec), true, nil
+}
