@@ -49,10 +49,15 @@ func (q *qosQueue[T]) push(item T, class Priority, bytes int64, tenant string, d
 	})
 }
 
-// effective is e's class at now after aging: one class up per agingStep waited, High at most.
+// effective is e's class at now after aging: a request that has waited
+// agingStep moves up one class, once. Low thus overtakes Medium traffic but
+// never competes with High, so bulk work that has queued for a while cannot
+// push foreground reads back (the scheduler also caps Low's rail slots).
 func (e *queued[T]) effective(now time.Time) Priority {
-	steps := min(max(int64(now.Sub(e.enqueued)/agingStep), 0), int64(Low-High))
-	return max(e.class-Priority(steps), High)
+	if e.class > High && now.Sub(e.enqueued) >= agingStep {
+		return e.class - 1
+	}
+	return e.class
 }
 
 // before orders dispatch: better effective class first, then earlier enqueue.
@@ -67,16 +72,17 @@ func (e *queued[T]) before(o *queued[T], now time.Time) bool {
 }
 
 // pop removes and returns the request to dispatch next at now: the best effective class, FIFO
-// among equals, skipping requests whose tenant canStart refuses (nil admits all); those stay
+// among equals, skipping requests canStart refuses (by native class, tenant and size; nil
+// admits all); those stay
 // queued, in place. ok is false when nothing queued may start.
-func (q *qosQueue[T]) pop(now time.Time, canStart func(tenant string, bytes int64) bool) (item T, ok bool) {
+func (q *qosQueue[T]) pop(now time.Time, canStart func(class Priority, tenant string, bytes int64) bool) (item T, ok bool) {
 	// Within a class the queue is FIFO, so its first startable request is also its oldest and best
 	// aged: only one candidate per class needs comparing.
 	bestC, bestJ := -1, -1
 	for c := range q.byClass {
 		for j := range q.byClass[c] {
 			e := &q.byClass[c][j]
-			if canStart != nil && !canStart(e.tenant, e.bytes) {
+			if canStart != nil && !canStart(e.class, e.tenant, e.bytes) {
 				continue
 			}
 			if bestC < 0 || e.before(&q.byClass[bestC][bestJ], now) {

@@ -18,7 +18,11 @@ type qosPush struct {
 func drain(q *qosQueue[string], now time.Time, canStart func(string, int64) bool) []string {
 	var out []string
 	for {
-		item, ok := q.pop(now, canStart)
+		var admit func(Priority, string, int64) bool
+		if canStart != nil {
+			admit = func(_ Priority, tenant string, n int64) bool { return canStart(tenant, n) }
+		}
+		item, ok := q.pop(now, admit)
 		if !ok {
 			return out
 		}
@@ -42,13 +46,12 @@ func TestQoSOrder(t *testing.T) {
 			[]string{"m1", "z", "m2", "l"}},
 		{"out-of-range classes clamp", []qosPush{{"l9", 9, 0}, {"m", Medium, 0}, {"h-1", -1, 0}}, 0,
 			[]string{"h-1", "m", "l9"}},
-		// Low at t0 competes as High from t0+20ms; a High enqueued at t0+25ms has the same
-		// effective class and is younger, so the old Low goes first.
-		{"aged Low beats a younger High", []qosPush{{"low", Low, 0}, {"high", High, 25 * ms}}, 25 * ms,
-			[]string{"low", "high"}},
-		// ... but only from 20ms on: at 19ms it is Medium.
-		{"Low not yet aged to High", []qosPush{{"low", Low, 0}, {"high", High, 19 * ms}}, 19 * ms,
+		// Aging moves a class up once: a Low that has waited an hour is Medium, never High.
+		{"aged Low never beats High", []qosPush{{"low", Low, 0}, {"high", High, 25 * ms}}, time.Hour,
 			[]string{"high", "low"}},
+		// A Medium that has waited competes as High and is older than a fresh High.
+		{"aged Medium beats a younger High", []qosPush{{"med", Medium, 0}, {"high", High, 15 * ms}}, 15 * ms,
+			[]string{"med", "high"}},
 		// After 5ms Low has not risen at all, so a Medium (even a younger one) wins.
 		{"Low at 5ms still loses to Medium", []qosPush{{"low", Low, 0}, {"med", Medium, 5 * ms}}, 5 * ms,
 			[]string{"med", "low"}},
@@ -90,7 +93,7 @@ func TestQoSTenantCapSkips(t *testing.T) {
 	caps.start("a", 80)
 	pop := func(want string) {
 		t.Helper()
-		got, ok := q.pop(qosT0, caps.canStart)
+		got, ok := q.pop(qosT0, func(_ Priority, tenant string, n int64) bool { return caps.canStart(tenant, n) })
 		if want == "" {
 			if ok {
 				t.Fatalf("popped %q, want nothing", got)
@@ -188,7 +191,7 @@ func TestQoSPopEmpty(t *testing.T) {
 		t.Fatalf("pop on empty queue = %d, true", v)
 	}
 	q.push(7, Low, 1, "t", time.Time{}, qosT0)
-	if _, ok := q.pop(qosT0, func(string, int64) bool { return false }); ok {
+	if _, ok := q.pop(qosT0, func(Priority, string, int64) bool { return false }); ok {
 		t.Fatalf("popped although no tenant may start")
 	}
 	if v, ok := q.pop(qosT0, nil); !ok || v != 7 {

@@ -16,26 +16,33 @@ import (
 // finish time. In round-robin mode (the baseline) a slice is bound to a
 // rail when it is cut, as Mooncake's engine does, and waits for that rail.
 
+// lowYield is how long after the last High or Medium slice Low traffic
+// keeps to one slot per rail.
+const lowYield = 50 * time.Millisecond
+
 // maxSliceAttempts bounds how often a slice is retried on other rails
 // before its request falls over to the next transport.
 const maxSliceAttempts = 8
 
 // peer is the scheduling state of one target endpoint (all its rails).
 type peer struct {
-	e        *Engine
-	tr       Transport
-	endpoint string
-	mode     sprayMode
-	rails    []*rail
-	sp       *sprayer
+	e         *Engine
+	sliceBase int
+	tr        Transport
+	endpoint  string
+	mode      sprayMode
+	rails     []*rail
+	sp        *sprayer
 
 	mu struct {
 		sync.Mutex
-		busy   map[*rail]int // slots in use per rail
-		shared *qosQueue[*slice]
-		byRail map[*rail]*qosQueue[*slice] // round-robin mode
-		rr     int
-		caps   *tenantCaps
+		busy    map[*rail]int // slots in use per rail
+		lowBusy map[*rail]int // of which by Low slices
+		urgent  time.Time     // when the last High or Medium slice was queued
+		shared  *qosQueue[*slice]
+		byRail  map[*rail]*qosQueue[*slice] // round-robin mode
+		rr      int
+		caps    *tenantCaps
 	}
 }
 
@@ -68,11 +75,16 @@ func (e *Engine) newPeer(tr Transport, target Target) *peer {
 	if e.cfg.RoundRobin {
 		p.mode = sprayRoundRobin
 	}
+	p.sliceBase = sliceBase
+	if ss, ok := tr.(SliceSizer); ok && ss.SliceBase() > 0 {
+		p.sliceBase = ss.SliceBase()
+	}
 	for _, addr := range target.Rails() {
 		p.rails = append(p.rails, newRail(addr, e.cfg.RailBandwidth))
 	}
 	p.sp = newSprayer(p.mode, p.rails)
 	p.mu.busy = map[*rail]int{}
+	p.mu.lowBusy = map[*rail]int{}
 	p.mu.shared = &qosQueue[*slice]{}
 	p.mu.byRail = map[*rail]*qosQueue[*slice]{}
 	for _, r := range p.rails {
@@ -110,7 +122,7 @@ func (p *peer) do(ctx context.Context, op *Op, opts Options) error {
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	spans := cutSlices(len(op.Buf))
+	spans := cutSlicesFrom(len(op.Buf), p.sliceBase)
 	req := &request{op: op, opts: opts, ctx: ctx, cancel: cancel, done: make(chan struct{})}
 	req.mu.left = len(spans)
 	p.mu.Lock()
@@ -159,6 +171,9 @@ func (p *peer) estimate(n int64) time.Duration {
 }
 
 func (p *peer) enqueueLocked(sl *slice, now time.Time) {
+	if normClass(sl.req.opts.Priority) != Low {
+		p.mu.urgent = now
+	}
 	q := p.mu.shared
 	if sl.rail != nil {
 		q = p.mu.byRail[sl.rail]
@@ -169,7 +184,27 @@ func (p *peer) enqueueLocked(sl *slice, now time.Time) {
 // dispatchLocked starts queued slices while rails have free slots.
 func (p *peer) dispatchLocked(now time.Time) {
 	slots := p.e.cfg.ConnsPerPeer
-	canStart := func(tenant string, n int64) bool { return p.mu.caps.canStart(tenant, n) }
+	// While higher classes are active, Low slices may hold only one slot
+	// per rail: what Low has in flight on a rail is what a High slice waits
+	// behind on the link, whatever the queue order.
+	lowCapped := now.Sub(p.mu.urgent) < lowYield
+	lowRoom := func() bool {
+		if !lowCapped {
+			return true
+		}
+		for _, r := range p.rails {
+			if p.mu.lowBusy[r] < 1 && p.mu.busy[r] < slots && r.available(now) {
+				return true
+			}
+		}
+		return false
+	}
+	canStart := func(class Priority, tenant string, n int64) bool {
+		if class == Low && !lowRoom() {
+			return false
+		}
+		return p.mu.caps.canStart(tenant, n)
+	}
 	if p.mode == sprayRoundRobin {
 		for _, r := range p.rails {
 			if !r.available(now) {
@@ -209,9 +244,13 @@ func (p *peer) dispatchLocked(now time.Time) {
 		if !ok {
 			return
 		}
-		r := p.sp.pick(sl.span.n, now, func(r *rail) bool { return full(r) || (sl.tried[r] && len(sl.tried) < len(p.rails)) })
+		blocked := full
+		if lowCapped && normClass(sl.req.opts.Priority) == Low {
+			blocked = func(r *rail) bool { return full(r) || p.mu.lowBusy[r] >= 1 }
+		}
+		r := p.sp.pick(sl.span.n, now, func(r *rail) bool { return blocked(r) || (sl.tried[r] && len(sl.tried) < len(p.rails)) })
 		if r == nil {
-			r = p.sp.pick(sl.span.n, now, full) // every rail was tried: any free one
+			r = p.sp.pick(sl.span.n, now, blocked) // every rail was tried: any free one
 		}
 		if r == nil {
 			p.enqueueLocked(sl, now)
@@ -227,6 +266,9 @@ func (p *peer) startLocked(sl *slice, r *rail, now time.Time) {
 		return
 	}
 	p.mu.busy[r]++
+	if normClass(sl.req.opts.Priority) == Low {
+		p.mu.lowBusy[r]++
+	}
 	p.mu.caps.start(sl.req.opts.Tenant, int64(sl.span.n))
 	p.sp.begin(r, sl.span.n)
 	p.e.wg.Add(1)
@@ -248,6 +290,9 @@ func (p *peer) run(sl *slice, r *rail, dispatched time.Time) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.mu.busy[r]--
+	if normClass(sl.req.opts.Priority) == Low {
+		p.mu.lowBusy[r]--
+	}
 	p.mu.caps.done(sl.req.opts.Tenant, int64(sl.span.n))
 	railErr := err != nil && sl.req.ctx.Err() == nil && railFault(err)
 	p.sp.end(r, sl.span.n, now.Sub(dispatched), err, now)
@@ -346,4 +391,12 @@ func (e *Engine) Rails() []RailInfo {
 	}
 	slices.SortFunc(out, func(a, b RailInfo) int { return cmp.Or(cmp.Compare(a.Peer, b.Peer), cmp.Compare(a.Addr, b.Addr)) })
 	return out
+}
+
+// normClass maps the zero Priority to Medium, as the QoS queue does.
+func normClass(p Priority) Priority {
+	if p == 0 {
+		return Medium
+	}
+	return p
 }

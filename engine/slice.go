@@ -8,20 +8,26 @@ const (
 // sliceSize is the slice size for a request of n bytes: sliceBase, unless that would take more
 // than maxSlices slices; then n/maxSlices rounded up to a multiple of sliceBase, so a large
 // request is still cut into at most maxSlices slices.
-func sliceSize(n int) int {
-	if n <= sliceBase*maxSlices {
-		return sliceBase
+func sliceSize(n int) int { return sliceSizeFrom(n, sliceBase) }
+
+// sliceSizeFrom is sliceSize for a transport whose base slice is base.
+func sliceSizeFrom(n, base int) int {
+	if n <= base*maxSlices {
+		return base
 	}
 	size := (n + maxSlices - 1) / maxSlices
-	return (size + sliceBase - 1) / sliceBase * sliceBase
+	return (size + base - 1) / base * base
 }
 
 // cutSlices cuts a request of n bytes into consecutive spans of sliceSize(n) that cover [0, n)
 // exactly. A tail under a quarter of a slice is merged into the slice before it: a tiny straggler
 // would cost a whole round trip for almost no bytes. n <= sliceBase gives one span (n == 0 one
 // empty span), so every request has at least one slice to carry it.
-func cutSlices(n int) []span {
-	size := sliceSize(n)
+func cutSlices(n int) []span { return cutSlicesFrom(n, sliceBase) }
+
+// cutSlicesFrom is cutSlices for a transport whose base slice is base.
+func cutSlicesFrom(n, base int) []span {
+	size := sliceSizeFrom(n, base)
 	if n <= size {
 		return []span{{0, n}}
 	}

@@ -58,6 +58,10 @@ func NewTCPTransport(connsPerRail int, dialTimeout time.Duration) Transport {
 	return newTCPTransport(connsPerRail, dialTimeout)
 }
 
+// SliceBase is 256 KiB: on loopback, 64 KiB slices spend as much time in
+// per-round-trip system calls as in copying (see docs/benchmarks.md).
+func (t *tcpTransport) SliceBase() int { return 256 << 10 }
+
 func newTCPTransport(conns int, dialTimeout time.Duration) *tcpTransport {
 	t := &tcpTransport{conns: conns, dialer: net.Dialer{Timeout: dialTimeout, KeepAlive: 30 * time.Second}}
 	t.mu.peers = make(map[string]*tcpPeer)

@@ -50,3 +50,10 @@ type Transport interface {
 	Do(ctx context.Context, op *Op) error
 	Close() error
 }
+
+// SliceSizer is implemented by transports whose per-slice cost calls for a
+// larger base slice than the default 64 KiB (a TCP round trip costs a few
+// system calls and wake-ups, an RDMA write almost nothing).
+type SliceSizer interface {
+	SliceBase() int
+}

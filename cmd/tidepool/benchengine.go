@@ -357,11 +357,17 @@ func (b *engineBench) kill(ctx context.Context) error {
 	// Throughput in 10 ms windows: the dip after the kill and how long
 	// until it is back to 3/4 of what it was before (three rails left).
 	const win = 10 * time.Millisecond
+	// Rerouting is done when the last request that was in flight at the
+	// kill (some of its slices on the dead rail) has finished.
 	c.mu.Lock()
 	buckets := map[int]int{}
+	var reroute time.Duration
 	for _, s := range c.samples {
 		if s.err == nil {
 			buckets[int(s.end.Sub(start)/win)] += b.size
+		}
+		if began := s.end.Add(-s.lat); began.Before(killAt) && s.end.After(killAt) {
+			reroute = max(reroute, s.end.Sub(killAt))
 		}
 	}
 	c.mu.Unlock()
@@ -384,7 +390,8 @@ func (b *engineBench) kill(ctx context.Context) error {
 			recovered = time.Duration(i-killB) * win
 		}
 	}
-	row.Note = fmt.Sprintf("lost %d requests; dip to %.0f%% of pre-kill; back to 3/4 of it after %v", row.Errors, 100*minRate/max(preRate, 1), recovered)
+	row.Note = fmt.Sprintf("lost %d requests; in-flight ones done %v after the kill; dip to %.0f%% of pre-kill; back to 3/4 of it after %v",
+		row.Errors, reroute.Round(100*time.Microsecond), 100*minRate/max(preRate, 1), recovered)
 	b.out(row)
 	return nil
 }
