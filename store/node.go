@@ -120,6 +120,9 @@ func New(cfg Config) (*Node, error) {
 // one per rail, separated by commas.
 func (n *Node) Endpoint() string { return n.endpoint }
 
+// Rails describes the rails this node's engine uses towards its peers.
+func (n *Node) Rails() []engine.RailInfo { return n.eng.Rails() }
+
 // Registered is closed once the node has registered with the master.
 func (n *Node) Registered() <-chan struct{} { return n.registered }
 

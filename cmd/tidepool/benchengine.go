@@ -61,6 +61,11 @@ func runBenchEngine(ctx context.Context, e *env, args []string) error {
 		fmt.Fprintf(e.stdout, "%-6s %-22s %9.3f %9.3f %9.3f %7d %6d  %s\n", r.Scenario, r.Mode, r.GBps, r.P50ms, r.P99ms, r.Ops, r.Errors, r.Note)
 	}}
 	if !*asJSON {
+		b.rails = func(r []engine.RailInfo) {
+			fmt.Fprintln(e.stdout, "\nthe sprayer's rails after its run:")
+			_ = printRails(e, r)
+			fmt.Fprintln(e.stdout)
+		}
 		fmt.Fprintf(e.stdout, "%-6s %-22s %9s %9s %9s %7s %6s  %s\n", "SCEN", "MODE", "GB/s", "P50 ms", "P99 ms", "OPS", "ERRS", "NOTE")
 	}
 	for _, s := range scenarios {
@@ -104,6 +109,7 @@ type engineBench struct {
 	dur        time.Duration
 	unit       float64
 	out        func(engineRow)
+	rails      func([]engine.RailInfo) // nil: do not print
 }
 
 const benchSegment = "bench/dram0@1"
@@ -314,6 +320,7 @@ func (b *engineBench) spray(ctx context.Context) error {
 			mode = "round-robin"
 		}
 		row := b.run(ctx, "spray", mode, eng, target, b.size, b.conc, engine.Medium)
+		rails := eng.Rails()
 		eng.Close()
 		if rr {
 			base = row
@@ -323,6 +330,9 @@ func (b *engineBench) spray(ctx context.Context) error {
 			row.Note = fmt.Sprintf("%.2fx round-robin throughput, p99 %.2fx", row.GBps/base.GBps, row.P99ms/base.P99ms)
 		}
 		b.out(row)
+		if b.rails != nil && !rr {
+			b.rails(rails)
+		}
 	}
 	return nil
 }

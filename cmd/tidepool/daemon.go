@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
@@ -63,7 +65,8 @@ func parseDaemon(e *env, fs *flag.FlagSet, args []string, httpDefault string) (*
 
 // serveHTTP serves /metrics, /healthz and /readyz until ctx ends.
 // ready reports whether the daemon can do its work.
-func serveHTTP(ctx context.Context, addr string, reg *prometheus.Registry, ready func() error, log *slog.Logger) (func(), error) {
+// rails, if not nil, is served as JSON at /debug/rails for `tidepool admin rails`.
+func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails func() []engine.RailInfo, log *slog.Logger) (func(), error) {
 	if addr == "" {
 		return func() {}, nil
 	}
@@ -74,6 +77,12 @@ func serveHTTP(ctx context.Context, addr string, reg *prometheus.Registry, ready
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
+	if rails != nil {
+		mux.HandleFunc("/debug/rails", func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			_ = json.NewEncoder(w).Encode(rails())
+		})
+	}
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if err := ready(); err != nil {
 			http.Error(w, err.Error(), http.StatusServiceUnavailable)
@@ -176,7 +185,7 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	stopHTTP, err := serveHTTP(ctx, d.http, d.reg, func() error { return leaderKnown(srv, m.id) }, log)
+	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return leaderKnown(srv, m.id) }, nil, log)
 	if err != nil {
 		return errors.Join(err, stop())
 	}
@@ -276,7 +285,7 @@ func runStore(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	stopHTTP, err := serveHTTP(ctx, d.http, d.reg, func() error { return registered(n) }, log)
+	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return registered(n) }, n.Rails, log)
 	if err != nil {
 		return errors.Join(err, n.Close())
 	}
@@ -318,9 +327,9 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return errors.Join(err, stopMaster())
 	}
-	stopHTTP, err := serveHTTP(ctx, d.http, reg, func() error {
+	stopHTTP, err := serveHTTP(d.http, reg, func() error {
 		return errors.Join(leaderKnown(srv, m.id), registered(n))
-	}, log)
+	}, n.Rails, log)
 	if err != nil {
 		return errors.Join(err, n.Close(), stopMaster())
 	}
