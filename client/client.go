@@ -19,8 +19,10 @@ import (
 type Config struct {
 	// Masters are the gRPC addresses of the masters, any of them.
 	Masters []string
-	// Engine moves the bytes; nil creates one that Close closes.
-	Engine *engine.Engine
+	// Engine moves the bytes; nil creates one from EngineConfig that Close
+	// closes.
+	Engine       *engine.Engine
+	EngineConfig engine.Config
 	Logger *slog.Logger
 }
 
@@ -43,7 +45,11 @@ func New(cfg Config) (*Client, error) {
 		c.log = slog.New(slog.DiscardHandler)
 	}
 	if c.eng == nil {
-		c.eng, c.ownEngine = engine.New(engine.Config{Logger: c.log}), true
+		ecfg := cfg.EngineConfig
+		if ecfg.Logger == nil {
+			ecfg.Logger = c.log
+		}
+		c.eng, c.ownEngine = engine.New(ecfg), true
 	}
 	return c, nil
 }

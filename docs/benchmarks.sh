@@ -44,11 +44,18 @@ echo "tidepool up + bench (each row $DURATION)" >&2
 "$work/tidepool" up --dir "$work/data" --dram 4GiB --listen 127.0.0.1:55203 --raft 127.0.0.1:55204 \
 	--engine 127.0.0.1:55205 --http 127.0.0.1:55206 --log-level warn & pids+=($!)
 for _ in $(seq 100); do "$work/tidepool" status --masters 127.0.0.1:55203 2>/dev/null | grep -q alive && break; sleep 0.1; done
-"$work/tidepool" bench --masters 127.0.0.1:55203 --duration "$DURATION" --json >"$work/bench.json"
+# --no-shm: the client is on the store's host, and this table is about the network path.
+"$work/tidepool" bench --masters 127.0.0.1:55203 --no-shm --duration "$DURATION" --json >"$work/bench.json"
+"$work/tidepool" bench --masters 127.0.0.1:55203 --ops get --sizes 4MiB --concurrency 1,4 --duration "$DURATION" --json >"$work/shm.json"
 
-$PY - "$work/bench.json" "$iperf4" "$redis_set" "$redis_get" "$iperf1" <<'PYEOF'
+echo "tidepool bench engine (each run $DURATION)" >&2
+"$work/tidepool" bench engine --duration "$DURATION" --json >"$work/engine.json"
+
+$PY - "$work/bench.json" "$iperf4" "$redis_set" "$redis_get" "$iperf1" "$work/engine.json" "$work/shm.json" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+engine = [json.loads(l) for l in open(sys.argv[6]) if l.strip()]
+shm = [json.loads(l) for l in open(sys.argv[7]) if l.strip()]
 iperf, rset, rget, iperf1 = float(sys.argv[2]), float(sys.argv[3] or 0), float(sys.argv[4] or 0), float(sys.argv[5])
 def size(n):
     return f"{n>>20} MiB" if n >= 1<<20 else f"{n>>10} KiB"
@@ -62,4 +69,19 @@ best = max((r for r in rows if r['op'] == 'get' and r['size'] == 4<<20), key=lam
 if best:
     print(f"\nBest 4 MiB get: {best['gbps']:.2f} GB/s at concurrency {best['concurrency']} = {best['gbps']/iperf:.0%} of iperf3 with four streams, {best['gbps']/iperf1:.0%} of one stream"
           + (f", {best['gbps']/rget:.1f}x Redis GET" if rget else ""))
+
+print("\nThe same cluster, get through shared memory (the CLI's client is on the store's host):\n")
+print("| op | size | conc | ops | GB/s | p50 ms | p99 ms |")
+print("|---|---|---|---|---|---|---|")
+for r in shm:
+    print(f"| {r['op']} | {size(r['size'])} | {r['concurrency']} | {r['ops']} | {r['gbps']:.2f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
+
+print("\n### Transfer engine (`tidepool bench engine`)\n")
+print("| scenario | mode | GB/s | p50 ms | p99 ms | ops | errors | note |")
+print("|---|---|---|---|---|---|---|---|")
+for r in engine:
+    note = r.get("note", "")
+    if r["scenario"] == "tcp":
+        note = f"{r['gbps']/iperf1:.0%} of iperf3 (one stream)"
+    print(f"| {r['scenario']} | {r['mode']} | {r['gbps']:.3f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['ops']} | {r['errors']} | {note} |")
 PYEOF

@@ -151,7 +151,7 @@ func (p *peer) do(ctx context.Context, op *Op, opts Options) error {
 	}
 	req.mu.Lock()
 	defer req.mu.Unlock()
-	p.e.met.request(opts.Priority, req.mu.err)
+	p.e.met.request(normClass(opts.Priority), req.mu.err)
 	return req.mu.err
 }
 
@@ -285,7 +285,7 @@ func (p *peer) run(sl *slice, r *rail, dispatched time.Time) {
 	op.Rail = r.addr
 	err := p.tr.Do(sl.req.ctx, &op)
 	now := time.Now()
-	p.e.met.slice(sl.req.opts.Priority, sl.span.n, dispatched.Sub(sl.enqueued), now.Sub(dispatched), err == nil)
+	p.e.met.slice(normClass(sl.req.opts.Priority), sl.span.n, dispatched.Sub(sl.enqueued), now.Sub(dispatched), err == nil)
 
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/tidepool-kv/tidepool/client"
+	"github.com/tidepool-kv/tidepool/engine"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
@@ -45,6 +46,7 @@ func (m *masters) list() []string {
 func clientCommand(ctx context.Context, e *env, limit time.Duration, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet)) (context.Context, *client.Client, []string, func(), error) {
 	fs := newFlags(name, argsHelp, help, e.stderr)
 	m := mastersFlag(fs, e)
+	noShm := fs.Bool("no-shm", false, "move bytes over TCP even when the store is on this host")
 	timeout := fs.Duration("timeout", limit, "give up after this long (the client retries while no master leader is reachable)")
 	if extra != nil {
 		extra(fs)
@@ -53,7 +55,7 @@ func clientCommand(ctx context.Context, e *env, limit time.Duration, name, argsH
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}
-	c, err := client.New(client.Config{Masters: m.list()})
+	c, err := client.New(client.Config{Masters: m.list(), EngineConfig: engine.Config{NoShm: *noShm}})
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}
