@@ -23,7 +23,7 @@ type Config struct {
 	// closes.
 	Engine       *engine.Engine
 	EngineConfig engine.Config
-	Logger *slog.Logger
+	Logger       *slog.Logger
 }
 
 // Client talks to one Tidepool cluster. It is safe for concurrent use.
@@ -134,7 +134,9 @@ func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) [
 		return errs
 	}
 	if err := batch.Submit(ctx); err == nil {
-		_ = batch.Wait(ctx)
+		// Not ctx: Wait must see every task terminal (ctx cancels them), or
+		// bytes could still be landing after we revoke or read the buffer.
+		_ = batch.Wait(context.Background())
 	}
 	var ended, revoked []string
 	var endIdx []int

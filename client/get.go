@@ -109,7 +109,9 @@ func (c *Client) batchRead(ctx context.Context, keys []string, buffer func(i int
 	}
 	if len(reads) > 0 {
 		if err := batch.Submit(ctx); err == nil {
-			_ = batch.Wait(ctx)
+			// Not ctx: Wait must see every task terminal (ctx cancels them), or
+			// bytes could still be landing after we revoke or read the buffer.
+			_ = batch.Wait(context.Background())
 		}
 	}
 	for _, r := range reads {
@@ -133,7 +135,7 @@ func (c *Client) readOne(ctx context.Context, dst []byte, rep *pb.Replica, deadl
 	if err := b.Submit(ctx); err != nil {
 		return err
 	}
-	_ = b.Wait(ctx)
+	_ = b.Wait(context.Background()) // every task terminal; see batchRead
 	return t.Err()
 }
 

@@ -284,6 +284,10 @@ func outcome(ctx context.Context, err error) (State, error) {
 		return Done, nil
 	}
 	if ctx.Err() == nil {
+		if errors.Is(err, ErrTimedOut) {
+			// The scheduler failed it fast: its deadline cannot be met.
+			return TimedOut, fmt.Errorf("%w: %w", err, context.DeadlineExceeded)
+		}
 		return Failed, err
 	}
 	switch cause := context.Cause(ctx); {
@@ -298,13 +302,16 @@ func outcome(ctx context.Context, err error) (State, error) {
 	}
 }
 
-// transfer moves one task's bytes: through shared memory when the peer is
-// on this host, else sliced and sprayed over the peer's rails.
+// transfer moves one task's bytes: by a copy when the target is this
+// engine's own segment (local), through shared memory (shm) or the peer's
+// file (file) when the peer is on this host, else sliced and sprayed over
+// the peer's rails.
 func (e *Engine) transfer(ctx context.Context, op *Op, opts Options) error {
-	if e.shm != nil {
-		// Anything but a mapped copy's own verdict falls over to the rails,
-		// which may reach the peer where the shared mapping cannot.
-		err := e.shm.Do(ctx, op)
+	for _, tr := range e.near {
+		// Anything but a transport's own verdict on the bytes falls over to
+		// the next, and last to the rails, which may reach the peer where a
+		// same-host path cannot.
+		err := tr.Do(ctx, op)
 		if err == nil || errors.Is(err, ErrOutOfRange) {
 			return err
 		}

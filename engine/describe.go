@@ -22,11 +22,36 @@ type shmInfo struct {
 	size   uint64 // the segment's size
 	dev    uint64 // identity of that file, checked after opening it through /proc
 	ino    uint64
+	kind   segKind // what the fd holds, so the client knows which transport may use it
+}
+
+// segKind says what a described segment's fd is: memory to map (shm) or a file to pread and
+// pwrite (file).
+type segKind uint8
+
+const (
+	segMemory segKind = 0 // a memfd or file mapped by its owner; the record has no kind byte
+	segFile   segKind = 1 // a FileBacked segment's file; the record ends with this kind byte
+)
+
+func (k segKind) String() string {
+	switch k {
+	case segMemory:
+		return "memory"
+	case segFile:
+		return "file"
+	default:
+		return fmt.Sprintf("kind(%d)", uint8(k))
+	}
 }
 
 const (
 	bootIDLen   = 36 // a UUID as text
 	describeLen = bootIDLen + 4 + 4 + 8 + 8 + 8
+	// describeMax is describeLen plus the kind byte, sent only for kinds other than memory: a
+	// memory segment's record is what it always was, and a client that knows only that record
+	// rejects a file segment's (ErrProtocol, so no shm) instead of mapping a file.
+	describeMax = describeLen + 1
 	bootIDPath  = "/proc/sys/kernel/random/boot_id"
 )
 
@@ -50,12 +75,31 @@ func appendShmInfo(dst []byte, info shmInfo) []byte {
 	dst = binary.BigEndian.AppendUint32(dst, info.fd)
 	dst = binary.BigEndian.AppendUint64(dst, info.size)
 	dst = binary.BigEndian.AppendUint64(dst, info.dev)
-	return binary.BigEndian.AppendUint64(dst, info.ino)
+	dst = binary.BigEndian.AppendUint64(dst, info.ino)
+	if info.kind != segMemory {
+		dst = append(dst, byte(info.kind))
+	}
+	return dst
 }
 
-func parseShmInfo(b *[describeLen]byte) shmInfo {
+// appendDescribeResponse appends an ok describe response carrying info's record.
+func appendDescribeResponse(dst []byte, info shmInfo) []byte {
+	n := describeLen
+	if info.kind != segMemory {
+		n = describeMax
+	}
+	dst = appendResponse(dst, respHeader{status: statusOK, n: uint64(n)})
+	return appendShmInfo(dst, info)
+}
+
+// parseShmInfo decodes a describe record of describeLen bytes (a memory segment) or describeMax
+// (with a kind byte). A kind this side does not know is returned as is: the transports refuse it.
+func parseShmInfo(b []byte) (shmInfo, error) {
+	if len(b) != describeLen && len(b) != describeMax {
+		return shmInfo{}, fmt.Errorf("%w: describe record of %d bytes, want %d or %d", ErrProtocol, len(b), describeLen, describeMax)
+	}
 	r := b[bootIDLen:]
-	return shmInfo{
+	info := shmInfo{
 		bootID: string(b[:bootIDLen]),
 		pid:    binary.BigEndian.Uint32(r[0:]),
 		fd:     binary.BigEndian.Uint32(r[4:]),
@@ -63,10 +107,15 @@ func parseShmInfo(b *[describeLen]byte) shmInfo {
 		dev:    binary.BigEndian.Uint64(r[16:]),
 		ino:    binary.BigEndian.Uint64(r[24:]),
 	}
+	if len(b) == describeMax {
+		info.kind = segKind(b[describeLen])
+	}
+	return info, nil
 }
 
-// describeSegment is the server's answer to a describe: seg's memfd as this process sees it. It
-// fails with ErrUnsupported if seg is not Shareable or its fd is unusable.
+// describeSegment is the server's answer to a describe: seg's memfd (or, if seg is FileBacked,
+// its file) as this process sees it. It fails with ErrUnsupported if seg is not Shareable or its
+// fd is unusable.
 func describeSegment(seg Segment) (shmInfo, error) {
 	sh, ok := seg.(Shareable)
 	if !ok {
@@ -96,7 +145,15 @@ func describeSegment(seg Segment) (shmInfo, error) {
 		size:   uint64(size),
 		dev:    uint64(st.Dev),
 		ino:    uint64(st.Ino),
+		kind:   kindOf(seg),
 	}, nil
+}
+
+func kindOf(seg Segment) segKind {
+	if fb, ok := seg.(FileBacked); ok && fb.FileBacked() {
+		return segFile
+	}
+	return segMemory
 }
 
 // describe asks the peer at addr how to map its segment from this host. Errors: ErrUnsupported
@@ -165,12 +222,13 @@ func (c *tcpConn) describe(addr, segment string) (_ shmInfo, keep bool, _ error)
 		}
 		return shmInfo{}, true, fmt.Errorf("%w: %s", statusErr(h.status), msg)
 	}
-	if h.n != describeLen {
-		return shmInfo{}, false, fmt.Errorf("%w: describe from %s has %d bytes, want %d", ErrProtocol, addr, h.n, describeLen)
+	if h.n != describeLen && h.n != describeMax {
+		return shmInfo{}, false, fmt.Errorf("%w: describe from %s has %d bytes, want %d or %d", ErrProtocol, addr, h.n, describeLen, describeMax)
 	}
-	var rec [describeLen]byte
-	if _, err := io.ReadFull(c.br, rec[:]); err != nil {
+	var rec [describeMax]byte
+	if _, err := io.ReadFull(c.br, rec[:h.n]); err != nil {
 		return shmInfo{}, false, fmt.Errorf("%w: receive from %s: %w", ErrUnavailable, addr, noEOF(err))
 	}
-	return parseShmInfo(&rec), true, nil
+	info, err := parseShmInfo(rec[:h.n])
+	return info, err == nil, err
 }

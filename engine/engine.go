@@ -15,7 +15,7 @@ import (
 // Config configures an Engine. The zero value is usable.
 type Config struct {
 	ConnsPerPeer int                   // pooled TCP connections per peer endpoint; default 4
-	MaxInflight  int                   // concurrent tasks in flight per engine; default 64
+	MaxInflight  int                   // concurrent tasks per engine; default 1024 (slices, not tasks, hold rail slots, so this only bounds memory)
 	Registerer   prometheus.Registerer // nil = no metrics
 	Logger       *slog.Logger          // nil = discard
 	DialTimeout  time.Duration         // default 5s
@@ -33,13 +33,14 @@ type Config struct {
 	RailBandwidth float64
 	// TenantInflight caps the bytes in flight per tenant and peer; 0: no cap.
 	TenantInflight int64
-	// NoShm turns off the same-host shared-memory transport.
+	// NoShm turns off the same-host transports that reach a peer's segment through /proc: shm
+	// (shared memory) and file (FileBacked segments). Ops to other engines then go over the rails.
 	NoShm bool
 }
 
 const (
 	defaultConnsPerPeer = 4
-	defaultMaxInflight  = 64
+	defaultMaxInflight  = 1024
 	defaultDialTimeout  = 5 * time.Second
 )
 
@@ -71,7 +72,12 @@ type Engine struct {
 	tr   Transport
 	segs segments
 
-	shm *shmTransport // nil when off or with a custom Transport
+	// The transports tried before the rails, in order (see transfer); nil when off or with a
+	// custom Transport.
+	local *localTransport
+	shm   *shmTransport
+	file  *fileTransport
+	near  []Transport // local, shm, file: those that are on
 
 	slots   chan struct{} // one per task in flight
 	scratch sync.Pool     // *[]byte of scratchSize, for segments that are not Mapped
@@ -110,8 +116,10 @@ func New(cfg Config) *Engine {
 	if e.tr == nil {
 		tcp := newTCPTransport(cfg.ConnsPerPeer, cfg.DialTimeout)
 		e.tr = tcp
+		e.local = newLocalTransport(&e.segs)
+		e.near = append(e.near, e.local)
 		if !cfg.NoShm {
-			e.shm = newShmTransport(func(ctx context.Context, addr, segment string) (shmInfo, error) {
+			desc := func(ctx context.Context, addr, segment string) (shmInfo, error) {
 				// A peer that cannot answer a describe quickly is not worth
 				// sharing memory with: remember it as unsupported and use tcp.
 				ctx, cancel := context.WithTimeout(ctx, time.Second)
@@ -121,7 +129,9 @@ func New(cfg Config) *Engine {
 					err = fmt.Errorf("%w: describe: %w", ErrUnsupported, err)
 				}
 				return info, err
-			})
+			}
+			e.shm, e.file = newShmTransport(desc), newFileTransport(desc)
+			e.near = append(e.near, e.shm, e.file)
 		}
 	}
 	e.peers = map[peerKey]*peer{}
@@ -159,11 +169,13 @@ func (e *Engine) Serve(ln net.Listener) error {
 		return ErrClosed
 	}
 	e.mu.listeners[ln] = struct{}{}
+	e.publishAddrs()
 	e.wg.Add(1)
 	e.mu.Unlock()
 	defer func() {
 		e.mu.Lock()
 		delete(e.mu.listeners, ln)
+		e.publishAddrs()
 		e.mu.Unlock()
 		ln.Close()
 		e.wg.Done()
@@ -261,6 +273,9 @@ func (e *Engine) Close() error {
 		c.Close()
 	}
 	err := e.tr.Close()
+	for _, tr := range e.near {
+		tr.Close()
+	}
 	e.wg.Wait()
 	return err
 }

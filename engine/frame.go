@@ -22,8 +22,8 @@ import (
 //	length   8  bytes to move, at most MaxOpLen
 //	payload  length bytes, writes only
 //
-// A describe request asks how to map the segment from the same host (the shm transport); its
-// offset and length must be 0.
+// A describe request asks how to reach the segment from the same host (the shm and file
+// transports); its offset and length must be 0.
 //
 // Response:
 //
@@ -31,10 +31,12 @@ import (
 //	status   1  0 ok, 1 not found, 2 out of range, 3 bad request, 4 internal,
 //	            5 unsupported (describe of a segment that cannot be shared)
 //	length   8  ok: payload length (the request's length for reads, 0 for writes,
-//	            describeLen for describes); otherwise: length of the error message, at most 1 KiB
+//	            describeLen or describeMax for describes); otherwise: length of the error
+//	            message, at most 1 KiB
 //	payload  length bytes: the data for an ok read, the describe record, or the error message
 //
-// Describe record (an ok describe's payload, describeLen = 68 bytes):
+// Describe record (an ok describe's payload, describeLen = 68 bytes, or describeMax = 69 with the
+// kind byte):
 //
 //	bootid  36  the owner's /proc/sys/kernel/random/boot_id, as text
 //	pid      4  the owner's process id
@@ -44,6 +46,8 @@ import (
 //	ino      8  st_ino of that file: with dev, lets the client check that /proc/<pid>/fd/<fd>
 //	            is that very file (a peer in another pid namespace shares the boot id, but its
 //	            pid names some other process here)
+//	kind     1  only when the segment is not plain memory: 1 = a file (FileBacked) to pread and
+//	            pwrite, never to map; a record without it is memory, mapped by the shm transport
 //
 // A request the server cannot parse (bad magic, version or op, name or length over its cap) makes
 // it drop that connection: after garbage it cannot find the next frame boundary. A well-formed

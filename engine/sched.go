@@ -206,13 +206,27 @@ func (p *peer) dispatchLocked(now time.Time) {
 		return p.mu.caps.canStart(tenant, n)
 	}
 	if p.mode == sprayRoundRobin {
+		// Rebind the queues of paused rails first: a slice moved to a rail
+		// whose turn had already passed would otherwise wait there for the
+		// next dispatch, which never comes when nothing is in flight.
 		for _, r := range p.rails {
 			if !r.available(now) {
 				p.rebindLocked(r, now)
+			}
+		}
+		for _, r := range p.rails {
+			if !r.available(now) {
 				continue
 			}
+			// A slice here can only go to r, so the Low cap is r's own.
+			onR := func(class Priority, tenant string, n int64) bool {
+				if class == Low && lowCapped && p.mu.lowBusy[r] >= 1 {
+					return false
+				}
+				return p.mu.caps.canStart(tenant, n)
+			}
 			for p.mu.busy[r] < slots {
-				sl, ok := p.mu.byRail[r].pop(now, canStart)
+				sl, ok := p.mu.byRail[r].pop(now, onR)
 				if !ok {
 					break
 				}

@@ -21,13 +21,24 @@ type Mapped interface {
 	Bytes() []byte
 }
 
-// Shareable is implemented by segments that co-located peers can map (the shm transport).
+// Shareable is implemented by segments that co-located peers can reach directly: map (the shm
+// transport) or, if the segment is also FileBacked, pread and pwrite (the file transport).
 // ShareFD returns the fd of a memfd (or file) whose bytes [0, Size()) are the segment's bytes,
-// mapped MAP_SHARED by the owner, so a write through any mapping is seen through all of them; or
-// -1 if it can no longer be shared. The fd must stay open, and keep those bytes, for the life of
-// the registration.
+// mapped MAP_SHARED by the owner unless the segment is FileBacked, so a write through any
+// mapping (or pwrite) is seen through all of them; or -1 if it can no longer be shared. The fd
+// must stay open, and keep those bytes, for the life of the registration.
 type Shareable interface {
 	ShareFD() int
+}
+
+// FileBacked is implemented by Shareable segments whose fd is a file on a disk, not memory: an
+// SSD tier's preallocated file, read and written with pread and pwrite. FileBacked returning true
+// tells same-host peers not to map the fd (the shm transport) but to pread and pwrite it at the
+// op's offset (the file transport), with O_DIRECT when an op is aligned. The fd is then opened
+// by peers through /proc, so it must be a regular file, at least Size() bytes long, whose
+// bytes [0, Size()) are the segment's.
+type FileBacked interface {
+	FileBacked() bool
 }
 
 // MaxSegmentName is the longest segment name the wire format carries.
@@ -107,4 +118,11 @@ func (s *segments) get(name []byte) Segment {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return s.m[string(name)]
+}
+
+// lookup is get for a name held as a string.
+func (s *segments) lookup(name string) Segment {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.m[name]
 }

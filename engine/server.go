@@ -182,8 +182,7 @@ func (s *serverConn) describe(seg Segment) error {
 	if err != nil {
 		return s.sendError(err)
 	}
-	b := appendResponse(s.resp[:0], respHeader{status: statusOK, n: describeLen})
-	_, err = s.nc.Write(appendShmInfo(b, info))
+	_, err = s.nc.Write(appendDescribeResponse(s.resp[:0], info))
 	return err
 }
 

@@ -11,9 +11,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// shmTransport is the same-host Transport. It maps a peer's Shareable segment (the peer's memfd,
-// opened through /proc/<pid>/fd/<fd>) into this process, so a read or write is one memcpy between
-// op.Buf and the peer's memory.
+// shmTransport is the same-host Transport for memory. It maps a peer's Shareable segment (the
+// peer's memfd, opened through /proc/<pid>/fd/<fd>) into this process, so a read or write is one
+// memcpy between op.Buf and the peer's memory. FileBacked segments are the file transport's: shm
+// answers ErrUnsupported for them.
 //
 // The first op to a (rail, segment) asks the peer to describe the segment over tcp, then maps it;
 // later ops use the cached mapping. When shm cannot reach a segment (the peer is on another host,
@@ -27,26 +28,11 @@ import (
 // and ops on it succeed until the owner exits, where tcp would answer ErrSegmentNotFound.
 type shmTransport struct {
 	describe func(ctx context.Context, addr, segment string) (shmInfo, error)
-
-	mu struct {
-		sync.RWMutex
-		closed bool
-		maps   map[shmKey]*shmEntry
-	}
+	cache    handleCache[*shmMapping]
 }
 
+// shmKey names what the same-host transports cache: a segment as reached over one rail.
 type shmKey struct{ addr, segment string }
-
-// shmEntry is the cached answer for one key: a mapping, or the error that says shm cannot reach
-// the segment. The op that misses creates the entry and fills it (so a mapping is made once);
-// others wait for ready. Failures worth retrying (peer down, segment not found) are not cached:
-// their entry is removed before ready closes.
-type shmEntry struct {
-	ready chan struct{} // closed once m or err is set; m and err are written under shmTransport.mu
-	m     *shmMapping
-	err   error
-	retry bool // the filler gave up because its own ctx ended: waiters try again themselves
-}
 
 // shmMapping is one peer segment mapped into this process.
 type shmMapping struct {
@@ -58,7 +44,7 @@ type shmMapping struct {
 
 func newShmTransport(desc func(ctx context.Context, addr, segment string) (shmInfo, error)) *shmTransport {
 	t := &shmTransport{describe: desc}
-	t.mu.maps = make(map[shmKey]*shmEntry)
+	t.cache.init(t.open)
 	return t
 }
 
@@ -66,24 +52,34 @@ func (t *shmTransport) Name() string { return "shm" }
 
 // Do copies op.Buf to or from the peer segment's memory.
 func (t *shmTransport) Do(ctx context.Context, op *Op) error {
+	key, err := sameHostKey(ctx, op)
+	if err != nil {
+		return err
+	}
+	m, err := t.cache.get(ctx, key)
+	if err != nil {
+		return err
+	}
+	return t.copy(key, m, op)
+}
+
+// sameHostKey checks what the same-host transports check before any lookup, and returns the
+// cache key of op's segment: the rail the op travels over, or the target's first rail.
+func sameHostKey(ctx context.Context, op *Op) (shmKey, error) {
 	if n := len(op.Target.Segment); n == 0 || n > MaxSegmentName {
-		return fmt.Errorf("%w: segment name of %d bytes", ErrInvalid, n)
+		return shmKey{}, fmt.Errorf("%w: segment name of %d bytes", ErrInvalid, n)
 	}
 	if op.Kind != OpRead && op.Kind != OpWrite {
-		return fmt.Errorf("%w: op kind %d", ErrInvalid, op.Kind)
+		return shmKey{}, fmt.Errorf("%w: op kind %d", ErrInvalid, op.Kind)
 	}
 	if err := ctx.Err(); err != nil {
-		return context.Cause(ctx)
+		return shmKey{}, context.Cause(ctx)
 	}
 	key := shmKey{addr: op.Rail, segment: op.Target.Segment}
 	if key.addr == "" {
 		key.addr, _, _ = strings.Cut(op.Target.Endpoint, ",") // Rails()[0], without allocating
 	}
-	m, err := t.mapping(ctx, key)
-	if err != nil {
-		return err
-	}
-	return t.copy(key, m, op)
+	return key, nil
 }
 
 // copy moves op's bytes, holding m mapped while it does.
@@ -96,7 +92,7 @@ func (t *shmTransport) copy(key shmKey, m *shmMapping, op *Op) error {
 	if exited(m.pidfd) {
 		m.mu.RUnlock()
 		why := fmt.Errorf("%w: shm peer %s (segment %q) exited", ErrUnavailable, key.addr, key.segment)
-		t.forget(key, m, why)
+		t.cache.forget(key, m, why)
 		return why
 	}
 	n := int64(len(op.Buf))
@@ -114,83 +110,134 @@ func (t *shmTransport) copy(key shmKey, m *shmMapping, op *Op) error {
 	return nil
 }
 
-// mapping returns key's mapping, making it on a miss, or the cached reason there is none.
-func (t *shmTransport) mapping(ctx context.Context, key shmKey) (*shmMapping, error) {
+// handle is what a same-host transport caches for one peer segment: a mapping (shm) or open
+// fds (file). release frees it once no op holds it; ops that still hold it fail with why.
+type handle interface {
+	comparable
+	release(why error)
+}
+
+// handleCache holds, per shmKey, a handle or the error that says the transport cannot reach the
+// segment. The op that misses creates the entry and fills it with open (so a handle is made
+// once); others wait for it. Failures worth retrying (peer down, segment not found) are not
+// cached: their entry is removed before it is published.
+type handleCache[H handle] struct {
+	open func(ctx context.Context, key shmKey) (H, error)
+
+	mu struct {
+		sync.RWMutex
+		closed bool
+		m      map[shmKey]*cacheEntry[H]
+	}
+}
+
+// cacheEntry is the cached answer for one key.
+type cacheEntry[H handle] struct {
+	ready chan struct{} // closed once h or err is set; they are written under handleCache.mu
+	h     H
+	err   error
+	retry bool // the filler gave up because its own ctx ended: waiters try again themselves
+}
+
+func (c *handleCache[H]) init(open func(ctx context.Context, key shmKey) (H, error)) {
+	c.open = open
+	c.mu.m = make(map[shmKey]*cacheEntry[H])
+}
+
+// get returns key's handle, opening it on a miss, or the cached reason there is none.
+func (c *handleCache[H]) get(ctx context.Context, key shmKey) (H, error) {
+	var zero H
 	for {
-		t.mu.RLock()
-		closed, e := t.mu.closed, t.mu.maps[key]
-		t.mu.RUnlock()
+		c.mu.RLock()
+		closed, e := c.mu.closed, c.mu.m[key]
+		c.mu.RUnlock()
 		if closed {
-			return nil, ErrClosed
+			return zero, ErrClosed
 		}
 		if e == nil {
-			t.mu.Lock()
-			if t.mu.closed {
-				t.mu.Unlock()
-				return nil, ErrClosed
+			c.mu.Lock()
+			if c.mu.closed {
+				c.mu.Unlock()
+				return zero, ErrClosed
 			}
-			if e = t.mu.maps[key]; e == nil {
-				e = &shmEntry{ready: make(chan struct{})}
-				t.mu.maps[key] = e
-				t.mu.Unlock()
-				return t.fill(ctx, key, e)
+			if e = c.mu.m[key]; e == nil {
+				e = &cacheEntry[H]{ready: make(chan struct{})}
+				c.mu.m[key] = e
+				c.mu.Unlock()
+				return c.fill(ctx, key, e)
 			}
-			t.mu.Unlock()
+			c.mu.Unlock()
 		}
 		select {
 		case <-e.ready:
 		case <-ctx.Done():
-			return nil, context.Cause(ctx)
+			return zero, context.Cause(ctx)
 		}
 		if !e.retry {
-			return e.m, e.err
+			return e.h, e.err
 		}
 	}
 }
 
-// fill describes and maps key's segment, publishes the answer in e, and returns it.
-func (t *shmTransport) fill(ctx context.Context, key shmKey, e *shmEntry) (*shmMapping, error) {
-	m, err := t.open(ctx, key)
+// fill opens key's handle, publishes the answer in e, and returns it.
+func (c *handleCache[H]) fill(ctx context.Context, key shmKey, e *cacheEntry[H]) (H, error) {
+	var zero H
+	h, err := c.open(ctx, key)
 	cache := err == nil || errors.Is(err, ErrUnsupported)
-	var discard *shmMapping
-	t.mu.Lock()
-	if t.mu.closed {
-		discard, m, err, cache = m, nil, ErrClosed, false
+	discard := zero
+	c.mu.Lock()
+	if c.mu.closed {
+		discard, h, err, cache = h, zero, ErrClosed, false
 	}
 	if !cache {
-		if t.mu.maps[key] == e {
-			delete(t.mu.maps, key)
+		if c.mu.m[key] == e {
+			delete(c.mu.m, key)
 		}
 		e.retry = !errors.Is(err, ErrClosed) && ctx.Err() != nil
 	}
-	e.m, e.err = m, err
+	e.h, e.err = h, err
 	close(e.ready)
-	t.mu.Unlock()
-	if discard != nil {
-		discard.unmap(ErrClosed)
+	c.mu.Unlock()
+	if discard != zero {
+		discard.release(ErrClosed)
 	}
-	return m, err
+	return h, err
 }
 
-// forget drops m, which key mapped, from the cache and unmaps it once no copy holds it.
-func (t *shmTransport) forget(key shmKey, m *shmMapping, why error) {
-	t.mu.Lock()
-	if e := t.mu.maps[key]; e != nil && e.m == m {
-		delete(t.mu.maps, key)
+// forget drops h, which key held, from the cache and releases it once no op holds it.
+func (c *handleCache[H]) forget(key shmKey, h H, why error) {
+	c.mu.Lock()
+	if e := c.mu.m[key]; e != nil && e.h == h {
+		delete(c.mu.m, key)
 	}
-	t.mu.Unlock()
-	m.unmap(why)
+	c.mu.Unlock()
+	h.release(why)
+}
+
+// close releases every handle (waiting for ops in flight) and makes later gets fail with
+// ErrClosed. It is idempotent.
+func (c *handleCache[H]) close() {
+	var zero H
+	c.mu.Lock()
+	c.mu.closed = true
+	var hs []H
+	for _, e := range c.mu.m {
+		if e.h != zero {
+			hs = append(hs, e.h)
+		}
+	}
+	c.mu.m = nil
+	c.mu.Unlock()
+	for _, h := range hs {
+		h.release(ErrClosed)
+	}
 }
 
 // open asks the peer to describe key's segment, then maps it.
 func (t *shmTransport) open(ctx context.Context, key shmKey) (*shmMapping, error) {
-	info, err := t.describe(ctx, key.addr, key.segment)
+	info, err := describeKind(ctx, t.describe, key, segMemory)
 	if err != nil {
-		if errors.Is(err, ErrProtocol) {
-			// The peer did not understand or botched the describe: it will not get better.
-			return nil, fmt.Errorf("%w: describe %s/%s: %w", ErrUnsupported, key.addr, key.segment, err)
-		}
-		return nil, fmt.Errorf("describe %s/%s: %w", key.addr, key.segment, err)
+		return nil, err
 	}
 	m, err := mapShm(info)
 	if err != nil {
@@ -199,69 +246,104 @@ func (t *shmTransport) open(ctx context.Context, key shmKey) (*shmMapping, error
 	return m, nil
 }
 
+// describeKind asks the peer to describe key's segment, for a transport that serves segments of
+// kind want: another kind fails with ErrUnsupported, to be cached.
+func describeKind(ctx context.Context, describe func(ctx context.Context, addr, segment string) (shmInfo, error),
+	key shmKey, want segKind) (shmInfo, error) {
+	info, err := describe(ctx, key.addr, key.segment)
+	if err != nil {
+		if errors.Is(err, ErrProtocol) {
+			// The peer did not understand or botched the describe: it will not get better.
+			return shmInfo{}, fmt.Errorf("%w: describe %s/%s: %w", ErrUnsupported, key.addr, key.segment, err)
+		}
+		return shmInfo{}, fmt.Errorf("describe %s/%s: %w", key.addr, key.segment, err)
+	}
+	if info.kind != want {
+		return shmInfo{}, fmt.Errorf("%w: %s/%s is a %v segment, this transport serves %v ones",
+			ErrUnsupported, key.addr, key.segment, info.kind, want)
+	}
+	return info, nil
+}
+
 // mapShm maps the segment info describes, if its owner runs on this host and this process may
 // open its fd. Failures wrap ErrUnsupported, except an owner that exits while being mapped
 // (ErrUnavailable).
 func mapShm(info shmInfo) (*shmMapping, error) {
-	boot, err := hostBootID()
+	fd, pidfd, err := openOwned(info)
 	if err != nil {
-		return nil, fmt.Errorf("%w: boot id: %w", ErrUnsupported, err)
-	}
-	if info.bootID != boot {
-		return nil, fmt.Errorf("%w: peer runs on another host (boot id %q)", ErrUnsupported, info.bootID)
-	}
-	if info.size > math.MaxInt64 || info.pid == 0 || info.pid > math.MaxInt32 || info.fd > math.MaxInt32 {
-		return nil, fmt.Errorf("%w: implausible describe: pid %d, fd %d, size %d", ErrUnsupported, info.pid, info.fd, info.size)
-	}
-	// The pidfd first: if /proc/<pid>/fd/<fd> then turns out to be the described file, the pidfd
-	// is known to name its owner and not a later process that reused the pid.
-	pidfd, err := unix.PidfdOpen(int(info.pid), 0)
-	if err != nil {
-		return nil, fmt.Errorf("%w: pidfd_open %d: %w", ErrUnsupported, info.pid, err)
-	}
-	m, err := mapOwned(info, pidfd)
-	if err != nil {
-		unix.Close(pidfd)
 		return nil, err
 	}
-	return m, nil
-}
-
-func mapOwned(info shmInfo, pidfd int) (*shmMapping, error) {
-	path := fmt.Sprintf("/proc/%d/fd/%d", info.pid, info.fd)
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("%w: open %s: %w", ErrUnsupported, path, err)
-	}
 	defer unix.Close(fd) // the mapping keeps the file alive
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, fmt.Errorf("%w: fstat %s: %w", ErrUnsupported, path, err)
-	}
-	if uint64(st.Dev) != info.dev || st.Ino != info.ino {
-		// Another pid namespace shares our boot id, but its pid names some other process here.
-		return nil, fmt.Errorf("%w: %s is not the described file (dev %d ino %d, want dev %d ino %d)",
-			ErrUnsupported, path, st.Dev, st.Ino, info.dev, info.ino)
-	}
-	if st.Size < int64(info.size) {
-		return nil, fmt.Errorf("%w: %s holds %d bytes, segment has %d", ErrUnsupported, path, st.Size, info.size)
-	}
-	if exited(pidfd) {
-		return nil, fmt.Errorf("%w: shm peer pid %d exited", ErrUnavailable, info.pid)
-	}
 	m := &shmMapping{pidfd: pidfd}
 	if info.size > 0 {
 		m.mem, err = unix.Mmap(fd, 0, int(info.size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 		if err != nil {
-			return nil, fmt.Errorf("%w: mmap %s (%d bytes): %w", ErrUnsupported, path, info.size, err)
+			unix.Close(pidfd)
+			return nil, fmt.Errorf("%w: mmap /proc/%d/fd/%d (%d bytes): %w", ErrUnsupported, info.pid, info.fd, info.size, err)
 		}
 		_ = unix.Madvise(m.mem, unix.MADV_HUGEPAGE) // best effort, as the owner does
 	}
 	return m, nil
 }
 
-// unmap releases m once no copy holds it. Ops that still hold m fail with why.
-func (m *shmMapping) unmap(why error) {
+// openOwned opens, read-write, the file info describes through /proc/<pid>/fd/<fd>, if its
+// owner runs on this host and this process may open it, and checks that it is the described
+// file and holds the segment. It returns that fd and a pidfd of the owner, both the caller's to
+// close. Failures wrap ErrUnsupported, except an owner that exits meanwhile (ErrUnavailable).
+func openOwned(info shmInfo) (fd, pidfd int, err error) {
+	boot, err := hostBootID()
+	if err != nil {
+		return -1, -1, fmt.Errorf("%w: boot id: %w", ErrUnsupported, err)
+	}
+	if info.bootID != boot {
+		return -1, -1, fmt.Errorf("%w: peer runs on another host (boot id %q)", ErrUnsupported, info.bootID)
+	}
+	if info.size > math.MaxInt64 || info.pid == 0 || info.pid > math.MaxInt32 || info.fd > math.MaxInt32 {
+		return -1, -1, fmt.Errorf("%w: implausible describe: pid %d, fd %d, size %d", ErrUnsupported, info.pid, info.fd, info.size)
+	}
+	// The pidfd first: if /proc/<pid>/fd/<fd> then turns out to be the described file, the pidfd
+	// is known to name its owner and not a later process that reused the pid.
+	pidfd, err = unix.PidfdOpen(int(info.pid), 0)
+	if err != nil {
+		return -1, -1, fmt.Errorf("%w: pidfd_open %d: %w", ErrUnsupported, info.pid, err)
+	}
+	fd, err = openChecked(info, pidfd)
+	if err != nil {
+		unix.Close(pidfd)
+		return -1, -1, err
+	}
+	return fd, pidfd, nil
+}
+
+func openChecked(info shmInfo, pidfd int) (int, error) {
+	path := fmt.Sprintf("/proc/%d/fd/%d", info.pid, info.fd)
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("%w: open %s: %w", ErrUnsupported, path, err)
+	}
+	var st unix.Stat_t
+	err = unix.Fstat(fd, &st)
+	switch {
+	case err != nil:
+		err = fmt.Errorf("%w: fstat %s: %w", ErrUnsupported, path, err)
+	case uint64(st.Dev) != info.dev || st.Ino != info.ino:
+		// Another pid namespace shares our boot id, but its pid names some other process here.
+		err = fmt.Errorf("%w: %s is not the described file (dev %d ino %d, want dev %d ino %d)",
+			ErrUnsupported, path, st.Dev, st.Ino, info.dev, info.ino)
+	case st.Size < int64(info.size):
+		err = fmt.Errorf("%w: %s holds %d bytes, segment has %d", ErrUnsupported, path, st.Size, info.size)
+	case exited(pidfd):
+		err = fmt.Errorf("%w: same-host peer pid %d exited", ErrUnavailable, info.pid)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	return fd, nil
+}
+
+// release unmaps m once no copy holds it. Ops that still hold m fail with why.
+func (m *shmMapping) release(why error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.gone != nil {
@@ -291,18 +373,6 @@ func exited(pidfd int) bool {
 
 // Close unmaps every mapping (waiting for copies in flight) and makes later Do fail with ErrClosed.
 func (t *shmTransport) Close() error {
-	t.mu.Lock()
-	t.mu.closed = true
-	var ms []*shmMapping
-	for _, e := range t.mu.maps {
-		if e.m != nil {
-			ms = append(ms, e.m)
-		}
-	}
-	t.mu.maps = nil
-	t.mu.Unlock()
-	for _, m := range ms {
-		m.unmap(ErrClosed)
-	}
+	t.cache.close()
 	return nil
 }

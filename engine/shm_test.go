@@ -128,11 +128,22 @@ func TestDescribe(t *testing.T) {
 	if info != want {
 		t.Fatalf("describe = %+v, want %+v", info, want)
 	}
-	var rec [describeLen]byte
-	if b := appendShmInfo(nil, want); len(b) != describeLen {
-		t.Fatalf("record of %d bytes, want %d", len(b), describeLen)
-	} else if copy(rec[:], b); parseShmInfo(&rec) != want {
-		t.Fatalf("record round trip = %+v, want %+v", parseShmInfo(&rec), want)
+	// A memory segment's record has no kind byte; a file segment's ends with one.
+	for _, kind := range []segKind{segMemory, segFile, 7} {
+		in := want
+		in.kind = kind
+		b := appendShmInfo(nil, in)
+		if n := len(b); kind == segMemory && n != describeLen || kind != segMemory && n != describeMax {
+			t.Fatalf("%v: record of %d bytes", kind, n)
+		}
+		if got, err := parseShmInfo(b); err != nil || got != in {
+			t.Fatalf("%v: record round trip = %+v, %v; want %+v", kind, got, err, in)
+		}
+	}
+	for _, n := range []int{0, describeLen - 1, describeMax + 1} {
+		if _, err := parseShmInfo(make([]byte, n)); !errors.Is(err, ErrProtocol) {
+			t.Errorf("record of %d bytes: err = %v, want ErrProtocol", n, err)
+		}
 	}
 
 	for _, tt := range []struct {

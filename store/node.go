@@ -192,7 +192,7 @@ func (n *Node) register(ctx context.Context) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	for i, t := range n.cfg.Tiers {
-		if err := n.eng.Register(rename(t.Segment(), resp.SegmentIds[i])); err != nil {
+		if err := n.eng.Register(engine.Rename(t.Segment(), resp.SegmentIds[i])); err != nil {
 			for _, name := range n.mu.names {
 				n.eng.Unregister(name)
 			}
@@ -254,25 +254,4 @@ func tierProto(k tiers.Kind) pb.Tier {
 		return pb.Tier_TIER_SSD
 	}
 	return pb.Tier_TIER_DRAM
-}
-
-// rename serves a tier's segment under the name the master gave it,
-// keeping the zero-copy Mapped fast path when the tier has one.
-func rename(seg engine.Segment, name string) engine.Segment {
-	if m, ok := seg.(engine.Mapped); ok {
-		return mappedAlias{alias{seg, name}, m}
-	}
-	return alias{seg, name}
-}
-
-type alias struct {
-	engine.Segment
-	name string
-}
-
-func (a alias) Name() string { return a.name }
-
-type mappedAlias struct {
-	alias
-	engine.Mapped
 }

@@ -128,8 +128,7 @@ func newServer(rails int) (*server, error) {
 		return nil, err
 	}
 	s := &server{eng: engine.New(engine.Config{}), tier: tier}
-	seg := rename(tier, benchSegment)
-	if err := s.eng.Register(seg); err != nil {
+	if err := s.eng.Register(engine.Rename(tier, benchSegment)); err != nil {
 		return nil, err
 	}
 	for range rails {
@@ -157,16 +156,6 @@ func (s *server) close() {
 	s.eng.Close()
 	s.tier.Close()
 }
-
-// rename serves the tier under a segment name, keeping its fast paths.
-func rename(t *tiers.DRAMTier, name string) engine.Segment { return namedTier{t, name} }
-
-type namedTier struct {
-	*tiers.DRAMTier
-	name string
-}
-
-func (n namedTier) Name() string { return n.name }
 
 type killableListener struct {
 	net.Listener

@@ -324,7 +324,10 @@ type KeysCmd struct {
 	Keys  []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
 	// Revoke only puts whose deadline has passed at the command's time, so
 	// the leader's sweep never revokes a newer put of the same key.
-	OnlyExpired   bool `protobuf:"varint,2,opt,name=only_expired,json=onlyExpired,proto3" json:"only_expired,omitempty"`
+	OnlyExpired bool `protobuf:"varint,2,opt,name=only_expired,json=onlyExpired,proto3" json:"only_expired,omitempty"`
+	// The put each key's command is meant for (see PutStartResult.put_id);
+	// empty: any.
+	PutIds        []uint64 `protobuf:"varint,3,rep,packed,name=put_ids,json=putIds,proto3" json:"put_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -371,6 +374,13 @@ func (x *KeysCmd) GetOnlyExpired() bool {
 		return x.OnlyExpired
 	}
 	return false
+}
+
+func (x *KeysCmd) GetPutIds() []uint64 {
+	if x != nil {
+		return x.PutIds
+	}
+	return nil
 }
 
 type RemoveCmd struct {
@@ -660,8 +670,10 @@ type Object struct {
 	CreatedUnixNano  int64                  `protobuf:"varint,5,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
 	DeadlineUnixNano int64                  `protobuf:"varint,6,opt,name=deadline_unix_nano,json=deadlineUnixNano,proto3" json:"deadline_unix_nano,omitempty"`
 	Replicas         []*Extent              `protobuf:"bytes,7,rep,name=replicas,proto3" json:"replicas,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// The raft index of the PutStart that created the object.
+	PutId         uint64 `protobuf:"varint,8,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Object) Reset() {
@@ -741,6 +753,13 @@ func (x *Object) GetReplicas() []*Extent {
 		return x.Replicas
 	}
 	return nil
+}
+
+func (x *Object) GetPutId() uint64 {
+	if x != nil {
+		return x.PutId
+	}
+	return 0
 }
 
 type Node struct {
@@ -965,10 +984,11 @@ const file_fsm_proto_rawDesc = "" +
 	"candidates\x12,\n" +
 	"\x12deadline_unix_nano\x18\x05 \x01(\x03R\x10deadlineUnixNano\">\n" +
 	"\vPutStartCmd\x12/\n" +
-	"\x05items\x18\x01 \x03(\v2\x19.tidepool.v1.PutStartItemR\x05items\"@\n" +
+	"\x05items\x18\x01 \x03(\v2\x19.tidepool.v1.PutStartItemR\x05items\"Y\n" +
 	"\aKeysCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12!\n" +
-	"\fonly_expired\x18\x02 \x01(\bR\vonlyExpired\"P\n" +
+	"\fonly_expired\x18\x02 \x01(\bR\vonlyExpired\x12\x17\n" +
+	"\aput_ids\x18\x03 \x03(\x04R\x06putIds\"P\n" +
 	"\tRemoveCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
 	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"s\n" +
@@ -985,7 +1005,7 @@ const file_fsm_proto_rawDesc = "" +
 	"\x06Extent\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x03 \x01(\x04R\x06length\"\x85\x02\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"\x9c\x02\n" +
 	"\x06Object\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -993,7 +1013,8 @@ const file_fsm_proto_rawDesc = "" +
 	"\x05state\x18\x04 \x01(\x0e2\x18.tidepool.v1.ObjectStateR\x05state\x12*\n" +
 	"\x11created_unix_nano\x18\x05 \x01(\x03R\x0fcreatedUnixNano\x12,\n" +
 	"\x12deadline_unix_nano\x18\x06 \x01(\x03R\x10deadlineUnixNano\x12/\n" +
-	"\breplicas\x18\a \x03(\v2\x13.tidepool.v1.ExtentR\breplicas\"\x92\x01\n" +
+	"\breplicas\x18\a \x03(\v2\x13.tidepool.v1.ExtentR\breplicas\x12\x15\n" +
+	"\x06put_id\x18\b \x01(\x04R\x05putId\"\x92\x01\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x12\x14\n" +

@@ -336,9 +336,15 @@ type PutStartResult struct {
 	// The key is already complete: nothing to write, the put is a success.
 	Exists bool `protobuf:"varint,2,opt,name=exists,proto3" json:"exists,omitempty"`
 	// Where to write the value; one entry per replica.
-	Replicas      []*Replica `protobuf:"bytes,3,rep,name=replicas,proto3" json:"replicas,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Replicas []*Replica `protobuf:"bytes,3,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	// Names this put: PutEnd and PutRevoke of the key apply only to it, so a
+	// late PutEnd never publishes a newer put of the same key.
+	PutId uint64 `protobuf:"varint,4,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	// Writes must end within this long of the answer; then the leader may
+	// revoke the put and reuse its space.
+	WriteTimeoutMs uint64 `protobuf:"varint,5,opt,name=write_timeout_ms,json=writeTimeoutMs,proto3" json:"write_timeout_ms,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *PutStartResult) Reset() {
@@ -390,6 +396,20 @@ func (x *PutStartResult) GetReplicas() []*Replica {
 		return x.Replicas
 	}
 	return nil
+}
+
+func (x *PutStartResult) GetPutId() uint64 {
+	if x != nil {
+		return x.PutId
+	}
+	return 0
+}
+
+func (x *PutStartResult) GetWriteTimeoutMs() uint64 {
+	if x != nil {
+		return x.WriteTimeoutMs
+	}
+	return 0
 }
 
 type BatchPutStartRequest struct {
@@ -481,8 +501,11 @@ func (x *BatchPutStartResponse) GetResults() []*PutStartResult {
 }
 
 type KeysRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Keys          []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Keys  []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	// For PutEnd and PutRevoke: the put_id PutStart returned for each key, in
+	// the same order; empty means any put of the key.
+	PutIds        []uint64 `protobuf:"varint,2,rep,packed,name=put_ids,json=putIds,proto3" json:"put_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -520,6 +543,13 @@ func (*KeysRequest) Descriptor() ([]byte, []int) {
 func (x *KeysRequest) GetKeys() []string {
 	if x != nil {
 		return x.Keys
+	}
+	return nil
+}
+
+func (x *KeysRequest) GetPutIds() []uint64 {
+	if x != nil {
+		return x.PutIds
 	}
 	return nil
 }
@@ -1519,17 +1549,20 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x0fPutStartRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
-	"\bchecksum\x18\x03 \x01(\rR\bchecksum\"\x8b\x01\n" +
+	"\bchecksum\x18\x03 \x01(\rR\bchecksum\"\xcc\x01\n" +
 	"\x0ePutStartResult\x12/\n" +
 	"\x06status\x18\x01 \x01(\v2\x17.tidepool.v1.ItemStatusR\x06status\x12\x16\n" +
 	"\x06exists\x18\x02 \x01(\bR\x06exists\x120\n" +
-	"\breplicas\x18\x03 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\"J\n" +
+	"\breplicas\x18\x03 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x15\n" +
+	"\x06put_id\x18\x04 \x01(\x04R\x05putId\x12(\n" +
+	"\x10write_timeout_ms\x18\x05 \x01(\x04R\x0ewriteTimeoutMs\"J\n" +
 	"\x14BatchPutStartRequest\x122\n" +
 	"\x05items\x18\x01 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x05items\"N\n" +
 	"\x15BatchPutStartResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.tidepool.v1.PutStartResultR\aresults\"!\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.tidepool.v1.PutStartResultR\aresults\":\n" +
 	"\vKeysRequest\x12\x12\n" +
-	"\x04keys\x18\x01 \x03(\tR\x04keys\"B\n" +
+	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x17\n" +
+	"\aput_ids\x18\x02 \x03(\x04R\x06putIds\"B\n" +
 	"\rItemsResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\"\xa3\x01\n" +
 	"\x0eObjectReplicas\x12/\n" +
