@@ -107,26 +107,44 @@ func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) [
 		return errs
 	}
 	var resp *pb.BatchPutStartResponse
-	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+	var asked time.Time
+	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		asked = time.Now()
 		resp, err = m.BatchPutStart(ctx, req, o...)
 		return err
-	}); err != nil {
+	})
+	if err == nil && len(resp.Results) != len(idx) {
+		err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(idx))
+	}
+	if err != nil {
 		for _, i := range idx {
 			errs[i] = err
 		}
 		return errs
 	}
 
-	// Write every replica of every started put in one engine batch.
+	// Write every replica of every started put in one engine batch. The
+	// writes must end before the master may revoke the put and reuse its
+	// space, measured conservatively from before we asked.
 	batch := c.eng.NewBatch()
 	tasks := map[int][]*engine.Task{}
+	putIDs := map[int]uint64{}
 	for j, r := range resp.Results {
 		i := idx[j]
 		if errs[i] = itemError(r.Status); errs[i] != nil || r.Exists {
 			continue
 		}
+		if len(r.Replicas) == 0 {
+			errs[i] = fmt.Errorf("%w: master placed %q nowhere", ErrProtocol, keys[i])
+			continue
+		}
+		putIDs[i] = r.PutId
+		opts := engine.Options{Priority: engine.Medium}
+		if r.WriteTimeoutMs > 0 {
+			opts.Deadline = asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)
+		}
 		for _, rep := range r.Replicas {
-			t := batch.Write(values[i], engine.Target{Endpoint: rep.Endpoint, Segment: rep.Segment}, int64(rep.Offset), engine.Options{Priority: engine.Medium})
+			t := batch.Write(values[i], engine.Target{Endpoint: rep.Endpoint, Segment: rep.Segment}, int64(rep.Offset), opts)
 			tasks[i] = append(tasks[i], t)
 		}
 	}
@@ -138,7 +156,7 @@ func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) [
 		// bytes could still be landing after we revoke or read the buffer.
 		_ = batch.Wait(context.Background())
 	}
-	var ended, revoked []string
+	var ended, revoked puts
 	var endIdx []int
 	for i, ts := range tasks {
 		for _, t := range ts {
@@ -149,21 +167,24 @@ func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) [
 			}
 		}
 		if errs[i] != nil {
-			revoked = append(revoked, keys[i])
+			revoked.add(keys[i], putIDs[i])
 		} else {
-			ended = append(ended, keys[i])
+			ended.add(keys[i], putIDs[i])
 			endIdx = append(endIdx, i)
 		}
 	}
-	if len(revoked) > 0 {
-		c.revoke(revoked)
+	if len(revoked.keys) > 0 {
+		c.revoke(revoked.request())
 	}
-	if len(ended) > 0 {
+	if len(ended.keys) > 0 {
 		var end *pb.ItemsResponse
 		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
-			end, err = m.PutEnd(ctx, &pb.KeysRequest{Keys: ended}, o...)
+			end, err = m.PutEnd(ctx, ended.request(), o...)
 			return err
 		})
+		if err == nil && len(end.Results) != len(endIdx) {
+			err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(end.Results), len(endIdx))
+		}
 		for j, i := range endIdx {
 			if err != nil {
 				errs[i] = err
@@ -172,20 +193,33 @@ func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) [
 			}
 		}
 		if err != nil {
-			c.revoke(ended)
+			c.revoke(ended.request())
 		}
 	}
 	return errs
 }
 
+// puts collects keys with the put ids PutStart gave them.
+type puts struct {
+	keys []string
+	ids  []uint64
+}
+
+func (p *puts) add(key string, id uint64) {
+	p.keys = append(p.keys, key)
+	p.ids = append(p.ids, id)
+}
+
+func (p *puts) request() *pb.KeysRequest { return &pb.KeysRequest{Keys: p.keys, PutIds: p.ids} }
+
 // revoke abandons puts; on failure the leader revokes them after its timeout.
-func (c *Client) revoke(keys []string) {
+func (c *Client) revoke(req *pb.KeysRequest) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) error {
-		_, err := m.PutRevoke(ctx, &pb.KeysRequest{Keys: keys}, o...)
+		_, err := m.PutRevoke(ctx, req, o...)
 		return err
 	}); err != nil {
-		c.log.Warn("revoke puts; the master will revoke them after its put timeout", "keys", len(keys), "err", err)
+		c.log.Warn("revoke puts; the master will revoke them after its put timeout", "keys", len(req.Keys), "err", err)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/hashicorp/raft"
 
 	"github.com/tidepool-kv/tidepool/client"
+	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
@@ -218,9 +219,15 @@ func (c *cluster) restartStore(i int) {
 }
 
 // newClient returns a client of the cluster, closed at the end of the test.
+// Its bytes go over TCP: the stores live in this process, and shared memory
+// would bypass the faults the tests inject on the wire.
 func (c *cluster) newClient() *client.Client {
+	return c.newClientWith(engine.Config{NoShm: true})
+}
+
+func (c *cluster) newClientWith(ecfg engine.Config) *client.Client {
 	c.t.Helper()
-	cl, err := client.New(client.Config{Masters: []string{c.addr}, Logger: c.log})
+	cl, err := client.New(client.Config{Masters: []string{c.addr}, Logger: c.log, EngineConfig: ecfg})
 	if err != nil {
 		c.t.Fatal(err)
 	}

@@ -30,6 +30,8 @@ var (
 	ErrLeaseExpired = errors.New("read lease expired before the read finished")
 	// ErrChecksum: the bytes read do not match the checksum written at put.
 	ErrChecksum = errors.New("checksum mismatch")
+	// ErrProtocol: the master answered something this client cannot use.
+	ErrProtocol = errors.New("malformed answer from the master")
 )
 
 // MaxKeyLen is the longest key the master accepts.

@@ -70,11 +70,16 @@ func (c *Client) batchRead(ctx context.Context, keys []string, buffer func(i int
 		return vals, errs
 	}
 	var resp *pb.GetReplicasResponse
-	asked := time.Now()
-	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+	var asked time.Time
+	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		asked = time.Now() // per attempt: a retry after a failover gets a fresh lease
 		resp, err = m.GetReplicas(ctx, &pb.KeysRequest{Keys: query}, o...)
 		return err
-	}); err != nil {
+	})
+	if err == nil && len(resp.Results) != len(query) {
+		err = fmt.Errorf("%w: master answered %d results for %d keys", ErrProtocol, len(resp.Results), len(query))
+	}
+	if err != nil {
 		for _, i := range idx {
 			errs[i] = err
 		}

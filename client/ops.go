@@ -22,6 +22,9 @@ func (c *Client) Exists(ctx context.Context, key string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
+	if len(resp.Exists) != 1 {
+		return false, fmt.Errorf("%w: %d answers to one exists", ErrProtocol, len(resp.Exists))
+	}
 	return resp.Exists[0], nil
 }
 
@@ -37,6 +40,9 @@ func (c *Client) Remove(ctx context.Context, key string) error {
 		return err
 	}); err != nil {
 		return err
+	}
+	if len(resp.Results) != 1 {
+		return fmt.Errorf("%w: %d answers to one remove", ErrProtocol, len(resp.Results))
 	}
 	return itemError(resp.Results[0])
 }

@@ -115,6 +115,9 @@ type peerKey struct {
 // do runs op over the peer's rails and returns when every slice is done.
 func (p *peer) do(ctx context.Context, op *Op, opts Options) error {
 	now := time.Now()
+	if p.estimate(1) < 0 {
+		return fmt.Errorf("%w: every rail to %s is paused after errors", ErrUnavailable, op.Target.Endpoint)
+	}
 	if !opts.Deadline.IsZero() {
 		if est := p.estimate(int64(len(op.Buf))); now.Add(est).After(opts.Deadline) {
 			return fmt.Errorf("%w: %d bytes need about %v over %d rails, past the deadline", ErrTimedOut, len(op.Buf), est.Round(time.Microsecond), len(p.rails))
@@ -155,7 +158,8 @@ func (p *peer) do(ctx context.Context, op *Op, opts Options) error {
 	return req.mu.err
 }
 
-// estimate predicts how long n bytes take over the available rails.
+// estimate predicts how long n bytes take over the available rails; -1
+// when none is available.
 func (p *peer) estimate(n int64) time.Duration {
 	var bw float64
 	now := time.Now()
@@ -165,7 +169,7 @@ func (p *peer) estimate(n int64) time.Duration {
 		}
 	}
 	if bw <= 0 {
-		return time.Hour
+		return -1
 	}
 	return time.Duration(float64(n) / bw * float64(time.Second))
 }

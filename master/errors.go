@@ -14,4 +14,5 @@ var (
 	ErrUnknownNode    = errors.New("unknown node or stale epoch")
 	ErrInvalidRequest = errors.New("invalid request")
 	ErrNotLeader      = errors.New("not the raft leader")
+	ErrStoreGone      = errors.New("store left the pool")
 )

@@ -34,6 +34,7 @@ type object struct {
 	state    pb.ObjectState
 	created  int64
 	deadline int64 // unix nanos after which a PROCESSING put is revoked
+	putID    uint64
 	replicas []*pb.Extent
 }
 
@@ -90,6 +91,7 @@ type PutStartResult struct {
 	Err      error
 	Exists   bool
 	Replicas []*pb.Extent
+	PutID    uint64
 }
 
 // RegisterResult is what Apply returns for a RegisterCmd.
@@ -113,13 +115,13 @@ func (f *FSM) Apply(l *raft.Log) any {
 	case *pb.Command_PutStart:
 		res := make([]PutStartResult, len(op.PutStart.Items))
 		for i, it := range op.PutStart.Items {
-			res[i] = f.putStart(it, now)
+			res[i] = f.putStart(it, now, l.Index<<16|uint64(i))
 		}
 		return res
 	case *pb.Command_PutEnd:
-		return f.eachKey(op.PutEnd.Keys, f.putEnd)
+		return f.eachPut(op.PutEnd, func(k string, id uint64) error { return f.putEnd(k, id, now) })
 	case *pb.Command_PutRevoke:
-		return f.eachKey(op.PutRevoke.Keys, func(k string) error { return f.putRevoke(k, op.PutRevoke.OnlyExpired, now) })
+		return f.eachPut(op.PutRevoke, func(k string, id uint64) error { return f.putRevoke(k, id, op.PutRevoke.OnlyExpired, now) })
 	case *pb.Command_Remove:
 		return f.eachKey(op.Remove.Keys, func(k string) error { return f.remove(k, op.Remove.FreeAfterUnixNano, now) })
 	case *pb.Command_Register:
@@ -147,7 +149,26 @@ func (f *FSM) eachKey(keys []string, fn func(string) error) []error {
 	return errs
 }
 
-func (f *FSM) putStart(it *pb.PutStartItem, now int64) PutStartResult {
+// eachPut applies fn to every key of c with the put id meant for it (0:
+// any put of the key).
+func (f *FSM) eachPut(c *pb.KeysCmd, fn func(key string, putID uint64) error) []error {
+	errs := make([]error, len(c.Keys))
+	for i, k := range c.Keys {
+		var id uint64
+		if i < len(c.PutIds) {
+			id = c.PutIds[i]
+		}
+		errs[i] = fn(k, id)
+	}
+	return errs
+}
+
+// lateWriteGrace is how long the space of an expired put stays reserved
+// after its deadline: its writer stops at the deadline, but bytes already
+// on the wire may still land.
+const lateWriteGrace = int64(5e9)
+
+func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartResult {
 	if o := f.objects[it.Key]; o != nil {
 		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			return PutStartResult{Exists: true}
@@ -155,7 +176,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64) PutStartResult {
 		if now <= o.deadline {
 			return PutStartResult{Err: ErrPutInProgress}
 		}
-		f.drop(o) // an abandoned put: the new one takes its place
+		f.retire(o, now+lateWriteGrace) // an abandoned put: the new one takes its place
 	}
 	if it.Size == 0 {
 		return PutStartResult{Err: fmt.Errorf("%w: zero-length value", ErrInvalidRequest)}
@@ -172,12 +193,12 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64) PutStartResult {
 		s.objects++
 		ext := &pb.Extent{Segment: id, Offset: off, Length: it.Size}
 		f.objects[it.Key] = &object{
-			key: it.Key, size: it.Size, checksum: it.Checksum,
+			key: it.Key, size: it.Size, checksum: it.Checksum, putID: putID,
 			state:   pb.ObjectState_OBJECT_STATE_PROCESSING,
 			created: now, deadline: it.DeadlineUnixNano,
 			replicas: []*pb.Extent{ext},
 		}
-		return PutStartResult{Replicas: []*pb.Extent{ext}}
+		return PutStartResult{Replicas: []*pb.Extent{ext}, PutID: putID}
 	}
 	if len(f.segments) == 0 {
 		return PutStartResult{Err: ErrNoSegments}
@@ -192,23 +213,37 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64) PutStartResult {
 	return PutStartResult{Err: fmt.Errorf("%w for %d bytes", ErrNoSpace, it.Size)}
 }
 
-func (f *FSM) putEnd(key string) error {
+func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 	o := f.objects[key]
 	switch {
 	case o == nil:
 		return fmt.Errorf("%w: %q (revoked or never started)", ErrNotInProgress, key)
-	case o.state == pb.ObjectState_OBJECT_STATE_PROCESSING:
-		o.state = pb.ObjectState_OBJECT_STATE_COMPLETE
+	case putID != 0 && o.putID != putID:
+		return fmt.Errorf("%w: %q (revoked, and the key was put again since)", ErrNotInProgress, key)
+	case o.state == pb.ObjectState_OBJECT_STATE_COMPLETE:
+		return nil
+	case now > o.deadline:
+		// Its writes may have been cut short at the deadline; the sweep
+		// revokes it.
+		return fmt.Errorf("%w: %q (expired before it ended)", ErrNotInProgress, key)
 	}
+	o.state = pb.ObjectState_OBJECT_STATE_COMPLETE
 	return nil
 }
 
-func (f *FSM) putRevoke(key string, onlyExpired bool, now int64) error {
+// putRevoke abandons a put. The client revokes only once its writes have
+// ended, so the space is free at once; the leader's sweep (onlyExpired)
+// cannot know, so it keeps the space for lateWriteGrace.
+func (f *FSM) putRevoke(key string, putID uint64, onlyExpired bool, now int64) error {
 	o := f.objects[key]
-	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (onlyExpired && o.deadline >= now) {
+	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (putID != 0 && o.putID != putID) || (onlyExpired && o.deadline >= now) {
 		return fmt.Errorf("%w: %q", ErrNotInProgress, key)
 	}
-	f.drop(o) // no reader was ever leased a PROCESSING object
+	if onlyExpired {
+		f.retire(o, now+lateWriteGrace)
+	} else {
+		f.drop(o)
+	}
 	return nil
 }
 
@@ -220,27 +255,29 @@ func (f *FSM) remove(key string, freeAfter, now int64) error {
 	case o.state != pb.ObjectState_OBJECT_STATE_COMPLETE:
 		return fmt.Errorf("%w: %q", ErrPutInProgress, key)
 	}
-	delete(f.objects, key)
-	for _, r := range o.replicas {
-		if s := f.segments[r.Segment]; s != nil {
-			s.objects--
-			if freeAfter > now {
-				f.pending = append(f.pending, &pb.PendingFree{Extent: r, AfterUnixNano: freeAfter})
-			} else {
-				s.alloc.release(r.Offset, r.Length)
-			}
-		}
+	if freeAfter > now {
+		f.retire(o, freeAfter)
+	} else {
+		f.drop(o)
 	}
 	return nil
 }
 
 // drop deletes an object and frees its space at once.
-func (f *FSM) drop(o *object) {
+func (f *FSM) drop(o *object) { f.retire(o, 0) }
+
+// retire deletes an object; its space is reused only from time after on
+// (the end of its read leases, or of its writer's late bytes).
+func (f *FSM) retire(o *object, after int64) {
 	delete(f.objects, o.key)
 	for _, r := range o.replicas {
 		if s := f.segments[r.Segment]; s != nil {
 			s.objects--
-			s.alloc.release(r.Offset, r.Length)
+			if after > 0 {
+				f.pending = append(f.pending, &pb.PendingFree{Extent: r, AfterUnixNano: after})
+			} else {
+				s.alloc.release(r.Offset, r.Length)
+			}
 		}
 	}
 }
@@ -316,7 +353,7 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 		o := f.objects[k]
 		snap.Objects = append(snap.Objects, &pb.Object{
 			Key: o.key, Size: o.size, Checksum: o.checksum, State: o.state,
-			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline, Replicas: o.replicas,
+			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline, Replicas: o.replicas, PutId: o.putID,
 		})
 	}
 	for _, id := range sortedKeys(f.nodes) {
@@ -372,7 +409,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	for _, po := range snap.Objects {
 		o := &object{
 			key: po.Key, size: po.Size, checksum: po.Checksum, state: po.State,
-			created: po.CreatedUnixNano, deadline: po.DeadlineUnixNano,
+			created: po.CreatedUnixNano, deadline: po.DeadlineUnixNano, putID: po.PutId,
 		}
 		for _, r := range po.Replicas {
 			if reserve(r) {

@@ -42,7 +42,7 @@ func code(err error) codes.Code {
 		return codes.OutOfRange
 	case errors.Is(err, ErrPutInProgress), errors.Is(err, ErrNotInProgress):
 		return codes.FailedPrecondition
-	case errors.Is(err, ErrNotLeader):
+	case errors.Is(err, ErrNotLeader), errors.Is(err, ErrStoreGone):
 		return codes.Unavailable
 	case errors.Is(err, context.DeadlineExceeded):
 		return codes.DeadlineExceeded
@@ -173,7 +173,16 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		}
 		m.s.fsm.mu.RLock()
 		for j, r := range out.([]PutStartResult) {
-			results[idx[j]] = &pb.PutStartResult{Status: itemStatus(r.Err), Exists: r.Exists, Replicas: m.s.fsm.describe(r.Replicas)}
+			reps := m.s.fsm.describe(r.Replicas)
+			if r.Err == nil && len(reps) < len(r.Replicas) {
+				// A segment went away between the apply and now; the put
+				// cannot be written, and the leader revokes it in time.
+				r.Err = fmt.Errorf("%w while placing %q; retry", ErrStoreGone, cmd.Items[j].Key)
+			}
+			results[idx[j]] = &pb.PutStartResult{
+				Status: itemStatus(r.Err), Exists: r.Exists, Replicas: reps, PutId: r.PutID,
+				WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds()),
+			}
 		}
 		m.s.fsm.mu.RUnlock()
 	}
@@ -184,7 +193,10 @@ func (m *masterService) keysCmd(ctx context.Context, req *pb.KeysRequest, wrap f
 	if err := validKeys(req.Keys); err != nil {
 		return nil, err
 	}
-	out, err := m.s.apply(ctx, wrap(&pb.KeysCmd{Keys: req.Keys}))
+	if len(req.PutIds) != 0 && len(req.PutIds) != len(req.Keys) {
+		return nil, fmt.Errorf("%w: %d put ids for %d keys", ErrInvalidRequest, len(req.PutIds), len(req.Keys))
+	}
+	out, err := m.s.apply(ctx, wrap(&pb.KeysCmd{Keys: req.Keys, PutIds: req.PutIds}))
 	if err != nil {
 		return nil, err
 	}
