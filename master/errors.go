@@ -15,4 +15,5 @@ var (
 	ErrInvalidRequest = errors.New("invalid request")
 	ErrNotLeader      = errors.New("not the raft leader")
 	ErrStoreGone      = errors.New("store left the pool")
+	ErrOutcomeUnknown = errors.New("leadership lost while committing: the change may or may not have been made")
 )

@@ -44,6 +44,8 @@ func code(err error) codes.Code {
 		return codes.FailedPrecondition
 	case errors.Is(err, ErrNotLeader), errors.Is(err, ErrStoreGone):
 		return codes.Unavailable
+	case errors.Is(err, ErrOutcomeUnknown):
+		return codes.Aborted
 	case errors.Is(err, context.DeadlineExceeded):
 		return codes.DeadlineExceeded
 	case errors.Is(err, context.Canceled):
@@ -226,7 +228,9 @@ func (m *masterService) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.It
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	cmd := &pb.RemoveCmd{Keys: req.Keys, FreeAfterUnixNano: m.s.freeAfter(req.Keys).UnixNano()}
+	freeAfter, done := m.s.startRemove(req.Keys)
+	defer done()
+	cmd := &pb.RemoveCmd{Keys: req.Keys, FreeAfterUnixNano: freeAfter.UnixNano()}
 	out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_Remove{Remove: cmd}})
 	if err != nil {
 		return nil, err
@@ -242,13 +246,7 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 		return nil, err
 	}
 	res := m.s.fsm.replicas(req.Keys)
-	var found []string
-	for i, r := range res {
-		if r.Status.Code == 0 {
-			found = append(found, req.Keys[i])
-		}
-	}
-	m.s.lease(found)
+	m.s.lease(req.Keys, res)
 	return &pb.GetReplicasResponse{Results: res, LeaseTtlMs: uint64(m.s.cfg.LeaseTTL.Milliseconds())}, nil
 }
 

@@ -14,7 +14,9 @@ import (
 // load spreads over the pool. Apply allocates in the first one with room.
 func (s *Server) candidates(size uint64, tier pb.Tier) []string {
 	views := s.fsm.segmentViews()
-	views = slices.DeleteFunc(views, func(v segmentView) bool { return !s.alive(v.node) || v.largestFree < size })
+	// Segments that look full stay in: Apply first releases space whose
+	// leases have ended, which this view does not see yet.
+	views = slices.DeleteFunc(views, func(v segmentView) bool { return !s.alive(v.node) || v.capacity < size })
 	slices.SortStableFunc(views, func(a, b segmentView) int {
 		if (a.tier == tier) != (b.tier == tier) {
 			if a.tier == tier {

@@ -55,12 +55,14 @@ func TestCandidates(t *testing.T) {
 			want: []string{"a/d@1", "a/s@1"},
 		},
 		{
-			name:  "dead nodes and segments without room are left out",
-			specs: map[string][]*pb.SegmentSpec{"a": {dram("m", 1<<20)}, "b": {dram("m", 1<<20)}, "c": {dram("m", 1<<20)}},
+			// A full segment stays a candidate, last: Apply may first free
+			// space whose leases have ended.
+			name:  "dead nodes are left out, full segments go last",
+			specs: map[string][]*pb.SegmentSpec{"a": {dram("m", 1<<20)}, "b": {dram("m", 1<<20)}, "c": {dram("m", 1<<20)}, "d": {dram("m", 4096)}},
 			fill:  map[string]uint64{"b/m@1": 1<<20 - 4096},
 			dead:  []string{"c"},
 			size:  8192, tier: pb.Tier_TIER_DRAM,
-			want: []string{"a/m@1"},
+			want: []string{"a/m@1", "b/m@1"},
 		},
 		{
 			// Free bytes times capacity no longer fits in 64 bits.

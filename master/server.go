@@ -77,9 +77,11 @@ type Server struct {
 		// leader is set once this node is raft leader and its FSM has
 		// applied every earlier entry; only then does it serve.
 		leader      bool
+		leaderTerm  uint64 // the term in which this node caught up
 		leaderSince time.Time
 		lastSeen    map[string]time.Time // node -> last heartbeat, leader only
 		leases      map[string]time.Time // key -> read lease expiry, leader only
+		removing    map[string]int       // keys with a Remove in flight: no new leases
 	}
 
 	stop      chan struct{}
@@ -113,6 +115,7 @@ func New(cfg Config) (*Server, error) {
 	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
 	s.mu.lastSeen = map[string]time.Time{}
 	s.mu.leases = map[string]time.Time{}
+	s.mu.removing = map[string]int{}
 	if err := s.startRaft(); err != nil {
 		s.closeStores()
 		return nil, err
@@ -185,6 +188,8 @@ func (s *Server) startRaft() error {
 			peers = []raft.Server{{ID: rc.LocalID, Address: s.trans.LocalAddr()}}
 		}
 		if err := r.BootstrapCluster(raft.Configuration{Servers: peers}).Error(); err != nil && !errors.Is(err, raft.ErrCantBootstrap) {
+			_ = r.Shutdown().Error() // before the stores it uses are closed
+			s.raft = nil
 			return fmt.Errorf("master: bootstrap: %w", err)
 		}
 	}
@@ -230,11 +235,14 @@ func (s *Server) closeStores() error {
 
 // IsLeader reports whether this master is the raft leader and has caught
 // up with the log, so it may serve.
+//
+// The term check covers a leadership lost and won back before leaderLoop
+// has seen both changes: the new term has not been caught up yet.
 func (s *Server) IsLeader() bool {
 	s.mu.Lock()
-	leader := s.mu.leader
+	leader, term := s.mu.leader, s.mu.leaderTerm
 	s.mu.Unlock()
-	return leader && s.raft.State() == raft.Leader
+	return leader && s.raft.State() == raft.Leader && s.raft.CurrentTerm() == term
 }
 
 // Leader returns the raft id and gRPC address of the current leader, if known.
@@ -255,11 +263,20 @@ func (s *Server) apply(ctx context.Context, cmd *pb.Command) (any, error) {
 	}
 	timeout := 10 * time.Second
 	if d, ok := ctx.Deadline(); ok {
-		timeout = time.Until(d)
+		if timeout = time.Until(d); timeout <= 0 {
+			return nil, context.DeadlineExceeded // raft reads 0 as no timeout
+		}
 	}
 	f := s.raft.Apply(data, timeout)
 	if err := f.Error(); err != nil {
-		if errors.Is(err, raft.ErrNotLeader) || errors.Is(err, raft.ErrLeadershipLost) || errors.Is(err, raft.ErrLeadershipTransferInProgress) {
+		switch {
+		case errors.Is(err, raft.ErrNotLeader), errors.Is(err, raft.ErrLeadershipTransferInProgress):
+			return nil, fmt.Errorf("%w: %v", ErrNotLeader, err)
+		case errors.Is(err, raft.ErrLeadershipLost):
+			// The entry may still commit under the next leader: the outcome
+			// is unknown, so the caller must not blindly retry.
+			return nil, fmt.Errorf("%w: %v", ErrOutcomeUnknown, err)
+		case errors.Is(err, raft.ErrEnqueueTimeout), errors.Is(err, raft.ErrRaftShutdown):
 			return nil, fmt.Errorf("%w: %v", ErrNotLeader, err)
 		}
 		return nil, fmt.Errorf("raft apply: %w", err)
@@ -319,6 +336,7 @@ func (s *Server) setLeader(leader bool) {
 	now := s.cfg.Now()
 	s.mu.Lock()
 	s.mu.leader = leader
+	s.mu.leaderTerm = s.raft.CurrentTerm()
 	s.mu.leaderSince = now
 	clear(s.mu.leases)
 	clear(s.mu.lastSeen)
@@ -375,7 +393,9 @@ func (s *Server) sweep() {
 	for _, id := range dead {
 		s.log.Warn("store node silent, declaring it dead", "node", id, "ttl", s.cfg.NodeTTL)
 		if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: id, Epoch: live[id]}}}); err != nil {
+			// Typically it registered again meanwhile: keep its heartbeat.
 			s.log.Warn("declare node dead", "node", id, "err", err)
+			continue
 		}
 		s.mu.Lock()
 		delete(s.mu.lastSeen, id)
@@ -393,29 +413,50 @@ func countNil(errs []error) int {
 	return n
 }
 
-// lease grants read leases on keys and returns their expiry.
-func (s *Server) lease(keys []string) {
+// lease grants read leases on the found keys of res, in place; a key whose
+// Remove is in flight is answered as not found instead, since that Remove
+// may already have computed when its space is free.
+func (s *Server) lease(keys []string, res []*pb.ObjectReplicas) {
 	exp := s.cfg.Now().Add(s.cfg.LeaseTTL)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, k := range keys {
+	for i, k := range keys {
+		if res[i].Status.Code != 0 {
+			continue
+		}
+		if s.mu.removing[k] > 0 {
+			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
+			continue
+		}
 		s.mu.leases[k] = exp
 	}
 }
 
-// freeAfter is when space of removed keys may be reused: after every lease
-// this leader granted on them, and after any lease an earlier leader may
-// have granted.
-func (s *Server) freeAfter(keys []string) time.Time {
+// startRemove marks keys as being removed and returns when their space may
+// be reused: after every lease this leader granted on them, and after any
+// lease an earlier leader may have granted. The returned func unmarks them.
+func (s *Server) startRemove(keys []string) (time.Time, func()) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	for _, k := range keys {
+		s.mu.removing[k]++
+	}
+	done := func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		for _, k := range keys {
+			if s.mu.removing[k]--; s.mu.removing[k] <= 0 {
+				delete(s.mu.removing, k)
+			}
+		}
+	}
 	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
 	for _, k := range keys {
 		if exp, ok := s.mu.leases[k]; ok && exp.After(t) {
 			t = exp
 		}
 	}
-	return t
+	return t, done
 }
 
 func (s *Server) heartbeat(node string, epoch uint64) error {

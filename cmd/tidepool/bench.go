@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -78,7 +79,7 @@ func runBench(ctx context.Context, e *env, args []string) error {
 		}
 		concList = append(concList, n)
 	}
-	b := &bench{c: c, duration: duration, getKeys: getKeys, prefix: fmt.Sprintf("bench/%d/", time.Now().UnixNano())}
+	b := &bench{c: c, stderr: e.stderr, duration: duration, getKeys: getKeys, prefix: fmt.Sprintf("bench/%d/", time.Now().UnixNano())}
 	defer b.cleanup()
 
 	const rowFormat = "%-4s %9s %5v %7v %7v %7v %9v %9v\n"
@@ -113,6 +114,7 @@ func runBench(ctx context.Context, e *env, args []string) error {
 
 type bench struct {
 	c        *client.Client
+	stderr   io.Writer
 	duration time.Duration
 	getKeys  int
 	prefix   string
@@ -185,7 +187,10 @@ func (b *bench) row(ctx context.Context, op string, size int64, workers int) (be
 	wg.Wait()
 	elapsed := time.Since(start)
 	for _, ks := range putKeys {
-		b.remove(ctx, ks)
+		left := b.remove(ctx, ks)
+		b.mu.Lock()
+		b.keys = append(b.keys, left...)
+		b.mu.Unlock()
 	}
 	all := slices.Concat(lat...)
 	slices.Sort(all)
@@ -216,18 +221,23 @@ func (b *bench) populate(ctx context.Context, size int64, value []byte) ([]strin
 	return keys, nil
 }
 
-func (b *bench) remove(ctx context.Context, keys []string) {
+// remove deletes keys and returns those it could not, for cleanup.
+func (b *bench) remove(ctx context.Context, keys []string) (left []string) {
 	for _, k := range keys {
 		if err := b.c.Remove(ctx, k); err != nil && !errors.Is(err, client.ErrNotFound) {
-			return
+			left = append(left, k)
 		}
 	}
+	return left
 }
 
+// cleanup removes every key the benchmark wrote that is still there.
 func (b *bench) cleanup() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	b.remove(ctx, slices.Compact(b.keys))
+	if left := b.remove(ctx, b.keys); len(left) > 0 {
+		fmt.Fprintf(b.stderr, "tidepool bench: could not remove %d benchmark keys (prefix %s)\n", len(left), b.prefix)
+	}
 }
 
 func percentile(sorted []time.Duration, p float64) time.Duration {

@@ -148,28 +148,35 @@ func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (maste
 }
 
 // startMaster starts a master serving gRPC on the flags' listen address.
-func startMaster(m *masterFlags, reg prometheus.Registerer, log *slog.Logger) (*master.Server, func() error, error) {
+// done is closed if the gRPC server stops; stop closes the master and
+// returns why the server stopped, if it failed.
+func startMaster(m *masterFlags, reg prometheus.Registerer, log *slog.Logger) (srv *master.Server, done <-chan struct{}, stop func() error, err error) {
 	cfg, err := m.config(reg, log)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	ln, err := net.Listen("tcp", m.listen)
 	if err != nil {
-		return nil, nil, fmt.Errorf("listen for gRPC on %q: %w", m.listen, err)
+		return nil, nil, nil, fmt.Errorf("listen for gRPC on %q: %w", m.listen, err)
 	}
-	srv, err := master.New(cfg)
+	srv, err = master.New(cfg)
 	if err != nil {
 		ln.Close()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(ln) }()
+	served := make(chan struct{})
+	var serveErr error
+	go func() {
+		defer close(served)
+		serveErr = srv.Serve(ln)
+	}()
 	log.Info("master serving", "id", m.id, "grpc", ln.Addr().String(), "raft", m.raftAddr, "dir", m.dir)
-	stop := func() error {
+	stop = func() error {
 		err := srv.Close()
-		return errors.Join(err, <-served)
+		<-served
+		return errors.Join(err, serveErr)
 	}
-	return srv, stop, nil
+	return srv, served, stop, nil
 }
 
 func runMaster(ctx context.Context, e *env, args []string) error {
@@ -181,7 +188,7 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	log := d.log
-	srv, stop, err := startMaster(&m, d.reg, log)
+	srv, served, stop, err := startMaster(&m, d.reg, log)
 	if err != nil {
 		return err
 	}
@@ -189,7 +196,11 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return errors.Join(err, stop())
 	}
-	<-ctx.Done()
+	select {
+	case <-ctx.Done():
+	case <-served:
+		log.Error("gRPC server stopped; shutting down")
+	}
 	log.Info("shutting down")
 	stopHTTP()
 	return stop()
@@ -296,12 +307,10 @@ func runStore(ctx context.Context, e *env, args []string) error {
 }
 
 func registered(n *store.Node) error {
-	select {
-	case <-n.Registered():
-		return nil
-	default:
-		return errors.New("not registered with a master yet")
+	if n.Epoch() == 0 {
+		return errors.New("not registered with a master")
 	}
+	return nil
 }
 
 func runUp(ctx context.Context, e *env, args []string) error {
@@ -318,7 +327,7 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	log, reg := d.log, d.reg
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
 		leaseTTL: master.DefaultLeaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL}
-	srv, stopMaster, err := startMaster(&m, reg, log)
+	srv, served, stopMaster, err := startMaster(&m, reg, log)
 	if err != nil {
 		return err
 	}
@@ -338,7 +347,11 @@ func runUp(ctx context.Context, e *env, args []string) error {
 		log.Info("tidepool is up", "masters", *listen, "hint", "tidepool put KEY FILE; tidepool get KEY")
 	case <-ctx.Done():
 	}
-	<-ctx.Done()
+	select {
+	case <-ctx.Done():
+	case <-served:
+		log.Error("master gRPC server stopped; shutting down")
+	}
 	log.Info("shutting down")
 	stopHTTP()
 	return errors.Join(n.Close(), stopMaster())

@@ -62,6 +62,7 @@ func (c *Conn) Do(ctx context.Context, call Call) error {
 		defer cancel()
 	}
 	backoff := 20 * time.Millisecond
+	redirects := 0
 	for {
 		addr, cc, err := c.current()
 		if err != nil {
@@ -74,9 +75,14 @@ func (c *Conn) Do(ctx context.Context, call Call) error {
 		}
 		if l := trailer.Get(Trailer); len(l) > 0 && l[0] != "" && l[0] != addr {
 			c.setLeader(l[0])
-			continue
+			// Masters disagreeing during an election can bounce a call
+			// between them; back off once that happens.
+			if redirects++; redirects <= 3 {
+				continue
+			}
+		} else {
+			c.rotate(addr)
 		}
-		c.rotate(addr)
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("no master leader reachable at %v: %w", c.addrs(), err)
