@@ -13,11 +13,11 @@ import (
 
 var (
 	// ErrNotFound: no complete object has the key.
-	ErrNotFound = errors.New("not found")
+	ErrNotFound = errors.New("object not found")
 	// ErrInvalidArgument: an empty or oversized key, an empty value, a short buffer.
 	ErrInvalidArgument = errors.New("invalid argument")
 	// ErrNoSpace: no segment has room for the value now.
-	ErrNoSpace = errors.New("no space in the pool")
+	ErrNoSpace = errors.New("no segment has room")
 	// ErrTooLarge: the value is larger than any segment could ever hold.
 	ErrTooLarge = errors.New("value larger than any segment")
 	// ErrConflict: another put of the key is in progress, or the put was

@@ -12,7 +12,7 @@ var (
 	ErrPutInProgress  = errors.New("a put of this key is in progress")
 	ErrNotInProgress  = errors.New("no put of this key is in progress")
 	ErrUnknownNode    = errors.New("unknown node or stale epoch")
-	ErrInvalidRequest = errors.New("invalid request")
+	ErrInvalidRequest = errors.New("invalid argument")
 	ErrNotLeader      = errors.New("not the raft leader")
 	ErrStoreGone      = errors.New("store left the pool")
 	ErrOutcomeUnknown = errors.New("leadership lost while committing: the change may or may not have been made")
