@@ -49,6 +49,18 @@ func (q *qosQueue[T]) push(item T, class Priority, bytes int64, tenant string, d
 	})
 }
 
+// pushFront puts back an item that pop just returned and the caller could
+// not start, at the head of its class so it keeps its turn.
+func (q *qosQueue[T]) pushFront(item T, class Priority, bytes int64, tenant string, enqueued time.Time) {
+	if class == 0 {
+		class = Medium
+	}
+	class = min(max(class, High), Low)
+	q.seq++
+	e := queued[T]{item: item, class: class, bytes: bytes, tenant: tenant, enqueued: enqueued, seq: q.seq}
+	q.byClass[class-High] = append([]queued[T]{e}, q.byClass[class-High]...)
+}
+
 // effective is e's class at now after aging: a request that has waited
 // agingStep moves up one class, once. Low thus overtakes Medium traffic but
 // never competes with High, so bulk work that has queued for a while cannot

@@ -215,3 +215,15 @@ func TestQoSRemove(t *testing.T) {
 		}
 	}
 }
+
+func TestQoSPushFrontKeepsTurn(t *testing.T) {
+	var q qosQueue[string]
+	now := time.Unix(0, 0)
+	q.push("a", Medium, 1, "", time.Time{}, now)
+	q.push("b", Medium, 1, "", time.Time{}, now)
+	got, _ := q.pop(now, nil)
+	q.pushFront(got, Medium, 1, "", now)
+	if first, _ := q.pop(now, nil); first != "a" {
+		t.Fatalf("after pushFront the next pop is %q, want a", first)
+	}
+}

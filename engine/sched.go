@@ -53,6 +53,8 @@ type request struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
+	undispatched int // slices not yet started; guarded by the peer's mu
+
 	mu struct {
 		sync.Mutex
 		left int   // slices not yet finished
@@ -128,6 +130,7 @@ func (p *peer) do(ctx context.Context, op *Op, opts Options) error {
 	spans := cutSlicesFrom(len(op.Buf), p.sliceBase)
 	req := &request{op: op, opts: opts, ctx: ctx, cancel: cancel, done: make(chan struct{})}
 	req.mu.left = len(spans)
+	req.undispatched = len(spans)
 	p.mu.Lock()
 	for _, s := range spans {
 		sl := &slice{req: req, span: s, enqueued: now}
@@ -262,16 +265,24 @@ func (p *peer) dispatchLocked(now time.Time) {
 		if !ok {
 			return
 		}
-		blocked := full
+		capped := func(*rail) bool { return false }
 		if lowCapped && normClass(sl.req.opts.Priority) == Low {
-			blocked = func(r *rail) bool { return full(r) || p.mu.lowBusy[r] >= 1 }
+			capped = func(r *rail) bool { return p.mu.lowBusy[r] >= 1 }
 		}
-		r := p.sp.pick(sl.span.n, now, func(r *rail) bool { return blocked(r) || (sl.tried[r] && len(sl.tried) < len(p.rails)) })
-		if r == nil {
-			r = p.sp.pick(sl.span.n, now, blocked) // every rail was tried: any free one
+		// A request's last slices go to the rail with the best predicted
+		// finish even if they must wait for its slot: on a slower rail they
+		// would be the request's stragglers. Earlier ones take the best
+		// free rail, so no rail idles while work is queued.
+		tail := sl.req.undispatched <= len(p.rails)
+		skip := func(r *rail) bool {
+			return capped(r) || (!tail && full(r)) || (sl.tried[r] && len(sl.tried) < len(p.rails))
 		}
+		r := p.sp.pick(sl.span.n, now, skip)
 		if r == nil {
-			p.enqueueLocked(sl, now)
+			r = p.sp.pick(sl.span.n, now, func(r *rail) bool { return capped(r) || (!tail && full(r)) }) // every rail was tried
+		}
+		if r == nil || full(r) {
+			p.mu.shared.pushFront(sl, sl.req.opts.Priority, int64(sl.span.n), sl.req.opts.Tenant, sl.enqueued)
 			return
 		}
 		p.startLocked(sl, r, now)
@@ -284,6 +295,7 @@ func (p *peer) startLocked(sl *slice, r *rail, now time.Time) {
 		return
 	}
 	p.mu.busy[r]++
+	sl.req.undispatched--
 	if normClass(sl.req.opts.Priority) == Low {
 		p.mu.lowBusy[r]++
 	}
