@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 )
 
 // Target names a segment on a peer: the peer engine's host:port and the segment's name.
@@ -241,19 +242,32 @@ func (e *Engine) dispatch(ctx context.Context, tasks []*Task) {
 	stop := context.AfterFunc(e.ctx, func() { cancel(ErrClosed) })
 	defer stop()
 
-	var wg sync.WaitGroup
+	var valid []*Task
 	for _, t := range tasks {
 		if err := t.validate(); err != nil {
 			e.finish(t, Failed, err)
 			continue
+		}
+		valid = append(valid, t)
+	}
+	var wg sync.WaitGroup
+	for _, group := range mergeContiguous(valid) {
+		t := group[0]
+		op := t.op
+		if len(group) > 1 {
+			op.Buf = t.op.Buf[:groupLen(group)] // continues checked the capacity
+		}
+		finish := func(s State, err error) {
+			for _, g := range group {
+				e.finish(g, s, err)
+			}
 		}
 		tctx, tcancel := ctx, context.CancelFunc(func() {})
 		if !t.opts.Deadline.IsZero() {
 			tctx, tcancel = context.WithDeadlineCause(ctx, t.opts.Deadline, ErrTimedOut)
 		}
 		if err := e.acquire(tctx); err != nil {
-			s, err := outcome(tctx, err)
-			e.finish(t, s, err)
+			finish(outcome(tctx, err))
 			tcancel()
 			continue
 		}
@@ -262,12 +276,55 @@ func (e *Engine) dispatch(ctx context.Context, tasks []*Task) {
 			defer wg.Done()
 			defer tcancel()
 			defer e.release()
-			t.state.Store(int32(Running))
-			s, err := outcome(tctx, e.transfer(tctx, &t.op, t.opts))
-			e.finish(t, s, err)
+			for _, g := range group {
+				g.state.Store(int32(Running))
+			}
+			finish(outcome(tctx, e.transfer(tctx, &op, t.opts)))
 		}()
 	}
 	wg.Wait()
+}
+
+// mergeContiguous groups consecutive tasks that continue each other, in the
+// segment and in memory (a run of KV blocks read into one host buffer), so
+// each group travels as one request: fewer, larger slices.
+func mergeContiguous(tasks []*Task) [][]*Task {
+	var groups [][]*Task
+	for _, t := range tasks {
+		if n := len(groups); n > 0 && continues(groups[n-1], t) {
+			groups[n-1] = append(groups[n-1], t)
+			continue
+		}
+		groups = append(groups, []*Task{t})
+	}
+	return groups
+}
+
+// continues reports whether t picks up exactly where group ends.
+func continues(group []*Task, t *Task) bool {
+	last, first := group[len(group)-1], group[0]
+	if t.op.Kind != last.op.Kind || t.op.Target != last.op.Target || t.opts != first.opts ||
+		len(last.op.Buf) == 0 || len(t.op.Buf) == 0 ||
+		t.op.Offset != last.op.Offset+int64(len(last.op.Buf)) || groupLen(group)+len(t.op.Buf) > MaxOpLen ||
+		t.op.Offset < first.op.Offset {
+		return false
+	}
+	// One allocation: the first buffer's capacity reaches over t's bytes,
+	// which start right where the last buffer ends.
+	n := groupLen(group)
+	if cap(first.op.Buf) < n+len(t.op.Buf) {
+		return false
+	}
+	end := unsafe.Add(unsafe.Pointer(unsafe.SliceData(last.op.Buf)), len(last.op.Buf))
+	return end == unsafe.Pointer(unsafe.SliceData(t.op.Buf))
+}
+
+func groupLen(group []*Task) int {
+	n := 0
+	for _, t := range group {
+		n += len(t.op.Buf)
+	}
+	return n
 }
 
 // finish records metrics and moves t to its terminal state.

@@ -8,6 +8,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -542,4 +543,64 @@ func matches(m *dto.Metric, labels map[string]string) bool {
 		}
 	}
 	return true
+}
+
+func TestMergeContiguous(t *testing.T) {
+	buf := make([]byte, 4096)
+	other := make([]byte, 1024)
+	tgt := Target{Endpoint: "h:1", Segment: "s"}
+	read := func(b []byte, off int64, o Options) *Task { return newTask(OpRead, b, tgt, off, o) }
+	tests := []struct {
+		name  string
+		tasks []*Task
+		sizes []int
+	}{
+		{"adjacent in segment and memory", []*Task{read(buf[:1024], 0, Options{}), read(buf[1024:2048], 1024, Options{}), read(buf[2048:], 2048, Options{})}, []int{3}},
+		{"gap in the segment", []*Task{read(buf[:1024], 0, Options{}), read(buf[1024:2048], 4096, Options{})}, []int{1, 1}},
+		{"separate buffers", []*Task{read(buf[:1024], 0, Options{}), read(other, 1024, Options{})}, []int{1, 1}},
+		{"different priority", []*Task{read(buf[:1024], 0, Options{}), read(buf[1024:2048], 1024, Options{Priority: High})}, []int{1, 1}},
+		{"write after read", []*Task{read(buf[:1024], 0, Options{}), newTask(OpWrite, buf[1024:2048], tgt, 1024, Options{})}, []int{1, 1}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var sizes []int
+			for _, g := range mergeContiguous(tc.tasks) {
+				sizes = append(sizes, len(g))
+			}
+			if !slices.Equal(sizes, tc.sizes) {
+				t.Fatalf("groups %v, want %v", sizes, tc.sizes)
+			}
+		})
+	}
+}
+
+// TestMergedReadsEndToEnd reads consecutive blocks into one buffer: one
+// request on the wire, every task Done with its own bytes.
+func TestMergedReadsEndToEnd(t *testing.T) {
+	mem := make([]byte, 1<<20)
+	for i := range mem {
+		mem[i] = byte(i * 7)
+	}
+	p := startPeer(t, Config{}, NewMemSegment("dram", mem))
+	c := newClient(t, Config{NoShm: true})
+	buf := make([]byte, 8*4096)
+	b := c.NewBatch()
+	var tasks []*Task
+	for i := range 8 {
+		tasks = append(tasks, b.Read(buf[i*4096:(i+1)*4096], Target{p.addr, "dram"}, int64(i*4096), Options{}))
+	}
+	if err := b.Submit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Wait(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, task := range tasks {
+		if task.State() != Done {
+			t.Fatalf("task %v", task.State())
+		}
+	}
+	if !bytes.Equal(buf, mem[:len(buf)]) {
+		t.Fatal("merged read returned the wrong bytes")
+	}
 }
