@@ -73,14 +73,12 @@ func (s *serverConn) serve(h reqHeader) error {
 	}
 	off, n := int64(h.off), int64(h.n)
 	if h.op == opRead {
-		err = s.read(seg, off, n)
-	} else {
-		err = s.write(seg, off, n)
-	}
-	if err == nil {
+		// Counted before the reply goes out, so a peer that has its answer
+		// sees the metric already moved.
 		s.e.met.serve(h.op, n)
+		return s.read(seg, off, n)
 	}
-	return err
+	return s.write(seg, off, n)
 }
 
 func (s *serverConn) lookup(h reqHeader) (Segment, error) {
@@ -153,6 +151,7 @@ func (s *serverConn) write(seg Segment, off, n int64) error {
 		if _, err := io.ReadFull(s.br, b); err != nil {
 			return err
 		}
+		s.e.met.serve(opWrite, n)
 		return s.sendOK()
 	}
 	bp := s.e.scratch.Get().(*[]byte)
@@ -172,6 +171,7 @@ func (s *serverConn) write(seg Segment, off, n int64) error {
 		}
 		done += int64(len(chunk))
 	}
+	s.e.met.serve(opWrite, n)
 	return s.sendOK()
 }
 
