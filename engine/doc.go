@@ -29,12 +29,21 @@
 // task: cancellation and deadlines close the connection the task is blocked on, and Close fails
 // whatever is still in flight with ErrClosed and waits for every goroutine it started.
 //
-// # Seams for what comes next
+// # How a task travels
 //
-//   - Transport is the plug-in point for how bytes travel; TCP is built in (frame.go documents the
-//     wire format), shm, local, file and fault-injecting test transports plug in the same way.
-//   - split cuts large tasks into chunks that run in parallel over pooled connections; the slicer
-//     and the bandwidth-aware sprayer over several rails replace it.
-//   - Priority is carried from Options to every Op but not yet scheduled on; dispatch, FIFO per
-//     batch with an engine-wide cap on tasks in flight, is where the QoS classes will plug in.
+// Consecutive tasks that continue each other in the segment and in memory travel as one request.
+// The engine tries its transports in order, each falling over to the next: local (the segment is
+// served by this engine), shm (the peer is on this host and its segment is memory: mapped through
+// /proc/<pid>/fd, then a memcpy), file (the same for file-backed segments: pread and pwrite) and
+// then the peer's rails over TCP, one rail per listen address of the peer (Target.Endpoint lists
+// them, comma separated).
+//
+// On the rails a request is cut into slices (slice.go), queued per peer by QoS class with aging
+// (qos.go), and each slice is bound to a rail when a connection slot frees up, to the rail with
+// the lowest predicted finish time (spray.go, rail.go); Config.RoundRobin is the baseline that
+// deals slices in turn. A rail that errs three times in ten seconds is paused; its slices are
+// retried elsewhere (sched.go). Rails reports what the engine knows of each rail.
+//
+// engine/enginetest wraps a transport to shape rails (bandwidth, latency, jitter) and inject
+// faults, so heterogeneous links can be tested on loopback.
 package engine

@@ -35,7 +35,7 @@ type Op struct {
 }
 
 // Transport moves the bytes of one Op. It is the plug-in point for the ways bytes can travel
-// (tcp today; shm, local and file later, and in-memory twins with fault injection in tests).
+// (tcp, shm, local and file, and twins with fault injection in tests).
 //
 // The contract:
 //   - Do moves all of op.Buf or returns an error; it is safe for concurrent use.

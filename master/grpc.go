@@ -283,10 +283,12 @@ func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.St
 		}
 	}
 	leader := s.IsLeader()
+	live := s.fsm.liveNodes()
 	for _, v := range s.fsm.segmentViews() {
+		_, registered := live[v.node]
 		resp.Segments = append(resp.Segments, &pb.SegmentInfo{
 			Name: v.id, Node: v.node, Tier: v.tier, Capacity: v.capacity, Used: v.used,
-			Endpoint: v.endpoint, Epoch: v.epoch, Alive: !leader || s.alive(v.node), Objects: uint64(v.objects),
+			Endpoint: v.endpoint, Epoch: v.epoch, Alive: registered && (!leader || s.alive(v.node)), Objects: uint64(v.objects),
 		})
 	}
 	_, complete, bytes := s.fsm.objectStats()

@@ -144,7 +144,7 @@ func (s *Server) startRaft() error {
 	if err := os.MkdirAll(s.cfg.Dir, 0o755); err != nil {
 		return fmt.Errorf("master: create %s: %w", s.cfg.Dir, err)
 	}
-	hlog := hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Warn, Output: logWriter{s.log}})
+	hlog := hclog.New(&hclog.LoggerOptions{Name: "raft", Level: hclog.Info, Output: logWriter{s.log}, DisableTime: true})
 	logs, err := logstore.Open(filepath.Join(s.cfg.Dir, "raft"))
 	if err != nil {
 		return fmt.Errorf("master: open raft log: %w", err)
@@ -476,10 +476,28 @@ func (s *Server) alive(node string) bool {
 	return ok
 }
 
-// logWriter turns raft's log lines (one per Write) into slog records.
+// logWriter turns raft's log lines ("[WARN]  raft: message: k=v", one per
+// Write) into slog records at the matching level. Raft's INFO chatter
+// (elections, snapshots) goes to Debug.
 type logWriter struct{ l *slog.Logger }
 
 func (w logWriter) Write(p []byte) (int, error) {
-	w.l.Warn(strings.TrimSpace(string(p)))
+	line := strings.TrimSpace(string(p))
+	level := slog.LevelDebug
+	for prefix, l := range map[string]slog.Level{"[WARN]": slog.LevelWarn, "[ERROR]": slog.LevelError} {
+		if rest, ok := strings.CutPrefix(line, prefix); ok {
+			line, level = rest, l
+		}
+	}
+	if rest, ok := strings.CutPrefix(line, "[INFO]"); ok {
+		line = rest
+	}
+	line = strings.TrimSpace(line)
+	// A lone node always times out waiting for a leader before it elects
+	// itself; that is not worth a warning.
+	if strings.Contains(line, "heartbeat timeout reached, starting election") {
+		level = slog.LevelInfo
+	}
+	w.l.Log(context.Background(), level, line)
 	return len(p), nil
 }

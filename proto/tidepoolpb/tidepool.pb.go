@@ -1060,16 +1060,18 @@ func (x *MemberInfo) GetLeader() bool {
 }
 
 type SegmentInfo struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	Node          string                 `protobuf:"bytes,2,opt,name=node,proto3" json:"node,omitempty"`
-	Tier          Tier                   `protobuf:"varint,3,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
-	Capacity      uint64                 `protobuf:"varint,4,opt,name=capacity,proto3" json:"capacity,omitempty"`
-	Used          uint64                 `protobuf:"varint,5,opt,name=used,proto3" json:"used,omitempty"`
-	Endpoint      string                 `protobuf:"bytes,6,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
-	Epoch         uint64                 `protobuf:"varint,7,opt,name=epoch,proto3" json:"epoch,omitempty"`
-	Alive         bool                   `protobuf:"varint,8,opt,name=alive,proto3" json:"alive,omitempty"`
-	Objects       uint64                 `protobuf:"varint,9,opt,name=objects,proto3" json:"objects,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Name     string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Node     string                 `protobuf:"bytes,2,opt,name=node,proto3" json:"node,omitempty"`
+	Tier     Tier                   `protobuf:"varint,3,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	Capacity uint64                 `protobuf:"varint,4,opt,name=capacity,proto3" json:"capacity,omitempty"`
+	Used     uint64                 `protobuf:"varint,5,opt,name=used,proto3" json:"used,omitempty"`
+	Endpoint string                 `protobuf:"bytes,6,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
+	Epoch    uint64                 `protobuf:"varint,7,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	// On the leader: heartbeating within the node TTL. On a follower, which
+	// sees no heartbeats: not declared dead.
+	Alive         bool   `protobuf:"varint,8,opt,name=alive,proto3" json:"alive,omitempty"`
+	Objects       uint64 `protobuf:"varint,9,opt,name=objects,proto3" json:"objects,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
