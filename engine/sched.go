@@ -53,7 +53,8 @@ type request struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	undispatched int // slices not yet started; guarded by the peer's mu
+	undispatched int           // slices not yet started; guarded by the peer's mu
+	quota        map[*rail]int // slices planned per rail (spray mode); guarded by the peer's mu
 
 	mu struct {
 		sync.Mutex
@@ -132,6 +133,17 @@ func (p *peer) do(ctx context.Context, op *Op, opts Options) error {
 	req.mu.left = len(spans)
 	req.undispatched = len(spans)
 	p.mu.Lock()
+	if p.mode == sprayScore && len(spans) > 1 {
+		// Split the request over the rails in proportion to 1/score, so its
+		// slices tend to finish together; dispatch may still deviate when a
+		// planned rail is busy or fails.
+		if counts := p.sp.plan(spans, now); counts != nil {
+			req.quota = map[*rail]int{}
+			for i, n := range counts {
+				req.quota[p.rails[i]] = n
+			}
+		}
+	}
 	for _, s := range spans {
 		sl := &slice{req: req, span: s, enqueued: now}
 		if p.mode == sprayRoundRobin {
@@ -274,8 +286,9 @@ func (p *peer) dispatchLocked(now time.Time) {
 		// would be the request's stragglers. Earlier ones take the best
 		// free rail, so no rail idles while work is queued.
 		tail := sl.req.undispatched <= len(p.rails)
+		overPlan := func(r *rail) bool { return sl.req.quota != nil && sl.req.quota[r] <= 0 && !tail }
 		skip := func(r *rail) bool {
-			return capped(r) || (!tail && full(r)) || (sl.tried[r] && len(sl.tried) < len(p.rails))
+			return capped(r) || (!tail && full(r)) || (sl.tried[r] && len(sl.tried) < len(p.rails)) || overPlan(r)
 		}
 		r := p.sp.pick(sl.span.n, now, skip)
 		if r == nil {
@@ -296,6 +309,9 @@ func (p *peer) startLocked(sl *slice, r *rail, now time.Time) {
 	}
 	p.mu.busy[r]++
 	sl.req.undispatched--
+	if sl.req.quota != nil {
+		sl.req.quota[r]--
+	}
 	if normClass(sl.req.opts.Priority) == Low {
 		p.mu.lowBusy[r]++
 	}
