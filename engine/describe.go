@@ -173,35 +173,6 @@ func (t *tcpTransport) describe(ctx context.Context, addr, segment string) (shmI
 	return info, err
 }
 
-// call runs one exchange on a pooled connection to addr, with Do's rules: ctx closes the
-// connection under a stuck exchange, and a failure on a connection that sat idle in the pool is
-// retried once on a fresh one. exchange reports whether the connection can be kept.
-func (t *tcpTransport) call(ctx context.Context, addr string, exchange func(*tcpConn) (keep bool, err error)) error {
-	p, err := t.peer(addr)
-	if err != nil {
-		return err
-	}
-	for {
-		c, err := t.acquire(ctx, p)
-		if err != nil {
-			return err
-		}
-		stop := context.AfterFunc(ctx, func() { c.nc.Close() })
-		keep, err := exchange(c)
-		if !stop() {
-			// The connection was closed under us; if the exchange finished first, its result stands.
-			keep = false
-			if err != nil {
-				err = context.Cause(ctx)
-			}
-		}
-		t.release(p, c, keep)
-		if err == nil || keep || !c.reused || ctx.Err() != nil || !errors.Is(err, ErrUnavailable) {
-			return t.closedErr(err)
-		}
-	}
-}
-
 // describe sends one describe request and reads its answer. keep as for exchange.
 func (c *tcpConn) describe(addr, segment string) (_ shmInfo, keep bool, _ error) {
 	hdr := appendRequest(c.hdr[:0], opDescribe, segment, 0, 0)

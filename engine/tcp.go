@@ -86,7 +86,14 @@ func (t *tcpTransport) Do(ctx context.Context, op *Op) error {
 		o.Rail = op.Target.Rails()[0]
 		op = &o
 	}
-	p, err := t.peer(op.Rail)
+	return t.call(ctx, op.Rail, func(c *tcpConn) (bool, error) { return c.exchange(op) })
+}
+
+// call runs one exchange on a pooled connection to addr, with Do's rules: ctx closes the
+// connection under a stuck exchange, and a failure on a connection that sat idle in the pool is
+// retried once on a fresh one. exchange reports whether the connection can be kept.
+func (t *tcpTransport) call(ctx context.Context, addr string, exchange func(*tcpConn) (keep bool, err error)) error {
+	p, err := t.peer(addr)
 	if err != nil {
 		return err
 	}
@@ -95,7 +102,15 @@ func (t *tcpTransport) Do(ctx context.Context, op *Op) error {
 		if err != nil {
 			return err
 		}
-		keep, err := t.roundTrip(ctx, c, op)
+		stop := context.AfterFunc(ctx, func() { c.nc.Close() })
+		keep, err := exchange(c)
+		if !stop() {
+			// The connection was closed under us; if the exchange finished first, its result stands.
+			keep = false
+			if err != nil {
+				err = context.Cause(ctx)
+			}
+		}
 		t.release(p, c, keep)
 		if err == nil || keep || !c.reused || ctx.Err() != nil || !errors.Is(err, ErrUnavailable) {
 			return t.closedErr(err)
@@ -190,23 +205,8 @@ func (t *tcpTransport) release(p *tcpPeer, c *tcpConn, keep bool) {
 	<-p.slots
 }
 
-// roundTrip runs op on c. keep reports whether c is still in a known state and can carry another
-// request. If ctx ends mid-flight the connection is closed, which unblocks its reads and writes:
-// that is how deadlines and cancellation reach a stuck peer.
-func (t *tcpTransport) roundTrip(ctx context.Context, c *tcpConn, op *Op) (keep bool, err error) {
-	stop := context.AfterFunc(ctx, func() { c.nc.Close() })
-	keep, err = c.exchange(op)
-	if !stop() {
-		// The connection was closed under us; if the exchange finished first, its result stands.
-		if err == nil {
-			return false, nil
-		}
-		return false, context.Cause(ctx)
-	}
-	return keep, err
-}
-
-// exchange writes one request and reads its response, straight from and into op.Buf.
+// exchange writes one request and reads its response, straight from and into op.Buf. keep
+// reports whether c is still in a known state and can carry another request.
 func (c *tcpConn) exchange(op *Op) (keep bool, err error) {
 	wop := opRead
 	if op.Kind == OpWrite {
