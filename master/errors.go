@@ -15,5 +15,6 @@ var (
 	ErrInvalidRequest = errors.New("invalid argument")
 	ErrNotLeader      = errors.New("not the raft leader")
 	ErrStoreGone      = errors.New("store left the pool")
+	ErrPinned         = errors.New("object is pinned")
 	ErrOutcomeUnknown = errors.New("leadership lost while committing: the change may or may not have been made")
 )

@@ -35,6 +35,8 @@ type object struct {
 	created  int64
 	deadline int64 // unix nanos after which a PROCESSING put is revoked
 	putID    uint64
+	hard     bool  // hard pinned: never evicted
+	softPin  int64 // soft pinned until then (unix nanos)
 	replicas []*pb.Extent
 }
 
@@ -137,6 +139,11 @@ func (f *FSM) Apply(l *raft.Log) any {
 	case *pb.Command_Member:
 		f.members[op.Member.Id] = op.Member.Address
 		return nil
+	case *pb.Command_Pin:
+		return []error{f.pin(op.Pin)}
+	case *pb.Command_Evict:
+		c := op.Evict
+		return f.eachKey(c.Keys, func(k string) error { return f.evict(k, c.FreeAfterUnixNano, c.AllowSoftPinned, now) })
 	}
 	return fmt.Errorf("%w: empty command at index %d", ErrInvalidRequest, l.Index)
 }
@@ -263,6 +270,42 @@ func (f *FSM) remove(key string, freeAfter, now int64) error {
 	return nil
 }
 
+func (f *FSM) pin(c *pb.PinCmd) error {
+	o := f.objects[c.Key]
+	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+		return fmt.Errorf("%w: %q", ErrNotFound, c.Key)
+	}
+	switch {
+	case c.Unpin:
+		o.hard, o.softPin = false, 0
+	case c.Hard:
+		o.hard = true
+	default:
+		o.softPin = max(o.softPin, c.SoftUntilUnixNano)
+	}
+	return nil
+}
+
+// evict removes an object the leader chose to make room, unless it has
+// become protected since the leader looked.
+func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) error {
+	o := f.objects[key]
+	switch {
+	case o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE:
+		return fmt.Errorf("%w: %q", ErrNotFound, key)
+	case o.hard:
+		return fmt.Errorf("%w: %q is hard pinned", ErrPinned, key)
+	case o.softPin > now && !allowSoft:
+		return fmt.Errorf("%w: %q is soft pinned", ErrPinned, key)
+	}
+	if freeAfter > now {
+		f.retire(o, freeAfter)
+	} else {
+		f.drop(o)
+	}
+	return nil
+}
+
 // drop deletes an object and frees its space at once.
 func (f *FSM) drop(o *object) { f.retire(o, 0) }
 
@@ -354,6 +397,7 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 		snap.Objects = append(snap.Objects, &pb.Object{
 			Key: o.key, Size: o.size, Checksum: o.checksum, State: o.state,
 			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline, Replicas: o.replicas, PutId: o.putID,
+			HardPinned: o.hard, SoftPinUntilUnixNano: o.softPin,
 		})
 	}
 	for _, id := range sortedKeys(f.nodes) {
@@ -410,6 +454,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		o := &object{
 			key: po.Key, size: po.Size, checksum: po.Checksum, state: po.State,
 			created: po.CreatedUnixNano, deadline: po.DeadlineUnixNano, putID: po.PutId,
+			hard: po.HardPinned, softPin: po.SoftPinUntilUnixNano,
 		}
 		for _, r := range po.Replicas {
 			if reserve(r) {

@@ -40,7 +40,7 @@ func code(err error) codes.Code {
 		return codes.ResourceExhausted
 	case errors.Is(err, ErrTooLarge):
 		return codes.OutOfRange
-	case errors.Is(err, ErrPutInProgress), errors.Is(err, ErrNotInProgress):
+	case errors.Is(err, ErrPutInProgress), errors.Is(err, ErrNotInProgress), errors.Is(err, ErrPinned):
 		return codes.FailedPrecondition
 	case errors.Is(err, ErrNotLeader), errors.Is(err, ErrStoreGone):
 		return codes.Unavailable
@@ -173,6 +173,10 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		if err != nil {
 			return nil, err
 		}
+		out, err = m.retryAfterEviction(ctx, cmd, out.([]PutStartResult))
+		if err != nil {
+			return nil, err
+		}
 		m.s.fsm.mu.RLock()
 		for j, r := range out.([]PutStartResult) {
 			reps := m.s.fsm.describe(r.Replicas)
@@ -189,6 +193,32 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		m.s.fsm.mu.RUnlock()
 	}
 	return &pb.BatchPutStartResponse{Results: results}, nil
+}
+
+// retryAfterEviction makes room for the puts that found none and starts
+// them again: a put under memory pressure evicts instead of failing.
+func (m *masterService) retryAfterEviction(ctx context.Context, cmd *pb.PutStartCmd, res []PutStartResult) (any, error) {
+	retry := &pb.PutStartCmd{}
+	var at []int
+	for i, r := range res {
+		if errors.Is(r.Err, ErrNoSpace) && m.s.makeRoom(ctx, cmd.Items[i].Size, pb.Tier_TIER_DRAM) {
+			it := cmd.Items[i]
+			it.Candidates = m.s.candidates(it.Size, pb.Tier_TIER_DRAM)
+			retry.Items = append(retry.Items, it)
+			at = append(at, i)
+		}
+	}
+	if len(at) == 0 {
+		return res, nil
+	}
+	out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: retry}})
+	if err != nil {
+		return nil, err
+	}
+	for j, r := range out.([]PutStartResult) {
+		res[at[j]] = r
+	}
+	return res, nil
 }
 
 func (m *masterService) keysCmd(ctx context.Context, req *pb.KeysRequest, wrap func(*pb.KeysCmd) *pb.Command) (*pb.ItemsResponse, error) {
@@ -214,7 +244,11 @@ func itemsResponse(errs []error) *pb.ItemsResponse {
 }
 
 func (m *masterService) PutEnd(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
-	return m.keysCmd(ctx, req, func(c *pb.KeysCmd) *pb.Command { return &pb.Command{Op: &pb.Command_PutEnd{PutEnd: c}} })
+	resp, err := m.keysCmd(ctx, req, func(c *pb.KeysCmd) *pb.Command { return &pb.Command{Op: &pb.Command_PutEnd{PutEnd: c}} })
+	if err == nil {
+		m.s.touch(req.Keys, m.s.cfg.Now())
+	}
+	return resp, err
 }
 
 func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {

@@ -13,6 +13,9 @@ type metrics struct {
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
 	revokes  prometheus.Counter
+	evicts   *prometheus.CounterVec
+	evBytes  *prometheus.CounterVec
+	evAge    prometheus.Histogram
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -31,7 +34,20 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 			Help: "Puts revoked by the leader because they were neither ended nor revoked in time.",
 		}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, stateCollector{s}} {
+	m.evicts = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_master_evictions_total",
+		Help: "Objects evicted, by reason (watermark, allocation, admin).",
+	}, []string{"reason"})
+	m.evBytes = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_master_evicted_bytes_total",
+		Help: "Bytes evicted, by reason.",
+	}, []string{"reason"})
+	m.evAge = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "tidepool_master_eviction_age_seconds",
+		Help:    "Time since an evicted object was last read or written.",
+		Buckets: prometheus.ExponentialBuckets(1, 4, 10), // 1 s .. 3 days
+	})
+	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.evicts, m.evBytes, m.evAge, stateCollector{s}} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -45,6 +61,15 @@ func (m *metrics) request(method string, c codes.Code, d time.Duration) {
 	}
 	m.requests.WithLabelValues(method, c.String()).Inc()
 	m.latency.WithLabelValues(method).Observe(d.Seconds())
+}
+
+func (m *metrics) evicted(reason string, bytes uint64, age time.Duration) {
+	if m == nil {
+		return
+	}
+	m.evicts.WithLabelValues(reason).Inc()
+	m.evBytes.WithLabelValues(reason).Add(float64(bytes))
+	m.evAge.Observe(age.Seconds())
 }
 
 func (m *metrics) revoked(n int) {

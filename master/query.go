@@ -69,10 +69,7 @@ func (f *FSM) list(prefix, after string, limit int) ([]*pb.ObjectInfo, bool) {
 	out := make([]*pb.ObjectInfo, len(keys))
 	for i, k := range keys {
 		o := f.objects[k]
-		out[i] = &pb.ObjectInfo{
-			Key: k, Size: o.size, State: o.state, Checksum: o.checksum,
-			CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.replicas),
-		}
+		out[i] = f.info(o)
 	}
 	return out, truncated
 }
@@ -147,4 +144,55 @@ func (f *FSM) member(id string) string {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	return f.members[id]
+}
+
+// info describes an object; f.mu must be held.
+func (f *FSM) info(o *object) *pb.ObjectInfo {
+	return &pb.ObjectInfo{
+		Key: o.key, Size: o.size, State: o.state, Checksum: o.checksum,
+		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.replicas),
+		HardPinned: o.hard, SoftPinUntilUnixMs: o.softPin / 1e6,
+	}
+}
+
+// evictable is a complete object as eviction sees it.
+type evictable struct {
+	key      string
+	size     uint64
+	created  int64
+	hard     bool
+	softPin  int64
+	segments []string
+}
+
+// completeObjects lists the complete objects that match, in key order.
+func (f *FSM) completeObjects(match func(key string) bool) []evictable {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var out []evictable
+	for k, o := range f.objects {
+		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || !match(k) {
+			continue
+		}
+		e := evictable{key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin}
+		for _, r := range o.replicas {
+			e.segments = append(e.segments, r.Segment)
+		}
+		out = append(out, e)
+	}
+	slices.SortFunc(out, func(a, b evictable) int { return cmp.Compare(a.key, b.key) })
+	return out
+}
+
+// infos describes the named objects that exist.
+func (f *FSM) infos(keys []string) []*pb.ObjectInfo {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var out []*pb.ObjectInfo
+	for _, k := range keys {
+		if o := f.objects[k]; o != nil {
+			out = append(out, f.info(o))
+		}
+	}
+	return out
 }

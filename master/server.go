@@ -50,9 +50,12 @@ type Config struct {
 	LeaseTTL   time.Duration // read lease of GetReplicas; default 10 s
 	PutTimeout time.Duration // unfinished puts are revoked after this; default 30 s
 	NodeTTL    time.Duration // a store silent this long is dead; default 10 s
-	// SweepInterval is how often the leader revokes stale puts and checks
-	// heartbeats; default 1 s.
+	// SweepInterval is how often the leader revokes stale puts, checks
+	// heartbeats and evicts above the watermark; default 1 s.
 	SweepInterval time.Duration
+	// HighWatermark is the fraction of a segment above which the leader
+	// evicts, EvictRatio how far below it it goes; defaults 0.90 and 0.05.
+	HighWatermark, EvictRatio float64
 
 	Registerer prometheus.Registerer // nil: no metrics
 	Logger     *slog.Logger          // nil: discard
@@ -82,6 +85,7 @@ type Server struct {
 		lastSeen    map[string]time.Time // node -> last heartbeat, leader only
 		leases      map[string]time.Time // key -> read lease expiry, leader only
 		removing    map[string]int       // keys with a Remove in flight: no new leases
+		access      map[string]time.Time // key -> last get or put, leader only: eviction recency
 	}
 
 	stop      chan struct{}
@@ -103,6 +107,12 @@ func New(cfg Config) (*Server, error) {
 	cfg.PutTimeout = orDefault(cfg.PutTimeout, DefaultPutTimeout)
 	cfg.NodeTTL = orDefault(cfg.NodeTTL, DefaultNodeTTL)
 	cfg.SweepInterval = orDefault(cfg.SweepInterval, time.Second)
+	if cfg.HighWatermark <= 0 || cfg.HighWatermark > 1 {
+		cfg.HighWatermark = DefaultHighWatermark
+	}
+	if cfg.EvictRatio <= 0 || cfg.EvictRatio >= cfg.HighWatermark {
+		cfg.EvictRatio = DefaultEvictRatio
+	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
@@ -113,9 +123,11 @@ func New(cfg Config) (*Server, error) {
 	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
 	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
 	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
+	pb.RegisterAdminServer(s.grpc, &adminService{s: s})
 	s.mu.lastSeen = map[string]time.Time{}
 	s.mu.leases = map[string]time.Time{}
 	s.mu.removing = map[string]int{}
+	s.mu.access = map[string]time.Time{}
 	if err := s.startRaft(); err != nil {
 		s.closeStores()
 		return nil, err
@@ -340,6 +352,7 @@ func (s *Server) setLeader(leader bool) {
 	s.mu.leaderSince = now
 	clear(s.mu.leases)
 	clear(s.mu.lastSeen)
+	clear(s.mu.access)
 	if leader {
 		// Every store gets a full TTL to reach the new leader.
 		for id := range s.fsm.liveNodes() {
@@ -390,6 +403,7 @@ func (s *Server) sweep() {
 		}
 	}
 	s.mu.Unlock()
+	defer s.evictToWatermark(ctx, now)
 	for _, id := range dead {
 		s.log.Warn("store node silent, declaring it dead", "node", id, "ttl", s.cfg.NodeTTL)
 		if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: id, Epoch: live[id]}}}); err != nil {
@@ -429,6 +443,7 @@ func (s *Server) lease(keys []string, res []*pb.ObjectReplicas) {
 			continue
 		}
 		s.mu.leases[k] = exp
+		s.mu.access[k] = exp.Add(-s.cfg.LeaseTTL)
 	}
 }
 
@@ -448,6 +463,7 @@ func (s *Server) startRemove(keys []string) (time.Time, func()) {
 			if s.mu.removing[k]--; s.mu.removing[k] <= 0 {
 				delete(s.mu.removing, k)
 			}
+			delete(s.mu.access, k)
 		}
 	}
 	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)

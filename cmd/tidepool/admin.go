@@ -3,23 +3,37 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"flag"
 	"fmt"
 	"net/http"
+	"strings"
 	"text/tabwriter"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+
 	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
 func runAdmin(ctx context.Context, e *env, args []string) error {
 	if len(args) == 0 {
-		return fmt.Errorf("%w: want a subcommand: rails", errUsage)
+		return fmt.Errorf("%w: want a subcommand: rails, evict, pin or unpin", errUsage)
 	}
 	switch args[0] {
 	case "rails":
 		return runAdminRails(ctx, e, args[1:])
+	case "evict":
+		return runAdminEvict(ctx, e, args[1:])
+	case "pin":
+		return runAdminPin(ctx, e, args[1:])
+	case "unpin":
+		return runAdminUnpin(ctx, e, args[1:])
 	}
-	return fmt.Errorf("%w: unknown admin subcommand %q (want rails)", errUsage, args[0])
+	return fmt.Errorf("%w: unknown admin subcommand %q (want rails, evict, pin or unpin)", errUsage, args[0])
 }
 
 // runAdminRails prints the rail table a daemon serves at /debug/rails.
@@ -65,4 +79,127 @@ func printRails(e *env, rails []engine.RailInfo) error {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s/s\t%d\n", r.Peer, r.Addr, r.State, human(uint64(r.InflightBytes)), human(uint64(r.Bandwidth)), r.Errors)
 	}
 	return tw.Flush()
+}
+
+// adminCommand parses an admin command's flags and connects to the masters;
+// call runs one Admin RPC on the leader.
+func adminCommand(ctx context.Context, e *env, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet)) (
+	context.Context, func(func(context.Context, pb.AdminClient, ...grpc.CallOption) error) error, []string, func(), error) {
+	fs := newFlags("admin "+name, argsHelp, help, e.stderr)
+	m := mastersFlag(fs, e)
+	timeout := fs.Duration("timeout", time.Minute, "give up after this long")
+	if extra != nil {
+		extra(fs)
+	}
+	pos, err := parse(fs, args, minPos, maxPos)
+	if err != nil {
+		return nil, nil, nil, nil, err
+	}
+	conn, err := leaderconn.Dial(m.list())
+	if err != nil {
+		return nil, nil, nil, nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	call := func(fn func(context.Context, pb.AdminClient, ...grpc.CallOption) error) error {
+		err := conn.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error {
+			return fn(ctx, pb.NewAdminClient(cc), opts...)
+		})
+		if st, ok := status.FromError(err); ok && err != nil {
+			return errors.New(st.Message())
+		}
+		return err
+	}
+	return ctx, call, pos, func() { cancel(); conn.Close() }, nil
+}
+
+func runAdminPin(ctx context.Context, e *env, args []string) error {
+	var hard bool
+	var ttl time.Duration
+	ctx, call, pos, done, err := adminCommand(ctx, e, "pin", "KEY [--hard | --ttl D]",
+		"Pin KEY against eviction: softly for --ttl (default 30m, at most 24h; evicted only if nothing\nelse frees enough), or --hard (never evicted; unpin to release).", args, 1, 1, func(fs *flag.FlagSet) {
+			fs.BoolVar(&hard, "hard", false, "pin until unpinned")
+			fs.DurationVar(&ttl, "ttl", 30*time.Minute, "how long a soft pin lasts")
+		})
+	if err != nil {
+		return err
+	}
+	defer done()
+	return call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) error {
+		resp, err := a.Pin(ctx, &pb.PinRequest{Key: pos[0], Hard: hard, TtlMs: uint64(ttl.Milliseconds())}, o...)
+		return firstItemErr(resp, err)
+	})
+}
+
+func runAdminUnpin(ctx context.Context, e *env, args []string) error {
+	ctx, call, pos, done, err := adminCommand(ctx, e, "unpin", "KEY", "Drop KEY's hard and soft pins.", args, 1, 1, nil)
+	if err != nil {
+		return err
+	}
+	defer done()
+	return call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) error {
+		resp, err := a.Unpin(ctx, &pb.KeysRequest{Keys: pos}, o...)
+		return firstItemErr(resp, err)
+	})
+}
+
+func firstItemErr(resp *pb.ItemsResponse, err error) error {
+	if err != nil {
+		return err
+	}
+	if len(resp.Results) == 0 {
+		return errors.New("master answered no result")
+	}
+	if r := resp.Results[0]; r.Code != 0 {
+		return errors.New(r.Message)
+	}
+	return nil
+}
+
+func runAdminEvict(ctx context.Context, e *env, args []string) error {
+	var req pb.EvictRequest
+	var olderThan time.Duration
+	var tier string
+	ctx, call, _, done, err := adminCommand(ctx, e, "evict", "[--key K] [--prefix P] [--older-than D] [--to-watermark F] [--tier T] [--dry-run]",
+		`Evict objects now. --key, --prefix and --older-than evict every match (soft pins too, never
+hard pins); --to-watermark F evicts least recently used objects until every segment (of --tier)
+is at most F full, as the master's own eviction does. --dry-run lists what would go.`, args, 0, 0, func(fs *flag.FlagSet) {
+			fs.StringVar(&req.Key, "key", "", "evict this key")
+			fs.StringVar(&req.Prefix, "prefix", "", "evict keys with this prefix")
+			fs.DurationVar(&olderThan, "older-than", 0, "evict objects not read or written for this long")
+			fs.Float64Var(&req.ToWatermark, "to-watermark", 0, "evict until segments are at most this fraction full")
+			fs.StringVar(&tier, "tier", "", "only segments of this tier: hbm, dram or ssd")
+			fs.BoolVar(&req.DryRun, "dry-run", false, "list what would be evicted; change nothing")
+		})
+	if err != nil {
+		return err
+	}
+	defer done()
+	req.OlderThanMs = uint64(olderThan.Milliseconds())
+	if tier != "" {
+		t, ok := pb.Tier_value["TIER_"+strings.ToUpper(tier)]
+		if !ok {
+			return fmt.Errorf("%w: --tier %q: want hbm, dram or ssd", errUsage, tier)
+		}
+		req.Tier = pb.Tier(t)
+	}
+	var resp *pb.EvictResponse
+	if err := call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) (err error) {
+		resp, err = a.Evict(ctx, &req, o...)
+		return err
+	}); err != nil {
+		return err
+	}
+	verb := "evicted"
+	if req.DryRun {
+		verb = "would evict"
+	}
+	for _, o := range resp.Objects {
+		fmt.Fprintf(e.stdout, "%s\t%d\n", o.Key, o.Size)
+	}
+	fmt.Fprintf(e.stdout, "%s %d objects, %s", verb, len(resp.Objects), human(resp.Bytes))
+	if resp.Skipped > 0 {
+		fmt.Fprintf(e.stdout, "; kept %d (hard pinned, or changed meanwhile)", resp.Skipped)
+	}
+	fmt.Fprintln(e.stdout)
+	return nil
 }

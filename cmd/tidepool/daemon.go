@@ -320,13 +320,14 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	raftAddr := fs.String("raft", defaultRaft, "master raft address")
 	engineAddr := fs.String("engine", defaultEngine, "store transfer engine address")
 	dram := fs.String("dram", "1GiB", "size of the store's DRAM tier")
+	leaseTTL := fs.Duration("lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get; the master evicts nothing for this long after it starts")
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
 		return err
 	}
 	log, reg := d.log, d.reg
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
-		leaseTTL: master.DefaultLeaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL}
+		leaseTTL: *leaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL}
 	srv, served, stopMaster, err := startMaster(&m, reg, log)
 	if err != nil {
 		return err

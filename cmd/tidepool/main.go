@@ -38,7 +38,7 @@ func commands() []command {
 		{"rm", "KEY", "remove KEY", runRm},
 		{"ls", "[PREFIX]", "list objects whose key starts with PREFIX", runLs},
 		{"status", "", "show the cluster's masters and segments", runStatus},
-		{"admin", "rails [flags]", "operator commands: rails shows the engine's rails", runAdmin},
+		{"admin", "SUBCOMMAND", "operator commands: evict, pin, unpin, rails", runAdmin},
 		{"bench", "[engine] [flags]", "measure put and get, or the transfer engine alone", runBench},
 	}
 }

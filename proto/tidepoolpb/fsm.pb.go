@@ -39,6 +39,8 @@ type Command struct {
 	//	*Command_Register
 	//	*Command_NodeDown
 	//	*Command_Member
+	//	*Command_Pin
+	//	*Command_Evict
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -151,6 +153,24 @@ func (x *Command) GetMember() *MemberCmd {
 	return nil
 }
 
+func (x *Command) GetPin() *PinCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_Pin); ok {
+			return x.Pin
+		}
+	}
+	return nil
+}
+
+func (x *Command) GetEvict() *EvictCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_Evict); ok {
+			return x.Evict
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -183,6 +203,14 @@ type Command_Member struct {
 	Member *MemberCmd `protobuf:"bytes,8,opt,name=member,proto3,oneof"`
 }
 
+type Command_Pin struct {
+	Pin *PinCmd `protobuf:"bytes,9,opt,name=pin,proto3,oneof"`
+}
+
+type Command_Evict struct {
+	Evict *EvictCmd `protobuf:"bytes,10,opt,name=evict,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -196,6 +224,142 @@ func (*Command_Register) isCommand_Op() {}
 func (*Command_NodeDown) isCommand_Op() {}
 
 func (*Command_Member) isCommand_Op() {}
+
+func (*Command_Pin) isCommand_Op() {}
+
+func (*Command_Evict) isCommand_Op() {}
+
+type PinCmd struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	Key               string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Hard              bool                   `protobuf:"varint,2,opt,name=hard,proto3" json:"hard,omitempty"`
+	SoftUntilUnixNano int64                  `protobuf:"varint,3,opt,name=soft_until_unix_nano,json=softUntilUnixNano,proto3" json:"soft_until_unix_nano,omitempty"`
+	// Drop both pins.
+	Unpin         bool `protobuf:"varint,4,opt,name=unpin,proto3" json:"unpin,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PinCmd) Reset() {
+	*x = PinCmd{}
+	mi := &file_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PinCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PinCmd) ProtoMessage() {}
+
+func (x *PinCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PinCmd.ProtoReflect.Descriptor instead.
+func (*PinCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *PinCmd) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *PinCmd) GetHard() bool {
+	if x != nil {
+		return x.Hard
+	}
+	return false
+}
+
+func (x *PinCmd) GetSoftUntilUnixNano() int64 {
+	if x != nil {
+		return x.SoftUntilUnixNano
+	}
+	return 0
+}
+
+func (x *PinCmd) GetUnpin() bool {
+	if x != nil {
+		return x.Unpin
+	}
+	return false
+}
+
+// EvictCmd removes objects the leader chose to make room. Apply re-checks
+// what it can: a hard-pinned object is never evicted, a soft-pinned one
+// only with allow_soft_pinned.
+type EvictCmd struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	Keys              []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	FreeAfterUnixNano int64                  `protobuf:"varint,2,opt,name=free_after_unix_nano,json=freeAfterUnixNano,proto3" json:"free_after_unix_nano,omitempty"`
+	AllowSoftPinned   bool                   `protobuf:"varint,3,opt,name=allow_soft_pinned,json=allowSoftPinned,proto3" json:"allow_soft_pinned,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *EvictCmd) Reset() {
+	*x = EvictCmd{}
+	mi := &file_fsm_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EvictCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EvictCmd) ProtoMessage() {}
+
+func (x *EvictCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EvictCmd.ProtoReflect.Descriptor instead.
+func (*EvictCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *EvictCmd) GetKeys() []string {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *EvictCmd) GetFreeAfterUnixNano() int64 {
+	if x != nil {
+		return x.FreeAfterUnixNano
+	}
+	return 0
+}
+
+func (x *EvictCmd) GetAllowSoftPinned() bool {
+	if x != nil {
+		return x.AllowSoftPinned
+	}
+	return false
+}
 
 type PutStartItem struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
@@ -212,7 +376,7 @@ type PutStartItem struct {
 
 func (x *PutStartItem) Reset() {
 	*x = PutStartItem{}
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -224,7 +388,7 @@ func (x *PutStartItem) String() string {
 func (*PutStartItem) ProtoMessage() {}
 
 func (x *PutStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -237,7 +401,7 @@ func (x *PutStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartItem.ProtoReflect.Descriptor instead.
 func (*PutStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{1}
+	return file_fsm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *PutStartItem) GetKey() string {
@@ -284,7 +448,7 @@ type PutStartCmd struct {
 
 func (x *PutStartCmd) Reset() {
 	*x = PutStartCmd{}
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -296,7 +460,7 @@ func (x *PutStartCmd) String() string {
 func (*PutStartCmd) ProtoMessage() {}
 
 func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -309,7 +473,7 @@ func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartCmd.ProtoReflect.Descriptor instead.
 func (*PutStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{2}
+	return file_fsm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *PutStartCmd) GetItems() []*PutStartItem {
@@ -334,7 +498,7 @@ type KeysCmd struct {
 
 func (x *KeysCmd) Reset() {
 	*x = KeysCmd{}
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -346,7 +510,7 @@ func (x *KeysCmd) String() string {
 func (*KeysCmd) ProtoMessage() {}
 
 func (x *KeysCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -359,7 +523,7 @@ func (x *KeysCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysCmd.ProtoReflect.Descriptor instead.
 func (*KeysCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{3}
+	return file_fsm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *KeysCmd) GetKeys() []string {
@@ -395,7 +559,7 @@ type RemoveCmd struct {
 
 func (x *RemoveCmd) Reset() {
 	*x = RemoveCmd{}
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -407,7 +571,7 @@ func (x *RemoveCmd) String() string {
 func (*RemoveCmd) ProtoMessage() {}
 
 func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -420,7 +584,7 @@ func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveCmd.ProtoReflect.Descriptor instead.
 func (*RemoveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{4}
+	return file_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RemoveCmd) GetKeys() []string {
@@ -448,7 +612,7 @@ type RegisterCmd struct {
 
 func (x *RegisterCmd) Reset() {
 	*x = RegisterCmd{}
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -460,7 +624,7 @@ func (x *RegisterCmd) String() string {
 func (*RegisterCmd) ProtoMessage() {}
 
 func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -473,7 +637,7 @@ func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterCmd.ProtoReflect.Descriptor instead.
 func (*RegisterCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{5}
+	return file_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *RegisterCmd) GetNode() string {
@@ -507,7 +671,7 @@ type NodeDownCmd struct {
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -519,7 +683,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -532,7 +696,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{6}
+	return file_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -559,7 +723,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -571,7 +735,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -584,7 +748,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{7}
+	return file_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -612,7 +776,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -624,7 +788,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -637,7 +801,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{8}
+	return file_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Extent) GetSegment() string {
@@ -671,14 +835,16 @@ type Object struct {
 	DeadlineUnixNano int64                  `protobuf:"varint,6,opt,name=deadline_unix_nano,json=deadlineUnixNano,proto3" json:"deadline_unix_nano,omitempty"`
 	Replicas         []*Extent              `protobuf:"bytes,7,rep,name=replicas,proto3" json:"replicas,omitempty"`
 	// The raft index of the PutStart that created the object.
-	PutId         uint64 `protobuf:"varint,8,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	PutId                uint64 `protobuf:"varint,8,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	HardPinned           bool   `protobuf:"varint,9,opt,name=hard_pinned,json=hardPinned,proto3" json:"hard_pinned,omitempty"`
+	SoftPinUntilUnixNano int64  `protobuf:"varint,10,opt,name=soft_pin_until_unix_nano,json=softPinUntilUnixNano,proto3" json:"soft_pin_until_unix_nano,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -690,7 +856,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -703,7 +869,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{9}
+	return file_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Object) GetKey() string {
@@ -762,6 +928,20 @@ func (x *Object) GetPutId() uint64 {
 	return 0
 }
 
+func (x *Object) GetHardPinned() bool {
+	if x != nil {
+		return x.HardPinned
+	}
+	return false
+}
+
+func (x *Object) GetSoftPinUntilUnixNano() int64 {
+	if x != nil {
+		return x.SoftPinUntilUnixNano
+	}
+	return 0
+}
+
 type Node struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Id       string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -776,7 +956,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -788,7 +968,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -801,7 +981,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{10}
+	return file_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Node) GetId() string {
@@ -849,7 +1029,7 @@ type PendingFree struct {
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -861,7 +1041,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -874,7 +1054,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{11}
+	return file_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -903,7 +1083,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -915,7 +1095,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -928,7 +1108,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{12}
+	return file_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -963,7 +1143,7 @@ var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xa9\x03\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\x81\x04\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -973,8 +1153,20 @@ const file_fsm_proto_rawDesc = "" +
 	"\x06remove\x18\x05 \x01(\v2\x16.tidepool.v1.RemoveCmdH\x00R\x06remove\x126\n" +
 	"\bregister\x18\x06 \x01(\v2\x18.tidepool.v1.RegisterCmdH\x00R\bregister\x127\n" +
 	"\tnode_down\x18\a \x01(\v2\x18.tidepool.v1.NodeDownCmdH\x00R\bnodeDown\x120\n" +
-	"\x06member\x18\b \x01(\v2\x16.tidepool.v1.MemberCmdH\x00R\x06memberB\x04\n" +
-	"\x02op\"\x9e\x01\n" +
+	"\x06member\x18\b \x01(\v2\x16.tidepool.v1.MemberCmdH\x00R\x06member\x12'\n" +
+	"\x03pin\x18\t \x01(\v2\x13.tidepool.v1.PinCmdH\x00R\x03pin\x12-\n" +
+	"\x05evict\x18\n" +
+	" \x01(\v2\x15.tidepool.v1.EvictCmdH\x00R\x05evictB\x04\n" +
+	"\x02op\"u\n" +
+	"\x06PinCmd\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
+	"\x04hard\x18\x02 \x01(\bR\x04hard\x12/\n" +
+	"\x14soft_until_unix_nano\x18\x03 \x01(\x03R\x11softUntilUnixNano\x12\x14\n" +
+	"\x05unpin\x18\x04 \x01(\bR\x05unpin\"{\n" +
+	"\bEvictCmd\x12\x12\n" +
+	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
+	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\x12*\n" +
+	"\x11allow_soft_pinned\x18\x03 \x01(\bR\x0fallowSoftPinned\"\x9e\x01\n" +
 	"\fPutStartItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -1005,7 +1197,7 @@ const file_fsm_proto_rawDesc = "" +
 	"\x06Extent\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x03 \x01(\x04R\x06length\"\x9c\x02\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"\xf5\x02\n" +
 	"\x06Object\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -1014,7 +1206,11 @@ const file_fsm_proto_rawDesc = "" +
 	"\x11created_unix_nano\x18\x05 \x01(\x03R\x0fcreatedUnixNano\x12,\n" +
 	"\x12deadline_unix_nano\x18\x06 \x01(\x03R\x10deadlineUnixNano\x12/\n" +
 	"\breplicas\x18\a \x03(\v2\x13.tidepool.v1.ExtentR\breplicas\x12\x15\n" +
-	"\x06put_id\x18\b \x01(\x04R\x05putId\"\x92\x01\n" +
+	"\x06put_id\x18\b \x01(\x04R\x05putId\x12\x1f\n" +
+	"\vhard_pinned\x18\t \x01(\bR\n" +
+	"hardPinned\x126\n" +
+	"\x18soft_pin_until_unix_nano\x18\n" +
+	" \x01(\x03R\x14softPinUntilUnixNano\"\x92\x01\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x12\x14\n" +
@@ -1042,47 +1238,51 @@ func file_fsm_proto_rawDescGZIP() []byte {
 	return file_fsm_proto_rawDescData
 }
 
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_fsm_proto_goTypes = []any{
 	(*Command)(nil),      // 0: tidepool.v1.Command
-	(*PutStartItem)(nil), // 1: tidepool.v1.PutStartItem
-	(*PutStartCmd)(nil),  // 2: tidepool.v1.PutStartCmd
-	(*KeysCmd)(nil),      // 3: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),    // 4: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),  // 5: tidepool.v1.RegisterCmd
-	(*NodeDownCmd)(nil),  // 6: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),    // 7: tidepool.v1.MemberCmd
-	(*Extent)(nil),       // 8: tidepool.v1.Extent
-	(*Object)(nil),       // 9: tidepool.v1.Object
-	(*Node)(nil),         // 10: tidepool.v1.Node
-	(*PendingFree)(nil),  // 11: tidepool.v1.PendingFree
-	(*Snapshot)(nil),     // 12: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),  // 13: tidepool.v1.SegmentSpec
-	(ObjectState)(0),     // 14: tidepool.v1.ObjectState
+	(*PinCmd)(nil),       // 1: tidepool.v1.PinCmd
+	(*EvictCmd)(nil),     // 2: tidepool.v1.EvictCmd
+	(*PutStartItem)(nil), // 3: tidepool.v1.PutStartItem
+	(*PutStartCmd)(nil),  // 4: tidepool.v1.PutStartCmd
+	(*KeysCmd)(nil),      // 5: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),    // 6: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),  // 7: tidepool.v1.RegisterCmd
+	(*NodeDownCmd)(nil),  // 8: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),    // 9: tidepool.v1.MemberCmd
+	(*Extent)(nil),       // 10: tidepool.v1.Extent
+	(*Object)(nil),       // 11: tidepool.v1.Object
+	(*Node)(nil),         // 12: tidepool.v1.Node
+	(*PendingFree)(nil),  // 13: tidepool.v1.PendingFree
+	(*Snapshot)(nil),     // 14: tidepool.v1.Snapshot
+	(*SegmentSpec)(nil),  // 15: tidepool.v1.SegmentSpec
+	(ObjectState)(0),     // 16: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
-	2,  // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
-	3,  // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
-	3,  // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
-	4,  // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
-	5,  // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	6,  // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	7,  // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
-	1,  // 7: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	13, // 8: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	14, // 9: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	8,  // 10: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	13, // 11: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	8,  // 12: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	9,  // 13: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	10, // 14: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	7,  // 15: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	11, // 16: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	17, // [17:17] is the sub-list for method output_type
-	17, // [17:17] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	4,  // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
+	5,  // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
+	5,  // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
+	6,  // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
+	7,  // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
+	8,  // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	9,  // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	1,  // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
+	2,  // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
+	3,  // 9: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	15, // 10: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	16, // 11: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	10, // 12: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	15, // 13: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	10, // 14: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	11, // 15: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	12, // 16: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	9,  // 17: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	13, // 18: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	19, // [19:19] is the sub-list for method output_type
+	19, // [19:19] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -1099,6 +1299,8 @@ func file_fsm_proto_init() {
 		(*Command_Register)(nil),
 		(*Command_NodeDown)(nil),
 		(*Command_Member)(nil),
+		(*Command_Pin)(nil),
+		(*Command_Evict)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1106,7 +1308,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

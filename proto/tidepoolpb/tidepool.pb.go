@@ -834,8 +834,12 @@ type ObjectInfo struct {
 	Checksum      uint32                 `protobuf:"varint,4,opt,name=checksum,proto3" json:"checksum,omitempty"`
 	CreatedUnixMs int64                  `protobuf:"varint,5,opt,name=created_unix_ms,json=createdUnixMs,proto3" json:"created_unix_ms,omitempty"`
 	Replicas      []*Replica             `protobuf:"bytes,6,rep,name=replicas,proto3" json:"replicas,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	HardPinned    bool                   `protobuf:"varint,7,opt,name=hard_pinned,json=hardPinned,proto3" json:"hard_pinned,omitempty"`
+	// A soft pin protects the object from eviction until then (0: none),
+	// unless evicting everything else did not make enough room.
+	SoftPinUntilUnixMs int64 `protobuf:"varint,8,opt,name=soft_pin_until_unix_ms,json=softPinUntilUnixMs,proto3" json:"soft_pin_until_unix_ms,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *ObjectInfo) Reset() {
@@ -908,6 +912,20 @@ func (x *ObjectInfo) GetReplicas() []*Replica {
 		return x.Replicas
 	}
 	return nil
+}
+
+func (x *ObjectInfo) GetHardPinned() bool {
+	if x != nil {
+		return x.HardPinned
+	}
+	return false
+}
+
+func (x *ObjectInfo) GetSoftPinUntilUnixMs() int64 {
+	if x != nil {
+		return x.SoftPinUntilUnixMs
+	}
+	return 0
 }
 
 type ListResponse struct {
@@ -1532,6 +1550,220 @@ func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
 	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
+type PinRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// A hard pin is never evicted; a soft pin lasts ttl_ms (default 30 min,
+	// at most 24 h).
+	Hard          bool   `protobuf:"varint,2,opt,name=hard,proto3" json:"hard,omitempty"`
+	TtlMs         uint64 `protobuf:"varint,3,opt,name=ttl_ms,json=ttlMs,proto3" json:"ttl_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PinRequest) Reset() {
+	*x = PinRequest{}
+	mi := &file_tidepool_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PinRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PinRequest) ProtoMessage() {}
+
+func (x *PinRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
+func (*PinRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *PinRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *PinRequest) GetHard() bool {
+	if x != nil {
+		return x.Hard
+	}
+	return false
+}
+
+func (x *PinRequest) GetTtlMs() uint64 {
+	if x != nil {
+		return x.TtlMs
+	}
+	return 0
+}
+
+type EvictRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Filters; every one given must match. At least one of key, prefix,
+	// older_than_ms or to_watermark is required.
+	Key    string `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Prefix string `protobuf:"bytes,2,opt,name=prefix,proto3" json:"prefix,omitempty"`
+	// Objects not read or written for at least this long.
+	OlderThanMs uint64 `protobuf:"varint,3,opt,name=older_than_ms,json=olderThanMs,proto3" json:"older_than_ms,omitempty"`
+	// Evict least recently used objects until every segment (of tier, if
+	// given) is at or below this fraction of its capacity.
+	ToWatermark float64 `protobuf:"fixed64,4,opt,name=to_watermark,json=toWatermark,proto3" json:"to_watermark,omitempty"`
+	Tier        Tier    `protobuf:"varint,5,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	// List what would be evicted; change nothing.
+	DryRun        bool `protobuf:"varint,6,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EvictRequest) Reset() {
+	*x = EvictRequest{}
+	mi := &file_tidepool_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EvictRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EvictRequest) ProtoMessage() {}
+
+func (x *EvictRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
+func (*EvictRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *EvictRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *EvictRequest) GetPrefix() string {
+	if x != nil {
+		return x.Prefix
+	}
+	return ""
+}
+
+func (x *EvictRequest) GetOlderThanMs() uint64 {
+	if x != nil {
+		return x.OlderThanMs
+	}
+	return 0
+}
+
+func (x *EvictRequest) GetToWatermark() float64 {
+	if x != nil {
+		return x.ToWatermark
+	}
+	return 0
+}
+
+func (x *EvictRequest) GetTier() Tier {
+	if x != nil {
+		return x.Tier
+	}
+	return Tier_TIER_UNSPECIFIED
+}
+
+func (x *EvictRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+type EvictResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// What was evicted (or, dry run, would be), in eviction order.
+	Objects []*ObjectInfo `protobuf:"bytes,1,rep,name=objects,proto3" json:"objects,omitempty"`
+	Bytes   uint64        `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// Objects that matched but were kept: hard pinned or read-leased.
+	Skipped       uint64 `protobuf:"varint,3,opt,name=skipped,proto3" json:"skipped,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EvictResponse) Reset() {
+	*x = EvictResponse{}
+	mi := &file_tidepool_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EvictResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EvictResponse) ProtoMessage() {}
+
+func (x *EvictResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
+func (*EvictResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *EvictResponse) GetObjects() []*ObjectInfo {
+	if x != nil {
+		return x.Objects
+	}
+	return nil
+}
+
+func (x *EvictResponse) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *EvictResponse) GetSkipped() uint64 {
+	if x != nil {
+		return x.Skipped
+	}
+	return 0
+}
+
 var File_tidepool_proto protoreflect.FileDescriptor
 
 const file_tidepool_proto_rawDesc = "" +
@@ -1582,7 +1814,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06prefix\x18\x01 \x01(\tR\x06prefix\x12\x14\n" +
 	"\x05limit\x18\x02 \x01(\rR\x05limit\x12\x1f\n" +
 	"\vstart_after\x18\x03 \x01(\tR\n" +
-	"startAfter\"\xd8\x01\n" +
+	"startAfter\"\xad\x02\n" +
 	"\n" +
 	"ObjectInfo\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
@@ -1590,7 +1822,10 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x05state\x18\x03 \x01(\x0e2\x18.tidepool.v1.ObjectStateR\x05state\x12\x1a\n" +
 	"\bchecksum\x18\x04 \x01(\rR\bchecksum\x12&\n" +
 	"\x0fcreated_unix_ms\x18\x05 \x01(\x03R\rcreatedUnixMs\x120\n" +
-	"\breplicas\x18\x06 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\"_\n" +
+	"\breplicas\x18\x06 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x1f\n" +
+	"\vhard_pinned\x18\a \x01(\bR\n" +
+	"hardPinned\x122\n" +
+	"\x16soft_pin_until_unix_ms\x18\b \x01(\x03R\x12softPinUntilUnixMs\"_\n" +
 	"\fListResponse\x121\n" +
 	"\aobjects\x18\x01 \x03(\v2\x17.tidepool.v1.ObjectInfoR\aobjects\x12\x1c\n" +
 	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"\x0f\n" +
@@ -1634,7 +1869,23 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x10HeartbeatRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\"\x13\n" +
-	"\x11HeartbeatResponse*G\n" +
+	"\x11HeartbeatResponse\"I\n" +
+	"\n" +
+	"PinRequest\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
+	"\x04hard\x18\x02 \x01(\bR\x04hard\x12\x15\n" +
+	"\x06ttl_ms\x18\x03 \x01(\x04R\x05ttlMs\"\xbf\x01\n" +
+	"\fEvictRequest\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x16\n" +
+	"\x06prefix\x18\x02 \x01(\tR\x06prefix\x12\"\n" +
+	"\rolder_than_ms\x18\x03 \x01(\x04R\volderThanMs\x12!\n" +
+	"\fto_watermark\x18\x04 \x01(\x01R\vtoWatermark\x12%\n" +
+	"\x04tier\x18\x05 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x17\n" +
+	"\adry_run\x18\x06 \x01(\bR\x06dryRun\"r\n" +
+	"\rEvictResponse\x121\n" +
+	"\aobjects\x18\x01 \x03(\v2\x17.tidepool.v1.ObjectInfoR\aobjects\x12\x14\n" +
+	"\x05bytes\x18\x02 \x01(\x04R\x05bytes\x12\x18\n" +
+	"\askipped\x18\x03 \x01(\x04R\askipped*G\n" +
 	"\x04Tier\x12\x14\n" +
 	"\x10TIER_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bTIER_HBM\x10\x01\x12\r\n" +
@@ -1656,7 +1907,11 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse2\x9f\x01\n" +
 	"\bRegistry\x12G\n" +
 	"\bRegister\x12\x1c.tidepool.v1.RegisterRequest\x1a\x1d.tidepool.v1.RegisterResponse\x12J\n" +
-	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
+	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\xc2\x01\n" +
+	"\x05Admin\x12:\n" +
+	"\x03Pin\x12\x17.tidepool.v1.PinRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12=\n" +
+	"\x05Unpin\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n" +
+	"\x05Evict\x12\x19.tidepool.v1.EvictRequest\x1a\x1a.tidepool.v1.EvictResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
 
 var (
 	file_tidepool_proto_rawDescOnce sync.Once
@@ -1671,7 +1926,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                     // 0: tidepool.v1.Tier
 	(ObjectState)(0),              // 1: tidepool.v1.ObjectState
@@ -1698,6 +1953,9 @@ var file_tidepool_proto_goTypes = []any{
 	(*RegisterResponse)(nil),      // 22: tidepool.v1.RegisterResponse
 	(*HeartbeatRequest)(nil),      // 23: tidepool.v1.HeartbeatRequest
 	(*HeartbeatResponse)(nil),     // 24: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),            // 25: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),          // 26: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),         // 27: tidepool.v1.EvictResponse
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -1717,33 +1975,41 @@ var file_tidepool_proto_depIdxs = []int32{
 	18, // 14: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
 	0,  // 15: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
 	20, // 16: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	4,  // 17: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	8,  // 18: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	8,  // 19: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 20: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	8,  // 21: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	8,  // 22: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	8,  // 23: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	13, // 24: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	16, // 25: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	21, // 26: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	23, // 27: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	5,  // 28: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 29: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 30: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 31: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 32: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 33: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 34: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 35: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	19, // 36: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	22, // 37: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	24, // 38: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	28, // [28:39] is the sub-list for method output_type
-	17, // [17:28] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	0,  // 17: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	14, // 18: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 19: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	8,  // 20: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	8,  // 21: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 22: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	8,  // 23: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	8,  // 24: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	8,  // 25: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	13, // 26: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	16, // 27: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	21, // 28: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	23, // 29: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	25, // 30: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	8,  // 31: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	26, // 32: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	5,  // 33: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	9,  // 34: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	9,  // 35: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 36: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	11, // 37: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	12, // 38: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	9,  // 39: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	15, // 40: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	19, // 41: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	22, // 42: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	24, // 43: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	9,  // 44: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	9,  // 45: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	27, // 46: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	33, // [33:47] is the sub-list for method output_type
+	19, // [19:33] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -1757,9 +2023,9 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   23,
+			NumMessages:   26,
 			NumExtensions: 0,
-			NumServices:   2,
+			NumServices:   3,
 		},
 		GoTypes:           file_tidepool_proto_goTypes,
 		DependencyIndexes: file_tidepool_proto_depIdxs,

@@ -590,3 +590,185 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 	Streams:  []grpc.StreamDesc{},
 	Metadata: "tidepool.proto",
 }
+
+const (
+	Admin_Pin_FullMethodName   = "/tidepool.v1.Admin/Pin"
+	Admin_Unpin_FullMethodName = "/tidepool.v1.Admin/Unpin"
+	Admin_Evict_FullMethodName = "/tidepool.v1.Admin/Evict"
+)
+
+// AdminClient is the client API for Admin service.
+//
+// For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
+//
+// Admin is the operators' service; it runs on the raft leader.
+type AdminClient interface {
+	Pin(ctx context.Context, in *PinRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
+	Unpin(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
+	Evict(ctx context.Context, in *EvictRequest, opts ...grpc.CallOption) (*EvictResponse, error)
+}
+
+type adminClient struct {
+	cc grpc.ClientConnInterface
+}
+
+func NewAdminClient(cc grpc.ClientConnInterface) AdminClient {
+	return &adminClient{cc}
+}
+
+func (c *adminClient) Pin(ctx context.Context, in *PinRequest, opts ...grpc.CallOption) (*ItemsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ItemsResponse)
+	err := c.cc.Invoke(ctx, Admin_Pin_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) Unpin(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ItemsResponse)
+	err := c.cc.Invoke(ctx, Admin_Unpin_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) Evict(ctx context.Context, in *EvictRequest, opts ...grpc.CallOption) (*EvictResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(EvictResponse)
+	err := c.cc.Invoke(ctx, Admin_Evict_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// AdminServer is the server API for Admin service.
+// All implementations must embed UnimplementedAdminServer
+// for forward compatibility.
+//
+// Admin is the operators' service; it runs on the raft leader.
+type AdminServer interface {
+	Pin(context.Context, *PinRequest) (*ItemsResponse, error)
+	Unpin(context.Context, *KeysRequest) (*ItemsResponse, error)
+	Evict(context.Context, *EvictRequest) (*EvictResponse, error)
+	mustEmbedUnimplementedAdminServer()
+}
+
+// UnimplementedAdminServer must be embedded to have
+// forward compatible implementations.
+//
+// NOTE: this should be embedded by value instead of pointer to avoid a nil
+// pointer dereference when methods are called.
+type UnimplementedAdminServer struct{}
+
+func (UnimplementedAdminServer) Pin(context.Context, *PinRequest) (*ItemsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Pin not implemented")
+}
+func (UnimplementedAdminServer) Unpin(context.Context, *KeysRequest) (*ItemsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Unpin not implemented")
+}
+func (UnimplementedAdminServer) Evict(context.Context, *EvictRequest) (*EvictResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Evict not implemented")
+}
+func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
+func (UnimplementedAdminServer) testEmbeddedByValue()               {}
+
+// UnsafeAdminServer may be embedded to opt out of forward compatibility for this service.
+// Use of this interface is not recommended, as added methods to AdminServer will
+// result in compilation errors.
+type UnsafeAdminServer interface {
+	mustEmbedUnimplementedAdminServer()
+}
+
+func RegisterAdminServer(s grpc.ServiceRegistrar, srv AdminServer) {
+	// If the following call pancis, it indicates UnimplementedAdminServer was
+	// embedded by pointer and is nil.  This will cause panics if an
+	// unimplemented method is ever invoked, so we test this at initialization
+	// time to prevent it from happening at runtime later due to I/O.
+	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
+		t.testEmbeddedByValue()
+	}
+	s.RegisterService(&Admin_ServiceDesc, srv)
+}
+
+func _Admin_Pin_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PinRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).Pin(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_Pin_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).Pin(ctx, req.(*PinRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_Unpin_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(KeysRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).Unpin(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_Unpin_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).Unpin(ctx, req.(*KeysRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_Evict_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(EvictRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).Evict(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_Evict_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).Evict(ctx, req.(*EvictRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+// Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
+// It's only intended for direct use with grpc.RegisterService,
+// and not to be introspected or modified (even as a copy)
+var Admin_ServiceDesc = grpc.ServiceDesc{
+	ServiceName: "tidepool.v1.Admin",
+	HandlerType: (*AdminServer)(nil),
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "Pin",
+			Handler:    _Admin_Pin_Handler,
+		},
+		{
+			MethodName: "Unpin",
+			Handler:    _Admin_Unpin_Handler,
+		},
+		{
+			MethodName: "Evict",
+			Handler:    _Admin_Evict_Handler,
+		},
+	},
+	Streams:  []grpc.StreamDesc{},
+	Metadata: "tidepool.proto",
+}

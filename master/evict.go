@@ -1,0 +1,286 @@
+package master
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Eviction and pin defaults of the design card.
+const (
+	DefaultHighWatermark = 0.90
+	DefaultEvictRatio    = 0.05
+	DefaultSoftPinTTL    = 30 * time.Minute
+	MaxSoftPinTTL        = 24 * time.Hour
+	// evictBatch bounds the keys of one raft entry.
+	evictBatch = 256
+)
+
+// The leader evicts on its own in two cases: a segment above the high
+// watermark is brought down by the evict ratio (sweep), and a put that
+// finds no room makes room first (BatchPutStart). Victims are complete
+// objects, least recently used first (recency is leader-local: the last
+// get or put this leader saw, else creation), never read-leased or hard
+// pinned; soft-pinned ones only when the rest did not free enough.
+
+// touch records an access for recency.
+func (s *Server) touch(keys []string, now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, k := range keys {
+		s.mu.access[k] = now
+	}
+}
+
+// lastUse is an object's recency: its last access, else its creation.
+func (s *Server) lastUse(o evictable) time.Time {
+	s.mu.Lock()
+	t, ok := s.mu.access[o.key]
+	s.mu.Unlock()
+	if ok {
+		return t
+	}
+	return time.Unix(0, o.created)
+}
+
+// byRecency sorts objects least recently used first, ties by key.
+func (s *Server) byRecency(objs []evictable) {
+	uses := make(map[string]time.Time, len(objs))
+	for _, o := range objs {
+		uses[o.key] = s.lastUse(o)
+	}
+	slices.SortStableFunc(objs, func(a, b evictable) int {
+		return cmp.Or(uses[a.key].Compare(uses[b.key]), cmp.Compare(a.key, b.key))
+	})
+}
+
+func (s *Server) leased(key string, now time.Time) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	exp, ok := s.mu.leases[key]
+	return ok && exp.After(now)
+}
+
+// pickVictims chooses, least recently used first, objects worth at least
+// need bytes, skipping leased and hard-pinned ones; soft-pinned ones join in
+// a second pass only if the first fell short. allowSoft reports whether the
+// second pass was needed.
+func (s *Server) pickVictims(objs []evictable, need uint64, now time.Time) (victims []evictable, allowSoft bool) {
+	s.byRecency(objs)
+	pass := func(soft bool) (out []evictable, freed uint64) {
+		for _, o := range objs {
+			if freed >= need {
+				break
+			}
+			if o.hard || s.leased(o.key, now) || (o.softPin > now.UnixNano() && !soft) {
+				continue
+			}
+			out = append(out, o)
+			freed += o.size
+		}
+		return out, freed
+	}
+	victims, freed := pass(false)
+	if freed < need {
+		victims, _ = pass(true)
+		allowSoft = true
+	}
+	return victims, allowSoft
+}
+
+// evictObjects removes victims through raft, in batches, and returns how
+// many objects and bytes went. Their space is reused once the last lease
+// on them has ended.
+func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSoft bool, reason string) (n int, bytes uint64, err error) {
+	sizes := map[string]evictable{}
+	for _, v := range victims {
+		sizes[v.key] = v
+	}
+	now := s.cfg.Now()
+	for batch := range slices.Chunk(victims, evictBatch) {
+		keys := make([]string, len(batch))
+		for i, v := range batch {
+			keys[i] = v.key
+		}
+		freeAfter, done := s.startRemove(keys)
+		out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_Evict{Evict: &pb.EvictCmd{
+			Keys: keys, FreeAfterUnixNano: freeAfter.UnixNano(), AllowSoftPinned: allowSoft,
+		}}})
+		done()
+		if err != nil {
+			return n, bytes, err
+		}
+		for i, e := range out.([]error) {
+			if e != nil {
+				continue
+			}
+			v := sizes[keys[i]]
+			n++
+			bytes += v.size
+			s.metrics.evicted(reason, v.size, now.Sub(s.lastUse(v)))
+		}
+	}
+	s.mu.Lock()
+	for _, v := range victims {
+		delete(s.mu.access, v.key)
+	}
+	s.mu.Unlock()
+	return n, bytes, nil
+}
+
+// onSegment matches objects with a replica on the segment.
+func onSegment(id string) func(evictable) bool {
+	return func(o evictable) bool { return slices.Contains(o.segments, id) }
+}
+
+func filterObjects(objs []evictable, keep func(evictable) bool) []evictable {
+	return slices.DeleteFunc(objs, func(o evictable) bool { return !keep(o) })
+}
+
+// toWatermark picks victims that bring every segment (of tier, if set) to
+// at most mark of its capacity.
+func (s *Server) toWatermark(mark float64, tier pb.Tier, now time.Time) (victims []evictable, allowSoft bool) {
+	all := s.fsm.completeObjects(func(string) bool { return true })
+	chosen := map[string]bool{}
+	for _, v := range s.fsm.segmentViews() {
+		if tier != pb.Tier_TIER_UNSPECIFIED && v.tier != tier {
+			continue
+		}
+		limit := uint64(mark * float64(v.capacity))
+		if v.used <= limit {
+			continue
+		}
+		objs := filterObjects(slices.Clone(all), func(o evictable) bool { return onSegment(v.id)(o) && !chosen[o.key] })
+		vs, soft := s.pickVictims(objs, v.used-limit, now)
+		allowSoft = allowSoft || soft
+		for _, o := range vs {
+			chosen[o.key] = true
+			victims = append(victims, o)
+		}
+	}
+	return victims, allowSoft
+}
+
+// evictToWatermark is the sweep's eviction: segments above the high
+// watermark come down by the evict ratio.
+func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
+	if now.Before(s.evictableFrom()) {
+		return
+	}
+	high := s.cfg.HighWatermark
+	over := false
+	for _, v := range s.fsm.segmentViews() {
+		over = over || float64(v.used) > high*float64(v.capacity)
+	}
+	if !over {
+		return
+	}
+	victims, soft := s.toWatermark(high-s.cfg.EvictRatio, pb.Tier_TIER_UNSPECIFIED, now)
+	if len(victims) == 0 {
+		return
+	}
+	n, bytes, err := s.evictObjects(ctx, victims, soft, "watermark")
+	if err != nil {
+		s.log.Warn("evict to the watermark", "err", err)
+		return
+	}
+	s.log.Info("evicted to the watermark", "objects", n, "bytes", bytes)
+}
+
+// evictableFrom is when this leader may evict: one lease TTL after it took
+// over, so no lease an earlier leader granted is broken.
+func (s *Server) evictableFrom() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mu.leaderSince.Add(s.cfg.LeaseTTL)
+}
+
+// makeRoom evicts from the best segment for an object of size bytes until
+// it has a free range that large. It reports whether it made room.
+func (s *Server) makeRoom(ctx context.Context, size uint64, tier pb.Tier) bool {
+	now := s.cfg.Now()
+	if now.Before(s.evictableFrom()) {
+		return false
+	}
+	for _, id := range s.candidates(size, tier) {
+		for round := 0; round < 4; round++ {
+			view, ok := s.segmentView(id)
+			if !ok {
+				break
+			}
+			if view.largestFree >= size {
+				return true
+			}
+			objs := filterObjects(s.fsm.completeObjects(func(string) bool { return true }), onSegment(id))
+			need := size - view.largestFree
+			if round > 0 {
+				need = size << round // fragmentation: free more each round
+			}
+			victims, soft := s.pickVictims(objs, need, now)
+			if len(victims) == 0 {
+				break
+			}
+			if _, _, err := s.evictObjects(ctx, victims, soft, "allocation"); err != nil {
+				s.log.Warn("evict to make room", "err", err)
+				return false
+			}
+		}
+	}
+	return false
+}
+
+func (s *Server) segmentView(id string) (segmentView, bool) {
+	for _, v := range s.fsm.segmentViews() {
+		if v.id == id {
+			return v, true
+		}
+	}
+	return segmentView{}, false
+}
+
+// adminVictims selects what `tidepool admin evict` removes. Key, prefix and
+// age filters evict every match, soft pins included (an operator asked),
+// but never hard-pinned objects; a watermark evicts as the sweep does.
+func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []evictable, allowSoft bool, skipped int, err error) {
+	if req.Key == "" && req.Prefix == "" && req.OlderThanMs == 0 && req.ToWatermark == 0 {
+		return nil, false, 0, fmt.Errorf("%w: evict needs a key, a prefix, an age or a watermark", ErrInvalidRequest)
+	}
+	if req.ToWatermark < 0 || req.ToWatermark >= 1 {
+		return nil, false, 0, fmt.Errorf("%w: watermark %v is not in [0, 1)", ErrInvalidRequest, req.ToWatermark)
+	}
+	if req.ToWatermark > 0 {
+		if req.Key != "" || req.Prefix != "" || req.OlderThanMs != 0 {
+			return nil, false, 0, fmt.Errorf("%w: a watermark eviction takes no key, prefix or age", ErrInvalidRequest)
+		}
+		victims, allowSoft = s.toWatermark(req.ToWatermark, req.Tier, now)
+		return victims, allowSoft, 0, nil
+	}
+	objs := s.fsm.completeObjects(func(k string) bool {
+		return (req.Key == "" || k == req.Key) && strings.HasPrefix(k, req.Prefix)
+	})
+	segTier := map[string]pb.Tier{}
+	for _, v := range s.fsm.segmentViews() {
+		segTier[v.id] = v.tier
+	}
+	cutoff := now.Add(-time.Duration(req.OlderThanMs) * time.Millisecond)
+	s.byRecency(objs)
+	for _, o := range objs {
+		if req.OlderThanMs > 0 && s.lastUse(o).After(cutoff) {
+			continue
+		}
+		if req.Tier != pb.Tier_TIER_UNSPECIFIED && !slices.ContainsFunc(o.segments, func(id string) bool { return segTier[id] == req.Tier }) {
+			continue
+		}
+		if o.hard {
+			skipped++
+			continue
+		}
+		victims = append(victims, o)
+	}
+	return victims, true, skipped, nil
+}
