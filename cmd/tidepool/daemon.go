@@ -111,6 +111,7 @@ func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails 
 type masterFlags struct {
 	id, dir, listen, advertise, raftAddr, peers string
 	leaseTTL, putTimeout, nodeTTL               time.Duration
+	highWatermark, evictRatio                   float64
 }
 
 func (m *masterFlags) register(fs *flag.FlagSet) {
@@ -123,16 +124,22 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&m.leaseTTL, "lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get")
 	fs.DurationVar(&m.putTimeout, "put-timeout", master.DefaultPutTimeout, "revoke a put neither ended nor revoked after this")
 	fs.DurationVar(&m.nodeTTL, "node-ttl", master.DefaultNodeTTL, "declare a store dead after this long without a heartbeat")
+	fs.Float64Var(&m.highWatermark, "high-watermark", master.DefaultHighWatermark, "evict from a segment fuller than this fraction")
+	fs.Float64Var(&m.evictRatio, "evict-ratio", master.DefaultEvictRatio, "how far below the high watermark eviction goes")
 }
 
 func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (master.Config, error) {
 	cfg := master.Config{
 		ID: m.id, Dir: m.dir, RaftAddr: m.raftAddr, Advertise: m.advertise,
 		LeaseTTL: m.leaseTTL, PutTimeout: m.putTimeout, NodeTTL: m.nodeTTL,
+		HighWatermark: m.highWatermark, EvictRatio: m.evictRatio,
 		Registerer: reg, Logger: log.With("component", "master"),
 	}
 	if cfg.Advertise == "" {
 		cfg.Advertise = m.listen
+	}
+	if m.highWatermark <= 0 || m.highWatermark > 1 || m.evictRatio < 0 || m.evictRatio >= m.highWatermark {
+		return cfg, fmt.Errorf("%w: --high-watermark must be in (0, 1] and --evict-ratio in [0, high watermark)", errUsage)
 	}
 	for _, p := range strings.Split(m.peers, ",") {
 		if p = strings.TrimSpace(p); p == "" {
@@ -327,7 +334,8 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	}
 	log, reg := d.log, d.reg
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
-		leaseTTL: *leaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL}
+		leaseTTL: *leaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL,
+		highWatermark: master.DefaultHighWatermark, evictRatio: master.DefaultEvictRatio}
 	srv, served, stopMaster, err := startMaster(&m, reg, log)
 	if err != nil {
 		return err
