@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"log/slog"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc"
@@ -23,11 +24,18 @@ type Config struct {
 	// closes.
 	Engine       *engine.Engine
 	EngineConfig engine.Config
-	Logger       *slog.Logger
+	// Replicas is how many copies a put asks for, on distinct store nodes
+	// (best effort); 0 means 1.
+	Replicas int
+	// Tier is the tier puts prefer: "dram" (default), "hbm" or "ssd".
+	Tier   string
+	Logger *slog.Logger
 }
 
 // Client talks to one Tidepool cluster. It is safe for concurrent use.
 type Client struct {
+	replicas  uint32
+	tier      pb.Tier
 	masters   *leaderconn.Conn
 	eng       *engine.Engine
 	ownEngine bool
@@ -40,7 +48,20 @@ func New(cfg Config) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("client: %w", err)
 	}
-	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger}
+	tier := pb.Tier_TIER_DRAM
+	if cfg.Tier != "" {
+		t, ok := pb.Tier_value["TIER_"+strings.ToUpper(cfg.Tier)]
+		if !ok {
+			masters.Close()
+			return nil, fmt.Errorf("client: %w: tier %q (want dram, hbm or ssd)", ErrInvalidArgument, cfg.Tier)
+		}
+		tier = pb.Tier(t)
+	}
+	if cfg.Replicas < 0 {
+		masters.Close()
+		return nil, fmt.Errorf("client: %w: %d replicas", ErrInvalidArgument, cfg.Replicas)
+	}
+	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger, replicas: uint32(cfg.Replicas), tier: tier}
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
@@ -99,7 +120,7 @@ func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) [
 			errs[i] = fmt.Errorf("%w: zero-length value for %q", ErrInvalidArgument, k)
 		}
 		if errs[i] == nil {
-			req.Items = append(req.Items, &pb.PutStartRequest{Key: k, Size: uint64(len(values[i])), Checksum: Checksum(values[i])})
+			req.Items = append(req.Items, &pb.PutStartRequest{Key: k, Size: uint64(len(values[i])), Checksum: Checksum(values[i]), Tier: c.tier, Replicas: c.replicas})
 			idx = append(idx, i)
 		}
 	}

@@ -202,12 +202,12 @@ func (s *Server) evictableFrom() time.Time {
 
 // makeRoom evicts from the best segment for an object of size bytes until
 // it has a free range that large. It reports whether it made room.
-func (s *Server) makeRoom(ctx context.Context, size uint64, tier pb.Tier) bool {
+func (s *Server) makeRoom(ctx context.Context, size uint64, tier pb.Tier, host string) bool {
 	now := s.cfg.Now()
 	if now.Before(s.evictableFrom()) {
 		return false
 	}
-	for _, id := range s.candidates(size, tier) {
+	for _, id := range s.candidates(size, tier, host) {
 		for round := 0; round < 4; round++ {
 			view, ok := s.segmentView(id)
 			if !ok {

@@ -188,9 +188,13 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 	if it.Size == 0 {
 		return PutStartResult{Err: fmt.Errorf("%w: zero-length value", ErrInvalidRequest)}
 	}
+	// Replicas go to the first candidates with room, one per node.
+	want := max(int(it.Replicas), 1)
+	var exts []*pb.Extent
+	nodes := map[string]bool{}
 	for _, id := range it.Candidates {
 		s := f.segments[id]
-		if s == nil {
+		if s == nil || nodes[s.node] {
 			continue
 		}
 		off, ok := s.alloc.alloc(it.Size)
@@ -198,14 +202,20 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 			continue
 		}
 		s.objects++
-		ext := &pb.Extent{Segment: id, Offset: off, Length: it.Size}
+		nodes[s.node] = true
+		exts = append(exts, &pb.Extent{Segment: id, Offset: off, Length: it.Size})
+		if len(exts) == want {
+			break
+		}
+	}
+	if len(exts) > 0 {
 		f.objects[it.Key] = &object{
 			key: it.Key, size: it.Size, checksum: it.Checksum, putID: putID,
 			state:   pb.ObjectState_OBJECT_STATE_PROCESSING,
 			created: now, deadline: it.DeadlineUnixNano,
-			replicas: []*pb.Extent{ext},
+			replicas: exts,
 		}
-		return PutStartResult{Replicas: []*pb.Extent{ext}, PutID: putID}
+		return PutStartResult{Replicas: slices.Clone(exts), PutID: putID} // the object's slice changes later
 	}
 	if len(f.segments) == 0 {
 		return PutStartResult{Err: ErrNoSegments}

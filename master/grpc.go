@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/tidepool-kv/tidepool/master/leaderconn"
@@ -149,6 +151,8 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		return nil, err
 	}
 	now := m.s.cfg.Now()
+	host := clientHost(ctx)
+	var tiers []pb.Tier // per command item, for retries
 	results := make([]*pb.PutStartResult, len(req.Items))
 	cmd := &pb.PutStartCmd{}
 	var idx []int // results index of each command item
@@ -162,10 +166,11 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 			continue
 		}
 		cmd.Items = append(cmd.Items, &pb.PutStartItem{
-			Key: it.Key, Size: it.Size, Checksum: it.Checksum,
-			Candidates:       m.s.candidates(it.Size, pb.Tier_TIER_DRAM),
+			Key: it.Key, Size: it.Size, Checksum: it.Checksum, Replicas: it.Replicas,
+			Candidates:       m.s.candidates(it.Size, it.Tier, host),
 			DeadlineUnixNano: now.Add(m.s.cfg.PutTimeout).UnixNano(),
 		})
+		tiers = append(tiers, it.Tier)
 		idx = append(idx, i)
 	}
 	if len(cmd.Items) > 0 {
@@ -173,7 +178,7 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		if err != nil {
 			return nil, err
 		}
-		out, err = m.retryAfterEviction(ctx, cmd, out.([]PutStartResult))
+		out, err = m.retryAfterEviction(ctx, cmd, tiers, host, out.([]PutStartResult))
 		if err != nil {
 			return nil, err
 		}
@@ -197,13 +202,13 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 
 // retryAfterEviction makes room for the puts that found none and starts
 // them again: a put under memory pressure evicts instead of failing.
-func (m *masterService) retryAfterEviction(ctx context.Context, cmd *pb.PutStartCmd, res []PutStartResult) (any, error) {
+func (m *masterService) retryAfterEviction(ctx context.Context, cmd *pb.PutStartCmd, tiers []pb.Tier, host string, res []PutStartResult) (any, error) {
 	retry := &pb.PutStartCmd{}
 	var at []int
 	for i, r := range res {
-		if errors.Is(r.Err, ErrNoSpace) && m.s.makeRoom(ctx, cmd.Items[i].Size, pb.Tier_TIER_DRAM) {
+		if errors.Is(r.Err, ErrNoSpace) && m.s.makeRoom(ctx, cmd.Items[i].Size, tiers[i], host) {
 			it := cmd.Items[i]
-			it.Candidates = m.s.candidates(it.Size, pb.Tier_TIER_DRAM)
+			it.Candidates = m.s.candidates(it.Size, tiers[i], host)
 			retry.Items = append(retry.Items, it)
 			at = append(at, i)
 		}
@@ -366,4 +371,17 @@ func (r *registryService) Heartbeat(ctx context.Context, req *pb.HeartbeatReques
 		return nil, err
 	}
 	return &pb.HeartbeatResponse{}, nil
+}
+
+// clientHost is the IP address the request came from, for LocalFirst.
+func clientHost(ctx context.Context) string {
+	p, ok := peer.FromContext(ctx)
+	if !ok || p.Addr == nil {
+		return ""
+	}
+	host, _, err := net.SplitHostPort(p.Addr.String())
+	if err != nil {
+		return ""
+	}
+	return host
 }

@@ -84,7 +84,7 @@ func TestCandidates(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			s := placementServer(t, tc.specs, tc.fill, tc.dead...)
-			if got := s.candidates(tc.size, tc.tier); !slices.Equal(got, tc.want) {
+			if got := s.candidates(tc.size, tc.tier, ""); !slices.Equal(got, tc.want) {
 				t.Fatalf("candidates = %v, want %v", got, tc.want)
 			}
 		})

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -53,6 +54,9 @@ type Config struct {
 	// SweepInterval is how often the leader revokes stale puts, checks
 	// heartbeats and evicts above the watermark; default 1 s.
 	SweepInterval time.Duration
+	// Placement orders segments within the preferred tier: FreeRatioFirst
+	// (default), RandomOfTwo or LocalFirst.
+	Placement string
 	// HighWatermark is the fraction of a segment above which the leader
 	// evicts, EvictRatio how far below it it goes; defaults 0.90 and 0.05.
 	HighWatermark, EvictRatio float64
@@ -88,6 +92,9 @@ type Server struct {
 		access      map[string]time.Time // key -> last get or put, leader only: eviction recency
 	}
 
+	rngMu sync.Mutex
+	rng   *rand.Rand // placement sampling; leader-local, never in Apply
+
 	stop      chan struct{}
 	closeOnce sync.Once
 	closeErr  error
@@ -107,6 +114,13 @@ func New(cfg Config) (*Server, error) {
 	cfg.PutTimeout = orDefault(cfg.PutTimeout, DefaultPutTimeout)
 	cfg.NodeTTL = orDefault(cfg.NodeTTL, DefaultNodeTTL)
 	cfg.SweepInterval = orDefault(cfg.SweepInterval, time.Second)
+	switch cfg.Placement {
+	case "":
+		cfg.Placement = FreeRatioFirst
+	case FreeRatioFirst, RandomOfTwo, LocalFirst:
+	default:
+		return nil, fmt.Errorf("master: unknown placement %q (want %s, %s or %s)", cfg.Placement, FreeRatioFirst, RandomOfTwo, LocalFirst)
+	}
 	if cfg.HighWatermark <= 0 || cfg.HighWatermark > 1 {
 		cfg.HighWatermark = DefaultHighWatermark
 	}
@@ -124,6 +138,7 @@ func New(cfg Config) (*Server, error) {
 	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
 	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
 	pb.RegisterAdminServer(s.grpc, &adminService{s: s})
+	s.rng = rand.New(rand.NewPCG(uint64(cfg.Now().UnixNano()), 0x7469646570))
 	s.mu.lastSeen = map[string]time.Time{}
 	s.mu.leases = map[string]time.Time{}
 	s.mu.removing = map[string]int{}

@@ -42,7 +42,8 @@ func runBench(ctx context.Context, e *env, args []string) error {
 	var getKeys int
 	ctx, c, _, done, err := clientCommand(ctx, e, time.Hour, "bench", "[flags]",
 		"Measure put and get against a running cluster: one row per op, value size and concurrency,\nwith throughput in GB/s (10^9 bytes) and p50/p99 latency per request.",
-		args, 0, 0, func(fs *flag.FlagSet) {
+		args, 0, 0, func(fs *flag.FlagSet, cfg *client.Config) {
+			putFlags(fs, cfg)
 			fs.Var(&ops, "ops", "operations to run: put, get (default put,get)")
 			fs.Var(&sizes, "sizes", "value sizes (default 64KiB,1MiB,4MiB)")
 			fs.Var(&conc, "concurrency", "concurrent requests per row (default 1,2,4,8)")

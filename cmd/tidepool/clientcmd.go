@@ -43,19 +43,21 @@ func (m *masters) list() []string {
 // clientCommand parses a client command's flags and opens a client. The
 // returned context ends after --timeout, so a dead cluster gives an error
 // instead of a hang.
-func clientCommand(ctx context.Context, e *env, limit time.Duration, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet)) (context.Context, *client.Client, []string, func(), error) {
+func clientCommand(ctx context.Context, e *env, limit time.Duration, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet, *client.Config)) (context.Context, *client.Client, []string, func(), error) {
 	fs := newFlags(name, argsHelp, help, e.stderr)
 	m := mastersFlag(fs, e)
 	noShm := fs.Bool("no-shm", false, "move bytes over TCP even when the store is on this host")
 	timeout := fs.Duration("timeout", limit, "give up after this long (the client retries while no master leader is reachable)")
+	var cfg client.Config
 	if extra != nil {
-		extra(fs)
+		extra(fs, &cfg)
 	}
 	pos, err := parse(fs, args, minPos, maxPos)
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}
-	c, err := client.New(client.Config{Masters: m.list(), EngineConfig: engine.Config{NoShm: *noShm}})
+	cfg.Masters, cfg.EngineConfig = m.list(), engine.Config{NoShm: *noShm}
+	c, err := client.New(cfg)
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}
@@ -64,7 +66,7 @@ func clientCommand(ctx context.Context, e *env, limit time.Duration, name, argsH
 }
 
 func runPut(ctx context.Context, e *env, args []string) error {
-	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "put", "KEY FILE", "Store FILE (- for stdin) under KEY.", args, 2, 2, nil)
+	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "put", "KEY FILE", "Store FILE (- for stdin) under KEY.", args, 2, 2, putFlags)
 	if err != nil {
 		return err
 	}
@@ -83,7 +85,7 @@ func runPut(ctx context.Context, e *env, args []string) error {
 
 func runGet(ctx context.Context, e *env, args []string) error {
 	var out string
-	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "get", "KEY [-o FILE]", "Write the value of KEY to stdout or FILE.", args, 1, 1, func(fs *flag.FlagSet) {
+	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "get", "KEY [-o FILE]", "Write the value of KEY to stdout or FILE.", args, 1, 1, func(fs *flag.FlagSet, _ *client.Config) {
 		fs.StringVar(&out, "o", "", "write the value to this file instead of stdout")
 	})
 	if err != nil {
@@ -136,7 +138,7 @@ func runRm(ctx context.Context, e *env, args []string) error {
 
 func runLs(ctx context.Context, e *env, args []string) error {
 	var long bool
-	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "ls", "[PREFIX]", "List objects whose key starts with PREFIX, one per line.", args, 0, 1, func(fs *flag.FlagSet) {
+	ctx, c, pos, done, err := clientCommand(ctx, e, time.Minute, "ls", "[PREFIX]", "List objects whose key starts with PREFIX, one per line.", args, 0, 1, func(fs *flag.FlagSet, _ *client.Config) {
 		fs.BoolVar(&long, "l", false, "long listing: size, state, creation time and replicas")
 	})
 	if err != nil {
@@ -225,4 +227,10 @@ func human(n uint64) string {
 // tierName is a tier as flags spell it: "dram", "ssd", "hbm".
 func tierName(t pb.Tier) string {
 	return strings.ToLower(strings.TrimPrefix(t.String(), "TIER_"))
+}
+
+// putFlags are the placement flags of commands that put.
+func putFlags(fs *flag.FlagSet, cfg *client.Config) {
+	fs.IntVar(&cfg.Replicas, "replicas", 1, "copies on distinct store nodes (best effort)")
+	fs.StringVar(&cfg.Tier, "tier", "dram", "preferred tier: dram, hbm or ssd (others are used when it is full)")
 }

@@ -112,6 +112,7 @@ type masterFlags struct {
 	id, dir, listen, advertise, raftAddr, peers string
 	leaseTTL, putTimeout, nodeTTL               time.Duration
 	highWatermark, evictRatio                   float64
+	placement                                   string
 }
 
 func (m *masterFlags) register(fs *flag.FlagSet) {
@@ -124,6 +125,7 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&m.leaseTTL, "lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get")
 	fs.DurationVar(&m.putTimeout, "put-timeout", master.DefaultPutTimeout, "revoke a put neither ended nor revoked after this")
 	fs.DurationVar(&m.nodeTTL, "node-ttl", master.DefaultNodeTTL, "declare a store dead after this long without a heartbeat")
+	fs.StringVar(&m.placement, "placement", master.FreeRatioFirst, "order of segments within a tier: free-ratio (most free first), random (best of two random) or local (the client's host first)")
 	fs.Float64Var(&m.highWatermark, "high-watermark", master.DefaultHighWatermark, "evict from a segment fuller than this fraction")
 	fs.Float64Var(&m.evictRatio, "evict-ratio", master.DefaultEvictRatio, "how far below the high watermark eviction goes")
 }
@@ -132,7 +134,7 @@ func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (maste
 	cfg := master.Config{
 		ID: m.id, Dir: m.dir, RaftAddr: m.raftAddr, Advertise: m.advertise,
 		LeaseTTL: m.leaseTTL, PutTimeout: m.putTimeout, NodeTTL: m.nodeTTL,
-		HighWatermark: m.highWatermark, EvictRatio: m.evictRatio,
+		HighWatermark: m.highWatermark, EvictRatio: m.evictRatio, Placement: m.placement,
 		Registerer: reg, Logger: log.With("component", "master"),
 	}
 	if cfg.Advertise == "" {

@@ -370,8 +370,10 @@ type PutStartItem struct {
 	// first one with room.
 	Candidates       []string `protobuf:"bytes,4,rep,name=candidates,proto3" json:"candidates,omitempty"`
 	DeadlineUnixNano int64    `protobuf:"varint,5,opt,name=deadline_unix_nano,json=deadlineUnixNano,proto3" json:"deadline_unix_nano,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Copies wanted, each on a different node; 0 means 1.
+	Replicas      uint32 `protobuf:"varint,6,opt,name=replicas,proto3" json:"replicas,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PutStartItem) Reset() {
@@ -435,6 +437,13 @@ func (x *PutStartItem) GetCandidates() []string {
 func (x *PutStartItem) GetDeadlineUnixNano() int64 {
 	if x != nil {
 		return x.DeadlineUnixNano
+	}
+	return 0
+}
+
+func (x *PutStartItem) GetReplicas() uint32 {
+	if x != nil {
+		return x.Replicas
 	}
 	return 0
 }
@@ -1166,7 +1175,7 @@ const file_fsm_proto_rawDesc = "" +
 	"\bEvictCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
 	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\x12*\n" +
-	"\x11allow_soft_pinned\x18\x03 \x01(\bR\x0fallowSoftPinned\"\x9e\x01\n" +
+	"\x11allow_soft_pinned\x18\x03 \x01(\bR\x0fallowSoftPinned\"\xba\x01\n" +
 	"\fPutStartItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -1174,7 +1183,8 @@ const file_fsm_proto_rawDesc = "" +
 	"\n" +
 	"candidates\x18\x04 \x03(\tR\n" +
 	"candidates\x12,\n" +
-	"\x12deadline_unix_nano\x18\x05 \x01(\x03R\x10deadlineUnixNano\">\n" +
+	"\x12deadline_unix_nano\x18\x05 \x01(\x03R\x10deadlineUnixNano\x12\x1a\n" +
+	"\breplicas\x18\x06 \x01(\rR\breplicas\">\n" +
 	"\vPutStartCmd\x12/\n" +
 	"\x05items\x18\x01 \x03(\v2\x19.tidepool.v1.PutStartItemR\x05items\"Y\n" +
 	"\aKeysCmd\x12\x12\n" +

@@ -274,7 +274,13 @@ type PutStartRequest struct {
 	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
 	Size  uint64                 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
 	// CRC-32C (Castagnoli) of the value, verified by readers.
-	Checksum      uint32 `protobuf:"varint,3,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	Checksum uint32 `protobuf:"varint,3,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	// Preferred tier; unspecified means DRAM. Other tiers are used when it
+	// has no room.
+	Tier Tier `protobuf:"varint,4,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	// Copies on distinct store nodes; 0 means 1. Best effort: the result
+	// lists the replicas placed.
+	Replicas      uint32 `protobuf:"varint,5,opt,name=replicas,proto3" json:"replicas,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -326,6 +332,20 @@ func (x *PutStartRequest) GetSize() uint64 {
 func (x *PutStartRequest) GetChecksum() uint32 {
 	if x != nil {
 		return x.Checksum
+	}
+	return 0
+}
+
+func (x *PutStartRequest) GetTier() Tier {
+	if x != nil {
+		return x.Tier
+	}
+	return Tier_TIER_UNSPECIFIED
+}
+
+func (x *PutStartRequest) GetReplicas() uint32 {
+	if x != nil {
+		return x.Replicas
 	}
 	return 0
 }
@@ -1779,11 +1799,13 @@ const file_tidepool_proto_rawDesc = "" +
 	"\bendpoint\x18\x03 \x01(\tR\bendpoint\x12\x16\n" +
 	"\x06offset\x18\x04 \x01(\x04R\x06offset\x12\x16\n" +
 	"\x06length\x18\x05 \x01(\x04R\x06length\x12%\n" +
-	"\x04tier\x18\x06 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\"S\n" +
+	"\x04tier\x18\x06 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\"\x96\x01\n" +
 	"\x0fPutStartRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
-	"\bchecksum\x18\x03 \x01(\rR\bchecksum\"\xcc\x01\n" +
+	"\bchecksum\x18\x03 \x01(\rR\bchecksum\x12%\n" +
+	"\x04tier\x18\x04 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x1a\n" +
+	"\breplicas\x18\x05 \x01(\rR\breplicas\"\xcc\x01\n" +
 	"\x0ePutStartResult\x12/\n" +
 	"\x06status\x18\x01 \x01(\v2\x17.tidepool.v1.ItemStatusR\x06status\x12\x16\n" +
 	"\x06exists\x18\x02 \x01(\bR\x06exists\x120\n" +
@@ -1959,57 +1981,58 @@ var file_tidepool_proto_goTypes = []any{
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
-	2,  // 1: tidepool.v1.PutStartResult.status:type_name -> tidepool.v1.ItemStatus
-	3,  // 2: tidepool.v1.PutStartResult.replicas:type_name -> tidepool.v1.Replica
-	4,  // 3: tidepool.v1.BatchPutStartRequest.items:type_name -> tidepool.v1.PutStartRequest
-	5,  // 4: tidepool.v1.BatchPutStartResponse.results:type_name -> tidepool.v1.PutStartResult
-	2,  // 5: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
-	2,  // 6: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
-	3,  // 7: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
-	10, // 8: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
-	1,  // 9: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
-	3,  // 10: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
-	14, // 11: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	0,  // 12: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
-	17, // 13: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
-	18, // 14: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
-	0,  // 15: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	20, // 16: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	0,  // 17: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	14, // 18: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 19: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	8,  // 20: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	8,  // 21: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 22: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	8,  // 23: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	8,  // 24: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	8,  // 25: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	13, // 26: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	16, // 27: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	21, // 28: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	23, // 29: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	25, // 30: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	8,  // 31: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	26, // 32: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	5,  // 33: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 34: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 35: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 36: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 37: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 38: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 39: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 40: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	19, // 41: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	22, // 42: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	24, // 43: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	9,  // 44: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	9,  // 45: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	27, // 46: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	33, // [33:47] is the sub-list for method output_type
-	19, // [19:33] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	0,  // 1: tidepool.v1.PutStartRequest.tier:type_name -> tidepool.v1.Tier
+	2,  // 2: tidepool.v1.PutStartResult.status:type_name -> tidepool.v1.ItemStatus
+	3,  // 3: tidepool.v1.PutStartResult.replicas:type_name -> tidepool.v1.Replica
+	4,  // 4: tidepool.v1.BatchPutStartRequest.items:type_name -> tidepool.v1.PutStartRequest
+	5,  // 5: tidepool.v1.BatchPutStartResponse.results:type_name -> tidepool.v1.PutStartResult
+	2,  // 6: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
+	2,  // 7: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
+	3,  // 8: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
+	10, // 9: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
+	1,  // 10: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
+	3,  // 11: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
+	14, // 12: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	0,  // 13: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
+	17, // 14: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
+	18, // 15: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
+	0,  // 16: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
+	20, // 17: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	0,  // 18: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	14, // 19: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 20: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	8,  // 21: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	8,  // 22: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 23: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	8,  // 24: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	8,  // 25: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	8,  // 26: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	13, // 27: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	16, // 28: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	21, // 29: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	23, // 30: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	25, // 31: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	8,  // 32: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	26, // 33: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	5,  // 34: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	9,  // 35: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	9,  // 36: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 37: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	11, // 38: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	12, // 39: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	9,  // 40: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	15, // 41: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	19, // 42: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	22, // 43: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	24, // 44: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	9,  // 45: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	9,  // 46: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	27, // 47: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	34, // [34:48] is the sub-list for method output_type
+	20, // [20:34] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
