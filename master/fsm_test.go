@@ -2,6 +2,7 @@ package master
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +10,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/hashicorp/raft"
@@ -921,5 +923,363 @@ func TestFSMPutIDs(t *testing.T) {
 	}
 	if got := d.f.exists([]string{"k"}); !got[0] {
 		t.Fatal("the current put did not complete")
+	}
+}
+
+func (d *fsmDriver) pin(now int64, cmd *pb.PinCmd) error {
+	d.t.Helper()
+	return d.keys(now, &pb.Command{Op: &pb.Command_Pin{Pin: cmd}})
+}
+
+func (d *fsmDriver) evict(now int64, key string, freeAfter int64, allowSoft bool) error {
+	d.t.Helper()
+	return d.keys(now, &pb.Command{Op: &pb.Command_Evict{Evict: &pb.EvictCmd{Keys: []string{key}, FreeAfterUnixNano: freeAfter, AllowSoftPinned: allowSoft}}})
+}
+
+// pins returns an object's hard pin and soft pin deadline as the FSM holds them.
+func pins(t testing.TB, f *FSM, key string) (hard bool, softUntil int64) {
+	t.Helper()
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	o := f.objects[key]
+	if o == nil {
+		t.Fatalf("no object %q", key)
+	}
+	return o.hard, o.softPin
+}
+
+func TestFSMPin(t *testing.T) {
+	type step struct {
+		cmd      *pb.PinCmd
+		want     error // nil: success
+		hard     bool  // pins of "k" afterwards (when it exists)
+		softPin  int64
+		describe string
+	}
+	soft := func(until int64) *pb.PinCmd { return &pb.PinCmd{Key: "k", SoftUntilUnixNano: until} }
+	hard := &pb.PinCmd{Key: "k", Hard: true}
+	unpin := &pb.PinCmd{Key: "k", Unpin: true}
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{"hard", []step{{cmd: hard, hard: true}}},
+		{"soft", []step{{cmd: soft(t0 + 5e9), softPin: t0 + 5e9}}},
+		{"unpin hard", []step{{cmd: hard, hard: true}, {cmd: unpin}}},
+		{"unpin soft", []step{{cmd: soft(t0 + 5e9), softPin: t0 + 5e9}, {cmd: unpin}}},
+		{"unpin unpinned", []step{{cmd: unpin}}},
+		{"hard then soft keeps both", []step{{cmd: hard, hard: true}, {cmd: soft(t0 + 5e9), hard: true, softPin: t0 + 5e9}}},
+		{"soft then hard keeps both", []step{{cmd: soft(t0 + 5e9), softPin: t0 + 5e9}, {cmd: hard, hard: true, softPin: t0 + 5e9}}},
+		{"a shorter soft pin does not shorten", []step{{cmd: soft(t0 + 5e9), softPin: t0 + 5e9}, {cmd: soft(t0 + 1e9), softPin: t0 + 5e9}}},
+		{"a longer soft pin extends", []step{{cmd: soft(t0 + 1e9), softPin: t0 + 1e9}, {cmd: soft(t0 + 5e9), softPin: t0 + 5e9}}},
+		{"hard twice", []step{{cmd: hard, hard: true}, {cmd: hard, hard: true}}},
+		{"missing key", []step{{cmd: &pb.PinCmd{Key: "missing", Hard: true}, want: ErrNotFound}}},
+		{"unpin missing key", []step{{cmd: &pb.PinCmd{Key: "missing", Unpin: true}, want: ErrNotFound}}},
+		{"processing", []step{{cmd: &pb.PinCmd{Key: "proc", Hard: true}, want: ErrNotFound}}},
+		{"soft on processing", []step{{cmd: &pb.PinCmd{Key: "proc", SoftUntilUnixNano: t0 + 5e9}, want: ErrNotFound}}},
+		{"unpin processing", []step{{cmd: &pb.PinCmd{Key: "proc", Unpin: true}, want: ErrNotFound}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			d := newDriver(t)
+			seg := d.register(t0, "n1", "ep", dram("a", 1<<20)).SegmentIDs[0]
+			d.put(t0, "k", 100, seg)
+			if r := d.putStart(t0, "proc", 100, t0+1e12, seg); r.Err != nil {
+				t.Fatal(r.Err)
+			}
+			for i, s := range tc.steps {
+				err := d.pin(t0+int64(i+1), s.cmd)
+				if (s.want == nil) != (err == nil) || (s.want != nil && !errors.Is(err, s.want)) {
+					t.Fatalf("step %d (%v): %v, want %v", i, s.cmd, err, s.want)
+				}
+				if h, sp := pins(t, d.f, "k"); h != s.hard || sp != s.softPin {
+					t.Fatalf("step %d (%v): k pinned hard=%v soft until %d, want hard=%v soft until %d", i, s.cmd, h, sp, s.hard, s.softPin)
+				}
+			}
+			// A failed pin leaves the PROCESSING put unpinned and invisible.
+			if h, sp := pins(t, d.f, "proc"); h || sp != 0 || visible(t, d.f, "proc") {
+				t.Fatalf("proc: hard=%v soft=%d visible=%v", h, sp, visible(t, d.f, "proc"))
+			}
+			// Pins show in listings.
+			h, sp := pins(t, d.f, "k")
+			info := d.f.infos([]string{"k"})[0]
+			if info.HardPinned != h || info.SoftPinUntilUnixMs != sp/1e6 {
+				t.Fatalf("info of k = %v, want hard %v soft until %d ms", info, h, sp/1e6)
+			}
+			checkInvariants(t, d.f)
+		})
+	}
+}
+
+func TestFSMEvict(t *testing.T) {
+	const now = t0 + 100
+	tests := []struct {
+		name      string
+		pin       *pb.PinCmd // applied to "k" at t0+1; nil: none
+		key       string     // evicted; default "k"
+		allowSoft bool
+		want      error
+	}{
+		{name: "unpinned", want: nil},
+		{name: "unpinned, soft allowed", allowSoft: true},
+		{name: "hard pinned", pin: &pb.PinCmd{Key: "k", Hard: true}, want: ErrPinned},
+		{name: "hard pinned, soft allowed", pin: &pb.PinCmd{Key: "k", Hard: true}, allowSoft: true, want: ErrPinned},
+		{name: "hard and soft pinned, soft allowed", pin: &pb.PinCmd{Key: "k", Hard: true, SoftUntilUnixNano: now + 1}, allowSoft: true, want: ErrPinned},
+		{name: "active soft pin", pin: &pb.PinCmd{Key: "k", SoftUntilUnixNano: now + 1}, want: ErrPinned},
+		{name: "active soft pin, soft allowed", pin: &pb.PinCmd{Key: "k", SoftUntilUnixNano: now + 1}, allowSoft: true},
+		{name: "soft pin ending now", pin: &pb.PinCmd{Key: "k", SoftUntilUnixNano: now}},
+		{name: "expired soft pin", pin: &pb.PinCmd{Key: "k", SoftUntilUnixNano: now - 50}},
+		{name: "missing", key: "missing", want: ErrNotFound},
+		{name: "missing, soft allowed", key: "missing", allowSoft: true, want: ErrNotFound},
+		{name: "processing", key: "proc", want: ErrNotFound},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			d := newDriver(t)
+			seg := d.register(t0, "n1", "ep", dram("a", 4096)).SegmentIDs[0]
+			d.put(t0, "k", 100, seg)
+			d.put(t0, "other", 100, seg)
+			if r := d.putStart(t0, "proc", 100, t0+1e12, seg); r.Err != nil {
+				t.Fatal(r.Err)
+			}
+			if tc.pin != nil {
+				if err := d.pin(t0+1, tc.pin); err != nil {
+					t.Fatal(err)
+				}
+			}
+			key := cmp.Or(tc.key, "k")
+			before := d.segment(seg)
+			wasVisible := visible(t, d.f, key)
+			err := d.evict(now, key, 0, tc.allowSoft)
+			if (tc.want == nil) != (err == nil) || (tc.want != nil && !errors.Is(err, tc.want)) {
+				t.Fatalf("evict %q: %v, want %v", key, err, tc.want)
+			}
+			after := d.segment(seg)
+			if tc.want != nil {
+				if visible(t, d.f, key) != wasVisible || after != before {
+					t.Fatalf("a refused evict changed the state: visible %v -> %v, segment %+v -> %+v", wasVisible, visible(t, d.f, key), before, after)
+				}
+			} else {
+				if visible(t, d.f, key) || slices.Contains(listKeys(d.f), key) {
+					t.Fatalf("%q still listed after its eviction", key)
+				}
+				if after.used != before.used-128 || after.objects != before.objects-1 {
+					t.Fatalf("segment %+v after evicting from %+v: want 128 bytes and one object freed at once", after, before)
+				}
+				// Evicting again finds nothing.
+				if err := d.evict(now+1, key, 0, true); !errors.Is(err, ErrNotFound) {
+					t.Fatalf("second evict: %v, want ErrNotFound", err)
+				}
+			}
+			if !visible(t, d.f, "other") {
+				t.Fatal("evict removed another object")
+			}
+			checkInvariants(t, d.f)
+		})
+	}
+}
+
+func TestFSMEvictBatch(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep", dram("a", 4096)).SegmentIDs[0]
+	for _, k := range []string{"a", "hard", "soft", "b"} {
+		d.put(t0, k, 64, seg)
+	}
+	if err := d.pin(t0, &pb.PinCmd{Key: "hard", Hard: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.pin(t0, &pb.PinCmd{Key: "soft", SoftUntilUnixNano: t0 + 1e9}); err != nil {
+		t.Fatal(err)
+	}
+	out := d.apply(t0+1, &pb.Command{Op: &pb.Command_Evict{Evict: &pb.EvictCmd{Keys: []string{"a", "hard", "soft", "b", "a", "nope"}}}})
+	errs, ok := out.([]error)
+	if !ok || len(errs) != 6 {
+		t.Fatalf("Apply = %T %v, want 6 results", out, out)
+	}
+	want := []error{nil, ErrPinned, ErrPinned, nil, ErrNotFound, ErrNotFound}
+	for i, w := range want {
+		if (w == nil) != (errs[i] == nil) || (w != nil && !errors.Is(errs[i], w)) {
+			t.Errorf("item %d: %v, want %v", i, errs[i], w)
+		}
+	}
+	if keys := listKeys(d.f); !slices.Equal(keys, []string{"hard", "soft"}) {
+		t.Fatalf("objects after the batch: %v", keys)
+	}
+	if v := d.segment(seg); v.used != 128 || v.objects != 2 {
+		t.Fatalf("segment after the batch: %+v", v)
+	}
+	checkInvariants(t, d.f)
+}
+
+func TestFSMEvictDefersFree(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep", dram("a", 4096)).SegmentIDs[0]
+	d.put(t0, "k", 1000, seg)
+	d.put(t0, "keep", 100, seg)
+	freeAfter := t0 + 1000
+	if err := d.evict(t0+10, "k", freeAfter, false); err != nil {
+		t.Fatal(err)
+	}
+	if visible(t, d.f, "k") || slices.Contains(listKeys(d.f), "k") {
+		t.Fatal("an evicted object is still listed")
+	}
+	if v := d.segment(seg); v.used != 1024+128 || v.objects != 1 {
+		t.Fatalf("space freed before free_after: %+v", v)
+	}
+	// A put in the meantime does not land on the reserved range.
+	if ext := d.put(t0+20, "other", 64, seg); ext.Offset < 1024+128 {
+		t.Fatalf("a put reused the evicted range at offset %d", ext.Offset)
+	}
+	d.tick(freeAfter - 1)
+	if v := d.segment(seg); v.used != 1024+128+64 {
+		t.Fatalf("used = %d just before free_after", v.used)
+	}
+	checkInvariants(t, d.f)
+	// The key may be put again at once; its old range is still reserved.
+	if ext := d.put(freeAfter-1, "k", 64, seg); ext.Offset < 1024 {
+		t.Fatalf("the re-put key landed on its own reserved range at %d", ext.Offset)
+	}
+	// The first command at or past free_after releases the range.
+	d.tick(freeAfter)
+	if v := d.segment(seg); v.used != 128+64+64 || v.objects != 3 {
+		t.Fatalf("after free_after: %+v", v)
+	}
+	if r := d.putStart(freeAfter+1, "big", 1024, freeAfter+1e9, seg); r.Err != nil || r.Replicas[0].Offset != 0 {
+		t.Fatalf("put into the freed range = %+v, want offset 0", r)
+	}
+	checkInvariants(t, d.f)
+}
+
+func TestFSMPinsSnapshotRestore(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep", dram("a", 1<<20)).SegmentIDs[0]
+	for _, k := range []string{"hard", "soft", "both", "plain", "evicted"} {
+		d.put(t0, k, 1000, seg)
+	}
+	for _, c := range []*pb.PinCmd{
+		{Key: "hard", Hard: true},
+		{Key: "soft", SoftUntilUnixNano: t0 + 5e9},
+		{Key: "both", Hard: true},
+		{Key: "both", SoftUntilUnixNano: t0 + 7e9},
+		{Key: "evicted", Hard: true},
+		{Key: "evicted", Unpin: true},
+	} {
+		if err := d.pin(t0+1, c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.evict(t0+2, "evicted", t0+5e9, false); err != nil {
+		t.Fatal(err)
+	}
+	data := snapshotBytes(t, d.f)
+	g := restored(t, data)
+	sameState(t, d.f, g)
+	if again := snapshotBytes(t, g); !bytes.Equal(again, data) {
+		t.Fatal("a restored FSM snapshots differently")
+	}
+	want := map[string]struct {
+		hard bool
+		soft int64
+	}{"hard": {true, 0}, "soft": {false, t0 + 5e9}, "both": {true, t0 + 7e9}, "plain": {false, 0}}
+	for k, w := range want {
+		if h, s := pins(t, g, k); h != w.hard || s != w.soft {
+			t.Errorf("%s after restore: hard=%v soft=%d, want hard=%v soft=%d", k, h, s, w.hard, w.soft)
+		}
+	}
+	// Both FSMs decide evictions alike from here on.
+	e := &fsmDriver{t: t, f: g, index: d.index}
+	for _, dr := range []*fsmDriver{d, e} {
+		for _, c := range []struct {
+			key       string
+			allowSoft bool
+			want      error
+		}{
+			{"hard", true, ErrPinned},
+			{"both", true, ErrPinned},
+			{"soft", false, ErrPinned},
+			{"plain", false, nil},
+		} {
+			if err := dr.evict(t0+4e9, c.key, 0, c.allowSoft); (c.want == nil) != (err == nil) || (c.want != nil && !errors.Is(err, c.want)) {
+				t.Fatalf("evict %s: %v, want %v", c.key, err, c.want)
+			}
+		}
+		// The evicted object's range was still reserved when the snapshot
+		// was taken; it is released at free_after on both.
+		if v := dr.segment(seg); v.used != 4*1024 {
+			t.Fatalf("used %d before free_after, want 4 KiB", v.used)
+		}
+		// Past the soft pin, it goes too.
+		if err := dr.evict(t0+6e9, "soft", 0, false); err != nil {
+			t.Fatalf("evict of an expired soft pin: %v", err)
+		}
+		if v := dr.segment(seg); v.used != 2*1024 {
+			t.Fatalf("used %d after free_after, want 2 KiB", v.used)
+		}
+	}
+	sameState(t, d.f, g)
+}
+
+// TestFSMDeterminismPinEvict interleaves pins and evictions with the random
+// command stream: replicas and a restored copy must agree throughout.
+func TestFSMDeterminismPinEvict(t *testing.T) {
+	for seed := range uint64(3) {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(seed, 42))
+			var cmds []*pb.Command
+			var ended []string // keys of recent put ends: likely complete
+			for _, c := range randomCommands(seed+100, 1200) {
+				cmds = append(cmds, c)
+				if e := c.GetPutEnd(); e != nil {
+					ended = append(ended, e.Keys...)
+				}
+				key := fmt.Sprintf("key%02d", rng.IntN(40))
+				if len(ended) > 0 && rng.IntN(4) > 0 {
+					key = ended[len(ended)-1-rng.IntN(min(len(ended), 5))]
+				}
+				now := c.NowUnixNano
+				switch rng.IntN(10) {
+				case 0:
+					cmds = append(cmds, &pb.Command{NowUnixNano: now, Op: &pb.Command_Pin{Pin: &pb.PinCmd{Key: key, Hard: rng.IntN(2) == 0, SoftUntilUnixNano: now + rng.Int64N(300)}}})
+				case 1:
+					cmds = append(cmds, &pb.Command{NowUnixNano: now, Op: &pb.Command_Pin{Pin: &pb.PinCmd{Key: key, Unpin: true}}})
+				case 2, 3:
+					cmds = append(cmds, &pb.Command{NowUnixNano: now, Op: &pb.Command_Evict{Evict: &pb.EvictCmd{
+						Keys: []string{key, fmt.Sprintf("key%02d", rng.IntN(40)), key}, FreeAfterUnixNano: now - 100 + rng.Int64N(400), AllowSoftPinned: rng.IntN(2) == 0,
+					}}})
+				}
+			}
+			a, b := NewFSM(), NewFSM()
+			var c *FSM
+			evicted, pinned := 0, 0
+			for i, cmd := range cmds {
+				if i == len(cmds)/2 {
+					c = restored(t, snapshotBytes(t, a))
+				}
+				ra := applyRaw(t, a, uint64(i+1), cmd)
+				if rb := applyRaw(t, b, uint64(i+1), cmd); ra != rb {
+					t.Fatalf("command %d (%v) returned %s and %s", i, cmd, ra, rb)
+				}
+				if c != nil {
+					if rc := applyRaw(t, c, uint64(i+1), cmd); rc != ra {
+						t.Fatalf("command %d (%v) on the restored FSM returned %s, want %s", i, cmd, rc, ra)
+					}
+				}
+				checkInvariants(t, a)
+				if cmd.GetEvict() != nil && strings.Contains(ra, "<nil>") {
+					evicted++
+				}
+				if cmd.GetPin() != nil && ra == "[<nil>]" {
+					pinned++
+				}
+			}
+			if !bytes.Equal(snapshotBytes(t, a), snapshotBytes(t, c)) {
+				t.Fatal("an FSM restored half way snapshots differently at the end")
+			}
+			sameState(t, a, b)
+			sameState(t, a, c)
+			if evicted < 10 || pinned < 10 {
+				t.Fatalf("only %d successful evictions and %d pins: the stream exercises too little", evicted, pinned)
+			}
+		})
 	}
 }
