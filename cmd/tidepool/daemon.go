@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -235,10 +236,13 @@ func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
 	fs.StringVar(&s.id, "id", host, "node id; stable across restarts of this node")
 	fs.StringVar(&s.listen, "listen", defaultEngine, "transfer engine address, or several separated by commas: one rail each")
 	fs.StringVar(&s.advertise, "advertise", "", "transfer engine address peers dial (default --listen)")
-	fs.Var(&s.tiers, "tier", "a tier to serve, repeatable: dram:SIZE (e.g. dram:8GiB) (default "+defaultTier+")")
+	fs.Var(&s.tiers, "tier", "a tier to serve, repeatable: dram:SIZE (e.g. dram:8GiB); hbm:SIZE[:DEVICE] (GPU memory of CUDA device DEVICE, default 0); "+
+		"hbm-emulated:SIZE (host memory standing in for HBM on hosts without a GPU, shown as emulated) (default "+defaultTier+")")
 }
 
-// mountTiers creates the tiers the --tier flags describe.
+// mountTiers creates the tiers the --tier flags describe. HBM tiers, real or
+// emulated, are numbered together (hbm0, hbm1-emulated, ...); an emulated
+// one's name ends in "-emulated", so status shows it as such.
 func mountTiers(specs []string) ([]tiers.Tier, error) {
 	var out []tiers.Tier
 	fail := func(err error) ([]tiers.Tier, error) {
@@ -247,24 +251,52 @@ func mountTiers(specs []string) ([]tiers.Tier, error) {
 		}
 		return nil, err
 	}
-	counts := map[string]int{}
+	counts := map[tiers.Kind]int{}
 	for _, spec := range specs {
 		kind, rest, _ := strings.Cut(spec, ":")
+		var t tiers.Tier
 		switch kind {
 		case "dram":
 			size, err := tiers.ParseSize(rest)
 			if err != nil {
 				return fail(fmt.Errorf("%w: --tier %q: %v", errUsage, spec, err))
 			}
-			t, err := tiers.NewDRAM(fmt.Sprintf("dram%d", counts[kind]), size)
+			if t, err = tiers.NewDRAM(fmt.Sprintf("dram%d", counts[tiers.DRAM]), size); err != nil {
+				return fail(err)
+			}
+		case "hbm":
+			sizeArg, devArg, hasDev := strings.Cut(rest, ":")
+			size, err := tiers.ParseSize(sizeArg)
+			if err != nil {
+				return fail(fmt.Errorf("%w: --tier %q: %v", errUsage, spec, err))
+			}
+			device := 0
+			if hasDev {
+				if device, err = strconv.Atoi(devArg); err != nil || device < 0 {
+					return fail(fmt.Errorf("%w: --tier %q: invalid CUDA device %q: want 0, 1, ...", errUsage, spec, devArg))
+				}
+			}
+			hbm, err := tiers.NewHBM(fmt.Sprintf("hbm%d", counts[tiers.HBM]), device, size)
+			if errors.Is(err, tiers.ErrNoGPU) {
+				return fail(fmt.Errorf("--tier %q: no usable GPU: %w; use hbm-emulated:%s", spec, err, sizeArg))
+			}
 			if err != nil {
 				return fail(err)
 			}
-			counts[kind]++
-			out = append(out, t)
+			t = hbm
+		case "hbm-emulated":
+			size, err := tiers.ParseSize(rest)
+			if err != nil {
+				return fail(fmt.Errorf("%w: --tier %q: %v", errUsage, spec, err))
+			}
+			if t, err = tiers.NewHBMEmulated(fmt.Sprintf("hbm%d", counts[tiers.HBM]), size); err != nil {
+				return fail(err)
+			}
 		default:
-			return fail(fmt.Errorf("%w: --tier %q: unknown tier kind %q (supported: dram)", errUsage, spec, kind))
+			return fail(fmt.Errorf("%w: --tier %q: unknown tier kind %q (supported: dram, hbm, hbm-emulated)", errUsage, spec, kind))
 		}
+		counts[t.Kind()]++
+		out = append(out, t)
 	}
 	return out, nil
 }
