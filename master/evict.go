@@ -142,9 +142,9 @@ func filterObjects(objs []evictable, keep func(evictable) bool) []evictable {
 	return slices.DeleteFunc(objs, func(o evictable) bool { return !keep(o) })
 }
 
-// toWatermark picks victims that bring every segment (of tier, if set) to
-// at most mark of its capacity.
-func (s *Server) toWatermark(mark float64, tier pb.Tier, now time.Time) (victims []evictable, allowSoft bool) {
+// toWatermark picks victims that bring every segment (of tier, if set)
+// that is fuller than above to at most mark of its capacity.
+func (s *Server) toWatermark(mark, above float64, tier pb.Tier, now time.Time) (victims []evictable, allowSoft bool) {
 	all := s.fsm.completeObjects(func(string) bool { return true })
 	chosen := map[string]bool{}
 	for _, v := range s.fsm.segmentViews() {
@@ -152,7 +152,7 @@ func (s *Server) toWatermark(mark float64, tier pb.Tier, now time.Time) (victims
 			continue
 		}
 		limit := uint64(mark * float64(v.capacity))
-		if v.used <= limit {
+		if v.used <= limit || float64(v.used) <= above*float64(v.capacity) {
 			continue
 		}
 		objs := filterObjects(slices.Clone(all), func(o evictable) bool { return onSegment(v.id)(o) && !chosen[o.key] })
@@ -180,7 +180,9 @@ func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 	if !over {
 		return
 	}
-	victims, soft := s.toWatermark(high-s.cfg.EvictRatio, pb.Tier_TIER_UNSPECIFIED, now)
+	// Only the segments above the high watermark: one between it and the
+	// target has not crossed it and keeps its objects.
+	victims, soft := s.toWatermark(high-s.cfg.EvictRatio, high, pb.Tier_TIER_UNSPECIFIED, now)
 	if len(victims) == 0 {
 		return
 	}
@@ -250,14 +252,14 @@ func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []ev
 	if req.Key == "" && req.Prefix == "" && req.OlderThanMs == 0 && req.ToWatermark == 0 {
 		return nil, false, 0, fmt.Errorf("%w: evict needs a key, a prefix, an age or a watermark", ErrInvalidRequest)
 	}
-	if req.ToWatermark < 0 || req.ToWatermark >= 1 {
+	if !(req.ToWatermark >= 0 && req.ToWatermark < 1) { // NaN too: it is not 0, so it would match every object
 		return nil, false, 0, fmt.Errorf("%w: watermark %v is not in [0, 1)", ErrInvalidRequest, req.ToWatermark)
 	}
 	if req.ToWatermark > 0 {
 		if req.Key != "" || req.Prefix != "" || req.OlderThanMs != 0 {
 			return nil, false, 0, fmt.Errorf("%w: a watermark eviction takes no key, prefix or age", ErrInvalidRequest)
 		}
-		victims, allowSoft = s.toWatermark(req.ToWatermark, req.Tier, now)
+		victims, allowSoft = s.toWatermark(req.ToWatermark, req.ToWatermark, req.Tier, now)
 		return victims, allowSoft, 0, nil
 	}
 	objs := s.fsm.completeObjects(func(k string) bool {

@@ -202,29 +202,36 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 
 // retryAfterEviction makes room for the puts that found none and starts
 // them again: a put under memory pressure evicts instead of failing.
+// The room made for one put may be taken by another (of this batch, or of
+// a concurrent request) before its retry applies, so it tries a few times.
 func (m *masterService) retryAfterEviction(ctx context.Context, cmd *pb.PutStartCmd, tiers []pb.Tier, host string, res []PutStartResult) (any, error) {
-	retry := &pb.PutStartCmd{}
-	var at []int
-	for i, r := range res {
-		if errors.Is(r.Err, ErrNoSpace) && m.s.makeRoom(ctx, cmd.Items[i].Size, tiers[i], host) {
-			it := cmd.Items[i]
-			it.Candidates = m.s.candidates(it.Size, tiers[i], host)
-			retry.Items = append(retry.Items, it)
-			at = append(at, i)
+	for range maxRoomAttempts {
+		retry := &pb.PutStartCmd{}
+		var at []int
+		for i, r := range res {
+			if errors.Is(r.Err, ErrNoSpace) && m.s.makeRoom(ctx, cmd.Items[i].Size, tiers[i], host) {
+				it := cmd.Items[i]
+				it.Candidates = m.s.candidates(it.Size, tiers[i], host)
+				retry.Items = append(retry.Items, it)
+				at = append(at, i)
+			}
 		}
-	}
-	if len(at) == 0 {
-		return res, nil
-	}
-	out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: retry}})
-	if err != nil {
-		return nil, err
-	}
-	for j, r := range out.([]PutStartResult) {
-		res[at[j]] = r
+		if len(at) == 0 {
+			return res, nil
+		}
+		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: retry}})
+		if err != nil {
+			return nil, err
+		}
+		for j, r := range out.([]PutStartResult) {
+			res[at[j]] = r
+		}
 	}
 	return res, nil
 }
+
+// maxRoomAttempts bounds how often one request makes room and retries.
+const maxRoomAttempts = 8
 
 func (m *masterService) keysCmd(ctx context.Context, req *pb.KeysRequest, wrap func(*pb.KeysCmd) *pb.Command) (*pb.ItemsResponse, error) {
 	if err := validKeys(req.Keys); err != nil {
