@@ -59,6 +59,13 @@ func (s *Server) byRecency(objs []evictable) {
 	})
 }
 
+// forget drops an evicted object's recency.
+func (s *Server) forget(key string) {
+	s.mu.Lock()
+	delete(s.mu.access, key)
+	s.mu.Unlock()
+}
+
 func (s *Server) leased(key string, now time.Time) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -123,13 +130,9 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 			n++
 			bytes += v.size
 			s.metrics.evicted(reason, v.size, now.Sub(s.lastUse(v)))
+			s.forget(v.key)
 		}
 	}
-	s.mu.Lock()
-	for _, v := range victims {
-		delete(s.mu.access, v.key)
-	}
-	s.mu.Unlock()
 	return n, bytes, nil
 }
 

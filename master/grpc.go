@@ -281,6 +281,11 @@ func (m *masterService) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.It
 	if err != nil {
 		return nil, err
 	}
+	for i, e := range out.([]error) {
+		if e == nil {
+			m.s.forget(req.Keys[i])
+		}
+	}
 	return itemsResponse(out.([]error)), nil
 }
 

@@ -478,7 +478,6 @@ func (s *Server) startRemove(keys []string) (time.Time, func()) {
 			if s.mu.removing[k]--; s.mu.removing[k] <= 0 {
 				delete(s.mu.removing, k)
 			}
-			delete(s.mu.access, k)
 		}
 	}
 	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)

@@ -1727,7 +1727,10 @@ type EvictResponse struct {
 	// What was evicted (or, dry run, would be), in eviction order.
 	Objects []*ObjectInfo `protobuf:"bytes,1,rep,name=objects,proto3" json:"objects,omitempty"`
 	Bytes   uint64        `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
-	// Objects that matched but were kept: hard pinned or read-leased.
+	// Objects that matched but were kept: hard pinned, or changed between
+	// selection and eviction. (Read-leased objects are evicted; their space
+	// is reused when the lease ends. A watermark eviction does not choose
+	// them at all.)
 	Skipped       uint64 `protobuf:"varint,3,opt,name=skipped,proto3" json:"skipped,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
