@@ -100,6 +100,7 @@ type PutStartResult struct {
 type RegisterResult struct {
 	Epoch      uint64
 	SegmentIDs []string
+	Adopted    int
 }
 
 // Apply implements raft.FSM. It returns []PutStartResult, []error (one per
@@ -127,7 +128,7 @@ func (f *FSM) Apply(l *raft.Log) any {
 	case *pb.Command_Remove:
 		return f.eachKey(op.Remove.Keys, func(k string) error { return f.remove(k, op.Remove.FreeAfterUnixNano, now) })
 	case *pb.Command_Register:
-		return f.register(op.Register)
+		return f.register(op.Register, now)
 	case *pb.Command_NodeDown:
 		n := f.nodes[op.NodeDown.Node]
 		if n == nil || n.down || n.epoch != op.NodeDown.Epoch {
@@ -348,7 +349,7 @@ func (f *FSM) releasePending(now int64) {
 	f.pending = kept
 }
 
-func (f *FSM) register(c *pb.RegisterCmd) any {
+func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 	n := f.nodes[c.Node]
 	if n == nil {
 		n = &node{id: c.Node}
@@ -363,7 +364,51 @@ func (f *FSM) register(c *pb.RegisterCmd) any {
 	n.endpoint = c.Endpoint
 	n.specs = c.Segments
 	f.addSegments(n)
-	return RegisterResult{Epoch: n.epoch, SegmentIDs: slices.Clone(n.segments)}
+	adopted := 0
+	for _, a := range c.Adopt {
+		if f.adopt(n, a, now) {
+			adopted++
+		}
+	}
+	return RegisterResult{Epoch: n.epoch, SegmentIDs: slices.Clone(n.segments), Adopted: adopted}
+}
+
+// adopt takes back an object a restarted node kept, at the same place in
+// the new epoch's segment. A key that exists elsewhere with the same size
+// and checksum gains a replica; one that differs keeps its value and the
+// kept bytes are dropped.
+func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
+	id := SegmentID(n.id, a.Segment, n.epoch)
+	s := f.segments[id]
+	if s == nil || a.Key == "" || a.Size == 0 {
+		return false
+	}
+	o := f.objects[a.Key]
+	if o != nil && (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || o.size != a.Size || o.checksum != a.Checksum) {
+		return false
+	}
+	if o != nil {
+		for _, r := range o.replicas {
+			if seg := f.segments[r.Segment]; seg != nil && seg.node == n.id {
+				return false
+			}
+		}
+	}
+	if s.alloc.reserve(a.Offset, a.Size) != nil {
+		return false
+	}
+	s.objects++
+	ext := &pb.Extent{Segment: id, Offset: a.Offset, Length: a.Size}
+	if o == nil {
+		f.objects[a.Key] = &object{
+			key: a.Key, size: a.Size, checksum: a.Checksum,
+			state: pb.ObjectState_OBJECT_STATE_COMPLETE, created: now,
+			replicas: []*pb.Extent{ext},
+		}
+		return true
+	}
+	o.replicas = append(o.replicas, ext)
+	return true
 }
 
 func (f *FSM) addSegments(n *node) {

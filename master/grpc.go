@@ -363,7 +363,9 @@ func (r *registryService) Register(ctx context.Context, req *pb.RegisterRequest)
 		}
 		names[sp.Name] = true
 	}
-	out, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{Node: req.Node, Endpoint: req.Endpoint, Segments: req.Segments}}})
+	out, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{
+		Node: req.Node, Endpoint: req.Endpoint, Segments: req.Segments, Adopt: req.Adopt,
+	}}})
 	if err != nil {
 		return nil, err
 	}
@@ -371,8 +373,9 @@ func (r *registryService) Register(ctx context.Context, req *pb.RegisterRequest)
 	if err := r.s.heartbeat(req.Node, res.Epoch); err != nil {
 		return nil, err
 	}
-	r.s.log.Info("store node registered", "node", req.Node, "epoch", res.Epoch, "endpoint", req.Endpoint, "segments", res.SegmentIDs)
-	return &pb.RegisterResponse{Epoch: res.Epoch, SegmentIds: res.SegmentIDs}, nil
+	r.s.log.Info("store node registered", "node", req.Node, "epoch", res.Epoch, "endpoint", req.Endpoint,
+		"segments", res.SegmentIDs, "adopted", res.Adopted, "offered", len(req.Adopt))
+	return &pb.RegisterResponse{Epoch: res.Epoch, SegmentIds: res.SegmentIDs, Adopted: uint32(res.Adopted)}, nil
 }
 
 func (r *registryService) Heartbeat(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
@@ -396,4 +399,15 @@ func clientHost(ctx context.Context) string {
 		return ""
 	}
 	return host
+}
+
+func (r *registryService) SegmentObjects(ctx context.Context, req *pb.SegmentObjectsRequest) (*pb.SegmentObjectsResponse, error) {
+	if err := r.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	if e, ok := r.s.fsm.liveNodes()[req.Node]; !ok || e != req.Epoch {
+		return nil, fmt.Errorf("%w: %s@%d", ErrUnknownNode, req.Node, req.Epoch)
+	}
+	id := SegmentID(req.Node, req.Segment, req.Epoch)
+	return &pb.SegmentObjectsResponse{Objects: r.s.fsm.segmentObjects(id, req.Segment)}, nil
 }

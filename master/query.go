@@ -196,3 +196,23 @@ func (f *FSM) infos(keys []string) []*pb.ObjectInfo {
 	}
 	return out
 }
+
+// segmentObjects lists the complete objects with a replica on segment id,
+// in key order, as the node sees them (its segment name).
+func (f *FSM) segmentObjects(id, name string) []*pb.AdoptedObject {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var out []*pb.AdoptedObject
+	for _, k := range sortedKeys(f.objects) {
+		o := f.objects[k]
+		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+			continue
+		}
+		for _, r := range o.replicas {
+			if r.Segment == id {
+				out = append(out, &pb.AdoptedObject{Key: k, Segment: name, Offset: r.Offset, Size: o.size, Checksum: o.checksum})
+			}
+		}
+	}
+	return out
+}

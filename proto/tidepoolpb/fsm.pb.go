@@ -615,6 +615,7 @@ type RegisterCmd struct {
 	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
 	Endpoint      string                 `protobuf:"bytes,2,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
 	Segments      []*SegmentSpec         `protobuf:"bytes,3,rep,name=segments,proto3" json:"segments,omitempty"`
+	Adopt         []*AdoptedObject       `protobuf:"bytes,4,rep,name=adopt,proto3" json:"adopt,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -666,6 +667,13 @@ func (x *RegisterCmd) GetEndpoint() string {
 func (x *RegisterCmd) GetSegments() []*SegmentSpec {
 	if x != nil {
 		return x.Segments
+	}
+	return nil
+}
+
+func (x *RegisterCmd) GetAdopt() []*AdoptedObject {
+	if x != nil {
+		return x.Adopt
 	}
 	return nil
 }
@@ -1193,11 +1201,12 @@ const file_fsm_proto_rawDesc = "" +
 	"\aput_ids\x18\x03 \x03(\x04R\x06putIds\"P\n" +
 	"\tRemoveCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
-	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"s\n" +
+	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"\xa5\x01\n" +
 	"\vRegisterCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
-	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\"7\n" +
+	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x120\n" +
+	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\"7\n" +
 	"\vNodeDownCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\"5\n" +
@@ -1250,23 +1259,24 @@ func file_fsm_proto_rawDescGZIP() []byte {
 
 var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_fsm_proto_goTypes = []any{
-	(*Command)(nil),      // 0: tidepool.v1.Command
-	(*PinCmd)(nil),       // 1: tidepool.v1.PinCmd
-	(*EvictCmd)(nil),     // 2: tidepool.v1.EvictCmd
-	(*PutStartItem)(nil), // 3: tidepool.v1.PutStartItem
-	(*PutStartCmd)(nil),  // 4: tidepool.v1.PutStartCmd
-	(*KeysCmd)(nil),      // 5: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),    // 6: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),  // 7: tidepool.v1.RegisterCmd
-	(*NodeDownCmd)(nil),  // 8: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),    // 9: tidepool.v1.MemberCmd
-	(*Extent)(nil),       // 10: tidepool.v1.Extent
-	(*Object)(nil),       // 11: tidepool.v1.Object
-	(*Node)(nil),         // 12: tidepool.v1.Node
-	(*PendingFree)(nil),  // 13: tidepool.v1.PendingFree
-	(*Snapshot)(nil),     // 14: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),  // 15: tidepool.v1.SegmentSpec
-	(ObjectState)(0),     // 16: tidepool.v1.ObjectState
+	(*Command)(nil),       // 0: tidepool.v1.Command
+	(*PinCmd)(nil),        // 1: tidepool.v1.PinCmd
+	(*EvictCmd)(nil),      // 2: tidepool.v1.EvictCmd
+	(*PutStartItem)(nil),  // 3: tidepool.v1.PutStartItem
+	(*PutStartCmd)(nil),   // 4: tidepool.v1.PutStartCmd
+	(*KeysCmd)(nil),       // 5: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),     // 6: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),   // 7: tidepool.v1.RegisterCmd
+	(*NodeDownCmd)(nil),   // 8: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),     // 9: tidepool.v1.MemberCmd
+	(*Extent)(nil),        // 10: tidepool.v1.Extent
+	(*Object)(nil),        // 11: tidepool.v1.Object
+	(*Node)(nil),          // 12: tidepool.v1.Node
+	(*PendingFree)(nil),   // 13: tidepool.v1.PendingFree
+	(*Snapshot)(nil),      // 14: tidepool.v1.Snapshot
+	(*SegmentSpec)(nil),   // 15: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil), // 16: tidepool.v1.AdoptedObject
+	(ObjectState)(0),      // 17: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
 	4,  // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
@@ -1280,19 +1290,20 @@ var file_fsm_proto_depIdxs = []int32{
 	2,  // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
 	3,  // 9: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
 	15, // 10: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	16, // 11: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	10, // 12: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	15, // 13: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	10, // 14: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	11, // 15: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	12, // 16: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	9,  // 17: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	13, // 18: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	19, // [19:19] is the sub-list for method output_type
-	19, // [19:19] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	16, // 11: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	17, // 12: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	10, // 13: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	15, // 14: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	10, // 15: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	11, // 16: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	12, // 17: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	9,  // 18: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	13, // 19: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	20, // [20:20] is the sub-list for method output_type
+	20, // [20:20] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }

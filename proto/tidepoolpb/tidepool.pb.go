@@ -1368,18 +1368,100 @@ func (x *SegmentSpec) GetCapacity() uint64 {
 	return 0
 }
 
+// AdoptedObject is a complete object a store still holds in one of its
+// segments (an SSD tier survives a restart).
+type AdoptedObject struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// The segment's name on the node (SegmentSpec.name), not its id.
+	Segment       string `protobuf:"bytes,2,opt,name=segment,proto3" json:"segment,omitempty"`
+	Offset        uint64 `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
+	Size          uint64 `protobuf:"varint,4,opt,name=size,proto3" json:"size,omitempty"`
+	Checksum      uint32 `protobuf:"varint,5,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdoptedObject) Reset() {
+	*x = AdoptedObject{}
+	mi := &file_tidepool_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdoptedObject) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdoptedObject) ProtoMessage() {}
+
+func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
+func (*AdoptedObject) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *AdoptedObject) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *AdoptedObject) GetSegment() string {
+	if x != nil {
+		return x.Segment
+	}
+	return ""
+}
+
+func (x *AdoptedObject) GetOffset() uint64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *AdoptedObject) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *AdoptedObject) GetChecksum() uint32 {
+	if x != nil {
+		return x.Checksum
+	}
+	return 0
+}
+
 type RegisterRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
-	Endpoint      string                 `protobuf:"bytes,2,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
-	Segments      []*SegmentSpec         `protobuf:"bytes,3,rep,name=segments,proto3" json:"segments,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Node     string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Endpoint string                 `protobuf:"bytes,2,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
+	Segments []*SegmentSpec         `protobuf:"bytes,3,rep,name=segments,proto3" json:"segments,omitempty"`
+	// Objects the node kept across its restart, to be re-adopted in the new
+	// epoch's segments instead of lost.
+	Adopt         []*AdoptedObject `protobuf:"bytes,4,rep,name=adopt,proto3" json:"adopt,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1391,7 +1473,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1404,7 +1486,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -1428,19 +1510,28 @@ func (x *RegisterRequest) GetSegments() []*SegmentSpec {
 	return nil
 }
 
+func (x *RegisterRequest) GetAdopt() []*AdoptedObject {
+	if x != nil {
+		return x.Adopt
+	}
+	return nil
+}
+
 type RegisterResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The node's new epoch. Segment names on the wire are "node/name@epoch",
 	// so descriptors handed out before a restart are fenced.
-	Epoch         uint64   `protobuf:"varint,1,opt,name=epoch,proto3" json:"epoch,omitempty"`
-	SegmentIds    []string `protobuf:"bytes,2,rep,name=segment_ids,json=segmentIds,proto3" json:"segment_ids,omitempty"`
+	Epoch      uint64   `protobuf:"varint,1,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	SegmentIds []string `protobuf:"bytes,2,rep,name=segment_ids,json=segmentIds,proto3" json:"segment_ids,omitempty"`
+	// How many of the offered objects were re-adopted.
+	Adopted       uint32 `protobuf:"varint,3,opt,name=adopted,proto3" json:"adopted,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1452,7 +1543,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1465,7 +1556,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -1482,6 +1573,118 @@ func (x *RegisterResponse) GetSegmentIds() []string {
 	return nil
 }
 
+func (x *RegisterResponse) GetAdopted() uint32 {
+	if x != nil {
+		return x.Adopted
+	}
+	return 0
+}
+
+type SegmentObjectsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Epoch uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	// The segment's name on the node.
+	Segment       string `protobuf:"bytes,3,opt,name=segment,proto3" json:"segment,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SegmentObjectsRequest) Reset() {
+	*x = SegmentObjectsRequest{}
+	mi := &file_tidepool_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SegmentObjectsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SegmentObjectsRequest) ProtoMessage() {}
+
+func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
+func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *SegmentObjectsRequest) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *SegmentObjectsRequest) GetEpoch() uint64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *SegmentObjectsRequest) GetSegment() string {
+	if x != nil {
+		return x.Segment
+	}
+	return ""
+}
+
+type SegmentObjectsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Objects       []*AdoptedObject       `protobuf:"bytes,1,rep,name=objects,proto3" json:"objects,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SegmentObjectsResponse) Reset() {
+	*x = SegmentObjectsResponse{}
+	mi := &file_tidepool_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SegmentObjectsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SegmentObjectsResponse) ProtoMessage() {}
+
+func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
+func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
+	if x != nil {
+		return x.Objects
+	}
+	return nil
+}
+
 type HeartbeatRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
@@ -1492,7 +1695,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1504,7 +1707,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1517,7 +1720,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -1542,7 +1745,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1554,7 +1757,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1567,7 +1770,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 type PinRequest struct {
@@ -1583,7 +1786,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1595,7 +1798,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1608,7 +1811,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -1652,7 +1855,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1664,7 +1867,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1677,7 +1880,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -1738,7 +1941,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1750,7 +1953,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1763,7 +1966,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -1882,15 +2085,29 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vSegmentSpec\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12%\n" +
 	"\x04tier\x18\x02 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x1a\n" +
-	"\bcapacity\x18\x03 \x01(\x04R\bcapacity\"w\n" +
+	"\bcapacity\x18\x03 \x01(\x04R\bcapacity\"\x83\x01\n" +
+	"\rAdoptedObject\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x18\n" +
+	"\asegment\x18\x02 \x01(\tR\asegment\x12\x16\n" +
+	"\x06offset\x18\x03 \x01(\x04R\x06offset\x12\x12\n" +
+	"\x04size\x18\x04 \x01(\x04R\x04size\x12\x1a\n" +
+	"\bchecksum\x18\x05 \x01(\rR\bchecksum\"\xa9\x01\n" +
 	"\x0fRegisterRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
-	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\"I\n" +
+	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x120\n" +
+	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\"c\n" +
 	"\x10RegisterResponse\x12\x14\n" +
 	"\x05epoch\x18\x01 \x01(\x04R\x05epoch\x12\x1f\n" +
 	"\vsegment_ids\x18\x02 \x03(\tR\n" +
-	"segmentIds\"<\n" +
+	"segmentIds\x12\x18\n" +
+	"\aadopted\x18\x03 \x01(\rR\aadopted\"[\n" +
+	"\x15SegmentObjectsRequest\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
+	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12\x18\n" +
+	"\asegment\x18\x03 \x01(\tR\asegment\"N\n" +
+	"\x16SegmentObjectsResponse\x124\n" +
+	"\aobjects\x18\x01 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\aobjects\"<\n" +
 	"\x10HeartbeatRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\"\x13\n" +
@@ -1929,10 +2146,11 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06Exists\x12\x18.tidepool.v1.KeysRequest\x1a\x1b.tidepool.v1.ExistsResponse\x12>\n" +
 	"\x06Remove\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12;\n" +
 	"\x04List\x12\x18.tidepool.v1.ListRequest\x1a\x19.tidepool.v1.ListResponse\x12A\n" +
-	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse2\x9f\x01\n" +
+	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse2\xfa\x01\n" +
 	"\bRegistry\x12G\n" +
 	"\bRegister\x12\x1c.tidepool.v1.RegisterRequest\x1a\x1d.tidepool.v1.RegisterResponse\x12J\n" +
-	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\xc2\x01\n" +
+	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
+	"\x0eSegmentObjects\x12\".tidepool.v1.SegmentObjectsRequest\x1a#.tidepool.v1.SegmentObjectsResponse2\xc2\x01\n" +
 	"\x05Admin\x12:\n" +
 	"\x03Pin\x12\x17.tidepool.v1.PinRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12=\n" +
 	"\x05Unpin\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n" +
@@ -1951,36 +2169,39 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
 var file_tidepool_proto_goTypes = []any{
-	(Tier)(0),                     // 0: tidepool.v1.Tier
-	(ObjectState)(0),              // 1: tidepool.v1.ObjectState
-	(*ItemStatus)(nil),            // 2: tidepool.v1.ItemStatus
-	(*Replica)(nil),               // 3: tidepool.v1.Replica
-	(*PutStartRequest)(nil),       // 4: tidepool.v1.PutStartRequest
-	(*PutStartResult)(nil),        // 5: tidepool.v1.PutStartResult
-	(*BatchPutStartRequest)(nil),  // 6: tidepool.v1.BatchPutStartRequest
-	(*BatchPutStartResponse)(nil), // 7: tidepool.v1.BatchPutStartResponse
-	(*KeysRequest)(nil),           // 8: tidepool.v1.KeysRequest
-	(*ItemsResponse)(nil),         // 9: tidepool.v1.ItemsResponse
-	(*ObjectReplicas)(nil),        // 10: tidepool.v1.ObjectReplicas
-	(*GetReplicasResponse)(nil),   // 11: tidepool.v1.GetReplicasResponse
-	(*ExistsResponse)(nil),        // 12: tidepool.v1.ExistsResponse
-	(*ListRequest)(nil),           // 13: tidepool.v1.ListRequest
-	(*ObjectInfo)(nil),            // 14: tidepool.v1.ObjectInfo
-	(*ListResponse)(nil),          // 15: tidepool.v1.ListResponse
-	(*StatusRequest)(nil),         // 16: tidepool.v1.StatusRequest
-	(*MemberInfo)(nil),            // 17: tidepool.v1.MemberInfo
-	(*SegmentInfo)(nil),           // 18: tidepool.v1.SegmentInfo
-	(*StatusResponse)(nil),        // 19: tidepool.v1.StatusResponse
-	(*SegmentSpec)(nil),           // 20: tidepool.v1.SegmentSpec
-	(*RegisterRequest)(nil),       // 21: tidepool.v1.RegisterRequest
-	(*RegisterResponse)(nil),      // 22: tidepool.v1.RegisterResponse
-	(*HeartbeatRequest)(nil),      // 23: tidepool.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),     // 24: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),            // 25: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),          // 26: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),         // 27: tidepool.v1.EvictResponse
+	(Tier)(0),                      // 0: tidepool.v1.Tier
+	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
+	(*ItemStatus)(nil),             // 2: tidepool.v1.ItemStatus
+	(*Replica)(nil),                // 3: tidepool.v1.Replica
+	(*PutStartRequest)(nil),        // 4: tidepool.v1.PutStartRequest
+	(*PutStartResult)(nil),         // 5: tidepool.v1.PutStartResult
+	(*BatchPutStartRequest)(nil),   // 6: tidepool.v1.BatchPutStartRequest
+	(*BatchPutStartResponse)(nil),  // 7: tidepool.v1.BatchPutStartResponse
+	(*KeysRequest)(nil),            // 8: tidepool.v1.KeysRequest
+	(*ItemsResponse)(nil),          // 9: tidepool.v1.ItemsResponse
+	(*ObjectReplicas)(nil),         // 10: tidepool.v1.ObjectReplicas
+	(*GetReplicasResponse)(nil),    // 11: tidepool.v1.GetReplicasResponse
+	(*ExistsResponse)(nil),         // 12: tidepool.v1.ExistsResponse
+	(*ListRequest)(nil),            // 13: tidepool.v1.ListRequest
+	(*ObjectInfo)(nil),             // 14: tidepool.v1.ObjectInfo
+	(*ListResponse)(nil),           // 15: tidepool.v1.ListResponse
+	(*StatusRequest)(nil),          // 16: tidepool.v1.StatusRequest
+	(*MemberInfo)(nil),             // 17: tidepool.v1.MemberInfo
+	(*SegmentInfo)(nil),            // 18: tidepool.v1.SegmentInfo
+	(*StatusResponse)(nil),         // 19: tidepool.v1.StatusResponse
+	(*SegmentSpec)(nil),            // 20: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 21: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 22: tidepool.v1.RegisterRequest
+	(*RegisterResponse)(nil),       // 23: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 24: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 25: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 26: tidepool.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),      // 27: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 28: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 29: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 30: tidepool.v1.EvictResponse
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -2001,41 +2222,45 @@ var file_tidepool_proto_depIdxs = []int32{
 	18, // 15: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
 	0,  // 16: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
 	20, // 17: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	0,  // 18: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	14, // 19: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 20: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	8,  // 21: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	8,  // 22: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 23: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	8,  // 24: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	8,  // 25: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	8,  // 26: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	13, // 27: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	16, // 28: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	21, // 29: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	23, // 30: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	25, // 31: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	8,  // 32: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	26, // 33: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	5,  // 34: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 35: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 36: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 37: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 38: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 39: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 40: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 41: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	19, // 42: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	22, // 43: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	24, // 44: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	9,  // 45: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	9,  // 46: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	27, // 47: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	34, // [34:48] is the sub-list for method output_type
-	20, // [20:34] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	21, // 18: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	21, // 19: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	0,  // 20: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	14, // 21: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 22: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	8,  // 23: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	8,  // 24: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 25: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	8,  // 26: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	8,  // 27: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	8,  // 28: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	13, // 29: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	16, // 30: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	22, // 31: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	26, // 32: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	24, // 33: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	28, // 34: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	8,  // 35: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	29, // 36: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	5,  // 37: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	9,  // 38: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	9,  // 39: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 40: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	11, // 41: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	12, // 42: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	9,  // 43: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	15, // 44: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	19, // 45: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	23, // 46: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	27, // 47: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	25, // 48: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	9,  // 49: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	9,  // 50: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	30, // 51: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	37, // [37:52] is the sub-list for method output_type
+	22, // [22:37] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -2049,7 +2274,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   26,
+			NumMessages:   29,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -446,8 +446,9 @@ var Master_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Registry_Register_FullMethodName  = "/tidepool.v1.Registry/Register"
-	Registry_Heartbeat_FullMethodName = "/tidepool.v1.Registry/Heartbeat"
+	Registry_Register_FullMethodName       = "/tidepool.v1.Registry/Register"
+	Registry_Heartbeat_FullMethodName      = "/tidepool.v1.Registry/Heartbeat"
+	Registry_SegmentObjects_FullMethodName = "/tidepool.v1.Registry/SegmentObjects"
 )
 
 // RegistryClient is the client API for Registry service.
@@ -459,6 +460,9 @@ const (
 type RegistryClient interface {
 	Register(ctx context.Context, in *RegisterRequest, opts ...grpc.CallOption) (*RegisterResponse, error)
 	Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error)
+	// SegmentObjects lists the complete objects with a replica on one of the
+	// node's segments; a store keeps the index of a persistent tier with it.
+	SegmentObjects(ctx context.Context, in *SegmentObjectsRequest, opts ...grpc.CallOption) (*SegmentObjectsResponse, error)
 }
 
 type registryClient struct {
@@ -489,6 +493,16 @@ func (c *registryClient) Heartbeat(ctx context.Context, in *HeartbeatRequest, op
 	return out, nil
 }
 
+func (c *registryClient) SegmentObjects(ctx context.Context, in *SegmentObjectsRequest, opts ...grpc.CallOption) (*SegmentObjectsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SegmentObjectsResponse)
+	err := c.cc.Invoke(ctx, Registry_SegmentObjects_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RegistryServer is the server API for Registry service.
 // All implementations must embed UnimplementedRegistryServer
 // for forward compatibility.
@@ -498,6 +512,9 @@ func (c *registryClient) Heartbeat(ctx context.Context, in *HeartbeatRequest, op
 type RegistryServer interface {
 	Register(context.Context, *RegisterRequest) (*RegisterResponse, error)
 	Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error)
+	// SegmentObjects lists the complete objects with a replica on one of the
+	// node's segments; a store keeps the index of a persistent tier with it.
+	SegmentObjects(context.Context, *SegmentObjectsRequest) (*SegmentObjectsResponse, error)
 	mustEmbedUnimplementedRegistryServer()
 }
 
@@ -513,6 +530,9 @@ func (UnimplementedRegistryServer) Register(context.Context, *RegisterRequest) (
 }
 func (UnimplementedRegistryServer) Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Heartbeat not implemented")
+}
+func (UnimplementedRegistryServer) SegmentObjects(context.Context, *SegmentObjectsRequest) (*SegmentObjectsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method SegmentObjects not implemented")
 }
 func (UnimplementedRegistryServer) mustEmbedUnimplementedRegistryServer() {}
 func (UnimplementedRegistryServer) testEmbeddedByValue()                  {}
@@ -571,6 +591,24 @@ func _Registry_Heartbeat_Handler(srv interface{}, ctx context.Context, dec func(
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Registry_SegmentObjects_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SegmentObjectsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServer).SegmentObjects(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Registry_SegmentObjects_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServer).SegmentObjects(ctx, req.(*SegmentObjectsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Registry_ServiceDesc is the grpc.ServiceDesc for Registry service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -585,6 +623,10 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Heartbeat",
 			Handler:    _Registry_Heartbeat_Handler,
+		},
+		{
+			MethodName: "SegmentObjects",
+			Handler:    _Registry_SegmentObjects_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
