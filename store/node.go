@@ -35,6 +35,10 @@ type Config struct {
 	// Tiers are mounted by the caller and closed by Node.Close.
 	Tiers             []tiers.Tier
 	HeartbeatInterval time.Duration // default 1 s
+	// IndexSyncInterval is how often the index of a persistent tier (SSD)
+	// is brought in line with the master's view of its objects; default
+	// 5 s. Objects put since the last sync are not re-adopted after a crash.
+	IndexSyncInterval time.Duration
 	Engine            engine.Config // Registerer and Logger are filled in
 	Registerer        prometheus.Registerer
 	Logger            *slog.Logger
@@ -54,6 +58,8 @@ type Node struct {
 		epoch uint64
 		names []string // engine names of the registered segments
 	}
+	indexedObjs *prometheus.GaugeVec // tier: objects in a persistent tier's index; nil without metrics
+
 	registered chan struct{}
 	stop       chan struct{}
 	closeOnce  sync.Once
@@ -72,6 +78,9 @@ func New(cfg Config) (*Node, error) {
 	}
 	if cfg.HeartbeatInterval <= 0 {
 		cfg.HeartbeatInterval = time.Second
+	}
+	if cfg.IndexSyncInterval <= 0 {
+		cfg.IndexSyncInterval = 5 * time.Second
 	}
 	masters, err := leaderconn.Dial(cfg.Masters)
 	if err != nil {
@@ -101,6 +110,15 @@ func New(cfg Config) (*Node, error) {
 	}
 	if n.endpoint == "" {
 		n.endpoint = strings.Join(addrs, ",")
+	}
+	if cfg.Registerer != nil {
+		n.indexedObjs = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "tidepool_store_indexed_objects",
+			Help: "Objects in the index of a persistent tier (SSD), as of the last sync with the master.",
+		}, []string{"tier"})
+		if err := cfg.Registerer.Register(n.indexedObjs); err != nil {
+			n.log.Warn("store metric not registered", "err", err)
+		}
 	}
 	for _, ln := range lns {
 		n.wg.Add(1)
@@ -150,7 +168,14 @@ func (n *Node) run() {
 	}()
 	tick := time.NewTicker(n.cfg.HeartbeatInterval)
 	defer tick.Stop()
+	lastSync := time.Now()
 	for {
+		if n.Epoch() != 0 && time.Since(lastSync) >= n.cfg.IndexSyncInterval {
+			lastSync = time.Now()
+			if err := n.syncIndexes(ctx); err != nil && ctx.Err() == nil {
+				n.log.Warn("sync the index of a persistent tier", "err", err)
+			}
+		}
 		if n.Epoch() == 0 {
 			if err := n.register(ctx); err != nil {
 				if ctx.Err() != nil {
@@ -173,10 +198,28 @@ func (n *Node) run() {
 	}
 }
 
+// indexed is a tier that keeps its objects across a restart and indexes
+// them, so they can be re-adopted (the SSD tier).
+type indexed interface {
+	tiers.Tier
+	Index() *tiers.SSDIndex
+}
+
 func (n *Node) register(ctx context.Context) error {
 	req := &pb.RegisterRequest{Node: n.cfg.ID, Endpoint: n.endpoint}
 	for _, t := range n.cfg.Tiers {
 		req.Segments = append(req.Segments, &pb.SegmentSpec{Name: t.Name(), Tier: tierProto(t.Kind()), Capacity: uint64(t.Capacity())})
+		it, ok := t.(indexed)
+		if !ok {
+			continue
+		}
+		kept, err := it.Index().All()
+		if err != nil {
+			return fmt.Errorf("read the index of tier %s: %w", t.Name(), err)
+		}
+		for _, o := range kept {
+			req.Adopt = append(req.Adopt, &pb.AdoptedObject{Key: o.Key, Segment: t.Name(), Offset: o.Offset, Size: o.Size, Checksum: o.Checksum})
+		}
 	}
 	var resp *pb.RegisterResponse
 	err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
@@ -202,11 +245,43 @@ func (n *Node) register(ctx context.Context) error {
 		n.mu.names = append(n.mu.names, resp.SegmentIds[i])
 	}
 	n.mu.epoch = resp.Epoch
-	n.log.Info("registered with master", "node", n.cfg.ID, "epoch", resp.Epoch, "segments", resp.SegmentIds)
+	n.log.Info("registered with master", "node", n.cfg.ID, "epoch", resp.Epoch, "segments", resp.SegmentIds,
+		"kept", len(req.Adopt), "adopted", resp.Adopted)
 	select {
 	case <-n.registered:
 	default:
 		close(n.registered)
+	}
+	return nil
+}
+
+// syncIndexes makes each persistent tier's index what the master says the
+// tier holds: objects put since the last sync are added, removed ones go.
+func (n *Node) syncIndexes(ctx context.Context) error {
+	epoch := n.Epoch()
+	for _, t := range n.cfg.Tiers {
+		it, ok := t.(indexed)
+		if !ok {
+			continue
+		}
+		var resp *pb.SegmentObjectsResponse
+		err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
+			resp, err = pb.NewRegistryClient(cc).SegmentObjects(ctx, &pb.SegmentObjectsRequest{Node: n.cfg.ID, Epoch: epoch, Segment: t.Name()}, opts...)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		objs := make([]tiers.SSDObject, len(resp.Objects))
+		for i, o := range resp.Objects {
+			objs[i] = tiers.SSDObject{Key: o.Key, Offset: o.Offset, Size: o.Size, Checksum: o.Checksum}
+		}
+		if err := it.Index().Replace(objs); err != nil {
+			return fmt.Errorf("tier %s: %w", t.Name(), err)
+		}
+		if n.indexedObjs != nil {
+			n.indexedObjs.WithLabelValues(t.Name()).Set(float64(len(objs)))
+		}
 	}
 	return nil
 }

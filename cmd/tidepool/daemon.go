@@ -229,6 +229,7 @@ func leaderKnown(srv *master.Server, self string) error {
 type storeFlags struct {
 	id, listen, advertise string
 	tiers                 listFlag
+	indexSync             time.Duration
 }
 
 func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
@@ -236,7 +237,8 @@ func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
 	fs.StringVar(&s.id, "id", host, "node id; stable across restarts of this node")
 	fs.StringVar(&s.listen, "listen", defaultEngine, "transfer engine address, or several separated by commas: one rail each")
 	fs.StringVar(&s.advertise, "advertise", "", "transfer engine address peers dial (default --listen)")
-	fs.Var(&s.tiers, "tier", "a tier to serve, repeatable: dram:SIZE (e.g. dram:8GiB); hbm:SIZE[:DEVICE] (GPU memory of CUDA device DEVICE, default 0); "+
+	fs.DurationVar(&s.indexSync, "index-sync", 5*time.Second, "how often an SSD tier's index of its objects is synced with the master")
+	fs.Var(&s.tiers, "tier", "a tier to serve, repeatable: dram:SIZE (e.g. dram:8GiB); ssd:DIR:SIZE (a preallocated file in DIR whose objects survive a restart); hbm:SIZE[:DEVICE] (GPU memory of CUDA device DEVICE, default 0); "+
 		"hbm-emulated:SIZE (host memory standing in for HBM on hosts without a GPU, shown as emulated) (default "+defaultTier+")")
 }
 
@@ -292,8 +294,21 @@ func mountTiers(specs []string) ([]tiers.Tier, error) {
 			if t, err = tiers.NewHBMEmulated(fmt.Sprintf("hbm%d", counts[tiers.HBM]), size); err != nil {
 				return fail(err)
 			}
+		case "ssd":
+			// ssd:DIR:SIZE; DIR may itself hold colons, SIZE never does.
+			i := strings.LastIndex(rest, ":")
+			if i <= 0 {
+				return fail(fmt.Errorf("%w: --tier %q: want ssd:DIR:SIZE", errUsage, spec))
+			}
+			size, err := tiers.ParseSize(rest[i+1:])
+			if err != nil {
+				return fail(fmt.Errorf("%w: --tier %q: %v", errUsage, spec, err))
+			}
+			if t, err = tiers.NewSSD(fmt.Sprintf("ssd%d", counts[tiers.SSD]), rest[:i], size); err != nil {
+				return fail(err)
+			}
 		default:
-			return fail(fmt.Errorf("%w: --tier %q: unknown tier kind %q (supported: dram, hbm, hbm-emulated)", errUsage, spec, kind))
+			return fail(fmt.Errorf("%w: --tier %q: unknown tier kind %q (supported: dram, ssd, hbm, hbm-emulated)", errUsage, spec, kind))
 		}
 		counts[t.Kind()]++
 		out = append(out, t)
@@ -308,7 +323,7 @@ func startStore(s *storeFlags, masters []string, reg prometheus.Registerer, log 
 	}
 	n, err := store.New(store.Config{
 		ID: s.id, Masters: masters, Listen: s.listen, Advertise: s.advertise,
-		Tiers: ts, Registerer: reg, Logger: log.With("component", "store"),
+		Tiers: ts, IndexSyncInterval: s.indexSync, Registerer: reg, Logger: log.With("component", "store"),
 	})
 	if err != nil {
 		for _, t := range ts {
