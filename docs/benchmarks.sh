@@ -2,12 +2,12 @@
 # Reproduces the tables in docs/benchmarks.md: the loopback limit (iperf3),
 # Redis (redis-benchmark) and `tidepool bench`, all in one run on this host,
 # so the ratios hold even on a noisy machine.
-# Needs Debian's iperf3, redis-server and redis-tools (apt-get install -y ...).
+# Needs Debian's iperf3, redis-server, redis-tools and fio (apt-get install -y ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-3s}
-for cmd in iperf3 redis-server redis-cli redis-benchmark; do
-	command -v "$cmd" >/dev/null || { echo "benchmarks.sh: $cmd not found (apt-get install -y iperf3 redis-server redis-tools)" >&2; exit 1; }
+for cmd in iperf3 redis-server redis-cli redis-benchmark fio; do
+	command -v "$cmd" >/dev/null || { echo "benchmarks.sh: $cmd not found (apt-get install -y iperf3 redis-server redis-tools fio)" >&2; exit 1; }
 done
 PY=/usr/bin/python3
 work=$(mktemp -d)
@@ -48,14 +48,23 @@ for _ in $(seq 100); do "$work/tidepool" status --masters 127.0.0.1:55203 2>/dev
 "$work/tidepool" bench --masters 127.0.0.1:55203 --no-shm --duration "$DURATION" --json >"$work/bench.json"
 "$work/tidepool" bench --masters 127.0.0.1:55203 --ops get --sizes 4MiB --concurrency 1,4 --duration "$DURATION" --json >"$work/shm.json"
 
+echo "SSD tier: fio O_DIRECT sequential read, then tidepool get of 4 MiB values on the SSD tier" >&2
+fio --name=seqread --filename="$work/fio.dat" --size=512M --bs=4M --direct=1 --rw=read --ioengine=psync \
+	--runtime=5 --time_based --output-format=json >"$work/fio.json" 2>/dev/null
+rm -f "$work/fio.dat"
+fio_gbps=$($PY -c 'import json,sys; print("%.3f" % (json.load(open(sys.argv[1]))["jobs"][0]["read"]["bw_bytes"]/1e9))' "$work/fio.json")
+"$work/tidepool" bench --masters 127.0.0.1:55203 --tier ssd --ops get --sizes 4MiB --concurrency 1,4 --duration "$DURATION" --json >"$work/ssd.json"
+
 echo "tidepool bench engine (each run $DURATION)" >&2
 "$work/tidepool" bench engine --duration "$DURATION" --json >"$work/engine.json"
 
-$PY - "$work/bench.json" "$iperf4" "$redis_set" "$redis_get" "$iperf1" "$work/engine.json" "$work/shm.json" <<'PYEOF'
+$PY - "$work/bench.json" "$iperf4" "$redis_set" "$redis_get" "$iperf1" "$work/engine.json" "$work/shm.json" "$work/ssd.json" "$fio_gbps" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 engine = [json.loads(l) for l in open(sys.argv[6]) if l.strip()]
 shm = [json.loads(l) for l in open(sys.argv[7]) if l.strip()]
+ssd = [json.loads(l) for l in open(sys.argv[8]) if l.strip()]
+fio = float(sys.argv[9])
 iperf, rset, rget, iperf1 = float(sys.argv[2]), float(sys.argv[3] or 0), float(sys.argv[4] or 0), float(sys.argv[5])
 def size(n):
     return f"{n>>20} MiB" if n >= 1<<20 else f"{n>>10} KiB"
@@ -75,6 +84,12 @@ print("| op | size | conc | ops | GB/s | p50 ms | p99 ms |")
 print("|---|---|---|---|---|---|---|")
 for r in shm:
     print(f"| {r['op']} | {size(r['size'])} | {r['concurrency']} | {r['ops']} | {r['gbps']:.2f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
+
+print(f"\nThe same cluster, get of values on the SSD tier (same host: pread, O_DIRECT), against fio O_DIRECT sequential 4 MiB reads on the same file system ({fio:.3f} GB/s):\n")
+print("| op | size | conc | ops | GB/s | vs fio | p50 ms | p99 ms |")
+print("|---|---|---|---|---|---|---|---|")
+for r in ssd:
+    print(f"| {r['op']} | {size(r['size'])} | {r['concurrency']} | {r['ops']} | {r['gbps']:.3f} | {r['gbps']/fio:.0%} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
 
 print("\n### Transfer engine (`tidepool bench engine`)\n")
 print("| scenario | mode | GB/s | p50 ms | p99 ms | ops | errors | note |")
