@@ -197,6 +197,11 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		}
 		m.s.fsm.mu.RUnlock()
 	}
+	for _, r := range results {
+		if r.Status.Code != 0 {
+			m.s.metrics.putFailed(codes.Code(r.Status.Code))
+		}
+	}
 	return &pb.BatchPutStartResponse{Results: results}, nil
 }
 

@@ -13,6 +13,7 @@ type metrics struct {
 	requests *prometheus.CounterVec
 	latency  *prometheus.HistogramVec
 	revokes  prometheus.Counter
+	putFails *prometheus.CounterVec
 	evicts   *prometheus.CounterVec
 	evBytes  *prometheus.CounterVec
 	evAge    prometheus.Histogram
@@ -34,6 +35,10 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 			Help: "Puts revoked by the leader because they were neither ended nor revoked in time.",
 		}),
 	}
+	m.putFails = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_master_put_failures_total",
+		Help: "Puts PutStart refused, by reason (the gRPC code: ResourceExhausted is no room, OutOfRange too large, ...).",
+	}, []string{"reason"})
 	m.evicts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tidepool_master_evictions_total",
 		Help: "Objects evicted, by reason (watermark, allocation, admin).",
@@ -47,7 +52,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Help:    "Time since an evicted object was last read or written.",
 		Buckets: prometheus.ExponentialBuckets(1, 4, 10), // 1 s .. 3 days
 	})
-	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.evicts, m.evBytes, m.evAge, stateCollector{s}} {
+	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.evicts, m.evBytes, m.evAge, stateCollector{s}} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -70,6 +75,12 @@ func (m *metrics) evicted(reason string, bytes uint64, age time.Duration) {
 	m.evicts.WithLabelValues(reason).Inc()
 	m.evBytes.WithLabelValues(reason).Add(float64(bytes))
 	m.evAge.Observe(age.Seconds())
+}
+
+func (m *metrics) putFailed(c codes.Code) {
+	if m != nil {
+		m.putFails.WithLabelValues(c.String()).Inc()
+	}
 }
 
 func (m *metrics) revoked(n int) {

@@ -26,7 +26,8 @@ func (f *FSM) replicas(keys []string) []*pb.ObjectReplicas {
 	return out
 }
 
-// describe turns extents into replica descriptors; f.mu must be held.
+// describe turns extents into replica descriptors, fastest tier first
+// (readers try them in order); f.mu must be held.
 func (f *FSM) describe(exts []*pb.Extent) []*pb.Replica {
 	out := make([]*pb.Replica, 0, len(exts))
 	for _, e := range exts {
@@ -36,7 +37,20 @@ func (f *FSM) describe(exts []*pb.Extent) []*pb.Replica {
 		}
 		out = append(out, &pb.Replica{Segment: e.Segment, Node: s.node, Endpoint: s.endpoint, Offset: e.Offset, Length: e.Length, Tier: s.tier})
 	}
+	slices.SortStableFunc(out, func(a, b *pb.Replica) int { return cmp.Compare(readRank(a.Tier), readRank(b.Tier)) })
 	return out
+}
+
+// readRank orders tiers by how fast a host reader gets their bytes: DRAM
+// (a memcpy or one socket copy), HBM (staged through host memory), SSD.
+func readRank(t pb.Tier) int {
+	switch t {
+	case pb.Tier_TIER_DRAM:
+		return 0
+	case pb.Tier_TIER_HBM:
+		return 1
+	}
+	return 2
 }
 
 func (f *FSM) exists(keys []string) []bool {

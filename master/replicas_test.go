@@ -98,3 +98,28 @@ func TestPlacementStrategies(t *testing.T) {
 		t.Fatalf("first choices %v", firsts)
 	}
 }
+
+// TestReplicasFastestFirst: readers get DRAM replicas before HBM and SSD.
+func TestReplicasFastestFirst(t *testing.T) {
+	d := newDriver(t)
+	segSSD := d.register(1, "a", "a:1", ssd("s", 1<<20)).SegmentIDs[0]
+	segHBM := d.register(1, "b", "b:1", &pb.SegmentSpec{Name: "h", Tier: pb.Tier_TIER_HBM, Capacity: 1 << 20}).SegmentIDs[0]
+	segDRAM := d.register(1, "c", "c:1", dram("d", 1<<20)).SegmentIDs[0]
+	out := d.apply(2, &pb.Command{Op: &pb.Command_PutStart{PutStart: &pb.PutStartCmd{Items: []*pb.PutStartItem{{
+		Key: "k", Size: 10, Candidates: []string{segSSD, segHBM, segDRAM}, DeadlineUnixNano: 100, Replicas: 3,
+	}}}}})
+	if r := out.([]PutStartResult)[0]; r.Err != nil || len(r.Replicas) != 3 {
+		t.Fatalf("put start: %+v", r)
+	}
+	if err := d.putEnd(3, "k"); err != nil {
+		t.Fatal(err)
+	}
+	var tiers []pb.Tier
+	for _, r := range d.f.replicas([]string{"k"})[0].Replicas {
+		tiers = append(tiers, r.Tier)
+	}
+	want := []pb.Tier{pb.Tier_TIER_DRAM, pb.Tier_TIER_HBM, pb.Tier_TIER_SSD}
+	if len(tiers) != 3 || tiers[0] != want[0] || tiers[1] != want[1] || tiers[2] != want[2] {
+		t.Fatalf("replica tiers %v, want %v", tiers, want)
+	}
+}
