@@ -416,3 +416,14 @@ func (r *registryService) SegmentObjects(ctx context.Context, req *pb.SegmentObj
 	id := SegmentID(req.Node, req.Segment, req.Epoch)
 	return &pb.SegmentObjectsResponse{Objects: r.s.fsm.segmentObjects(id, req.Segment)}, nil
 }
+
+func (r *registryService) Leave(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {
+	if _, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: req.Node, Epoch: req.Epoch}}}); err != nil {
+		return nil, err
+	}
+	r.s.mu.Lock()
+	delete(r.s.mu.lastSeen, req.Node)
+	r.s.mu.Unlock()
+	r.s.log.Info("store node left the pool", "node", req.Node, "epoch", req.Epoch)
+	return &pb.HeartbeatResponse{}, nil
+}

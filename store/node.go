@@ -305,10 +305,35 @@ func (n *Node) heartbeat(ctx context.Context) error {
 	})
 }
 
+// leave brings the indexes of persistent tiers up to date and takes the
+// node out of the pool, best effort: if the master cannot be reached, it
+// declares the node dead after its TTL instead.
+func (n *Node) leave() {
+	epoch := n.Epoch()
+	if epoch == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := n.syncIndexes(ctx); err != nil {
+		n.log.Warn("sync indexes before leaving", "err", err)
+	}
+	err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error {
+		_, err := pb.NewRegistryClient(cc).Leave(ctx, &pb.HeartbeatRequest{Node: n.cfg.ID, Epoch: epoch}, opts...)
+		return err
+	})
+	if err != nil {
+		n.log.Warn("leave the pool; the master will notice after its node TTL", "err", err)
+		return
+	}
+	n.log.Info("left the pool", "node", n.cfg.ID, "epoch", epoch)
+}
+
 // Close stops heartbeats and transfers, then closes the tiers.
 // It is safe to call more than once.
 func (n *Node) Close() error {
 	n.closeOnce.Do(func() {
+		n.leave()
 		close(n.stop)
 		errs := []error{n.eng.Close()}
 		n.wg.Wait()

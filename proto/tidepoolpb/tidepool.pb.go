@@ -2146,11 +2146,12 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06Exists\x12\x18.tidepool.v1.KeysRequest\x1a\x1b.tidepool.v1.ExistsResponse\x12>\n" +
 	"\x06Remove\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12;\n" +
 	"\x04List\x12\x18.tidepool.v1.ListRequest\x1a\x19.tidepool.v1.ListResponse\x12A\n" +
-	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse2\xfa\x01\n" +
+	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse2\xc2\x02\n" +
 	"\bRegistry\x12G\n" +
 	"\bRegister\x12\x1c.tidepool.v1.RegisterRequest\x1a\x1d.tidepool.v1.RegisterResponse\x12J\n" +
 	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
-	"\x0eSegmentObjects\x12\".tidepool.v1.SegmentObjectsRequest\x1a#.tidepool.v1.SegmentObjectsResponse2\xc2\x01\n" +
+	"\x0eSegmentObjects\x12\".tidepool.v1.SegmentObjectsRequest\x1a#.tidepool.v1.SegmentObjectsResponse\x12F\n" +
+	"\x05Leave\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\xc2\x01\n" +
 	"\x05Admin\x12:\n" +
 	"\x03Pin\x12\x17.tidepool.v1.PinRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12=\n" +
 	"\x05Unpin\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n" +
@@ -2238,26 +2239,28 @@ var file_tidepool_proto_depIdxs = []int32{
 	22, // 31: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
 	26, // 32: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
 	24, // 33: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	28, // 34: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	8,  // 35: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	29, // 36: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	5,  // 37: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 38: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 39: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 40: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 41: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 42: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 43: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 44: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	19, // 45: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	23, // 46: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	27, // 47: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	25, // 48: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	9,  // 49: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	9,  // 50: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	30, // 51: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	37, // [37:52] is the sub-list for method output_type
-	22, // [22:37] is the sub-list for method input_type
+	26, // 34: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	28, // 35: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	8,  // 36: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	29, // 37: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	5,  // 38: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	9,  // 39: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	9,  // 40: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 41: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	11, // 42: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	12, // 43: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	9,  // 44: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	15, // 45: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	19, // 46: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	23, // 47: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	27, // 48: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	25, // 49: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	27, // 50: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	9,  // 51: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	9,  // 52: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	30, // 53: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	38, // [38:54] is the sub-list for method output_type
+	22, // [22:38] is the sub-list for method input_type
 	22, // [22:22] is the sub-list for extension type_name
 	22, // [22:22] is the sub-list for extension extendee
 	0,  // [0:22] is the sub-list for field type_name

@@ -449,6 +449,7 @@ const (
 	Registry_Register_FullMethodName       = "/tidepool.v1.Registry/Register"
 	Registry_Heartbeat_FullMethodName      = "/tidepool.v1.Registry/Heartbeat"
 	Registry_SegmentObjects_FullMethodName = "/tidepool.v1.Registry/SegmentObjects"
+	Registry_Leave_FullMethodName          = "/tidepool.v1.Registry/Leave"
 )
 
 // RegistryClient is the client API for Registry service.
@@ -463,6 +464,10 @@ type RegistryClient interface {
 	// SegmentObjects lists the complete objects with a replica on one of the
 	// node's segments; a store keeps the index of a persistent tier with it.
 	SegmentObjects(ctx context.Context, in *SegmentObjectsRequest, opts ...grpc.CallOption) (*SegmentObjectsResponse, error)
+	// Leave takes a node out of the pool at once, as its death would after
+	// the node TTL: a store that stops cleanly says so, and placement stops
+	// choosing it.
+	Leave(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error)
 }
 
 type registryClient struct {
@@ -503,6 +508,16 @@ func (c *registryClient) SegmentObjects(ctx context.Context, in *SegmentObjectsR
 	return out, nil
 }
 
+func (c *registryClient) Leave(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(HeartbeatResponse)
+	err := c.cc.Invoke(ctx, Registry_Leave_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RegistryServer is the server API for Registry service.
 // All implementations must embed UnimplementedRegistryServer
 // for forward compatibility.
@@ -515,6 +530,10 @@ type RegistryServer interface {
 	// SegmentObjects lists the complete objects with a replica on one of the
 	// node's segments; a store keeps the index of a persistent tier with it.
 	SegmentObjects(context.Context, *SegmentObjectsRequest) (*SegmentObjectsResponse, error)
+	// Leave takes a node out of the pool at once, as its death would after
+	// the node TTL: a store that stops cleanly says so, and placement stops
+	// choosing it.
+	Leave(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error)
 	mustEmbedUnimplementedRegistryServer()
 }
 
@@ -533,6 +552,9 @@ func (UnimplementedRegistryServer) Heartbeat(context.Context, *HeartbeatRequest)
 }
 func (UnimplementedRegistryServer) SegmentObjects(context.Context, *SegmentObjectsRequest) (*SegmentObjectsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method SegmentObjects not implemented")
+}
+func (UnimplementedRegistryServer) Leave(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Leave not implemented")
 }
 func (UnimplementedRegistryServer) mustEmbedUnimplementedRegistryServer() {}
 func (UnimplementedRegistryServer) testEmbeddedByValue()                  {}
@@ -609,6 +631,24 @@ func _Registry_SegmentObjects_Handler(srv interface{}, ctx context.Context, dec 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Registry_Leave_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(HeartbeatRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServer).Leave(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Registry_Leave_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServer).Leave(ctx, req.(*HeartbeatRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Registry_ServiceDesc is the grpc.ServiceDesc for Registry service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -627,6 +667,10 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SegmentObjects",
 			Handler:    _Registry_SegmentObjects_Handler,
+		},
+		{
+			MethodName: "Leave",
+			Handler:    _Registry_Leave_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
