@@ -317,7 +317,7 @@ func TestCLIErrors(t *testing.T) {
 
 	closed := freeAddr(t)
 
-	u := startUp(t, ctx, filepath.Join(dir, "data"), "--dram", "64MiB")
+	u := startUp(t, ctx, filepath.Join(dir, "data"), "--dram", "64MiB", "--ssd", "0")
 	ms := []string{"--masters", u.grpc}
 	file := func(name string, data []byte) string {
 		p := filepath.Join(dir, name)
