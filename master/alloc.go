@@ -75,6 +75,9 @@ func (a *allocator) release(off, n uint64) {
 
 // reserve marks a known range as used; restore rebuilds allocators with it.
 func (a *allocator) reserve(off, n uint64) error {
+	if n > a.capacity || off > a.capacity-n {
+		return fmt.Errorf("range [%d, +%d) is outside the segment", off, n)
+	}
 	n = a.rounded(n)
 	i := sort.Search(len(a.free), func(i int) bool { return a.free[i].off+a.free[i].len > off })
 	if i == len(a.free) || a.free[i].off > off || off+n > a.free[i].off+a.free[i].len {

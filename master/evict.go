@@ -48,15 +48,27 @@ func (s *Server) lastUse(o evictable) time.Time {
 	return time.Unix(0, o.created)
 }
 
-// byRecency sorts objects least recently used first, ties by key.
-func (s *Server) byRecency(objs []evictable) {
+// byRecency sorts objects least recently used first, ties by key, and
+// reports which are read-leased at now; it takes the lock once.
+func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]bool) {
 	uses := make(map[string]time.Time, len(objs))
+	leased = map[string]bool{}
+	s.mu.Lock()
 	for _, o := range objs {
-		uses[o.key] = s.lastUse(o)
+		t, ok := s.mu.access[o.key]
+		if !ok {
+			t = time.Unix(0, o.created)
+		}
+		uses[o.key] = t
+		if exp, ok := s.mu.leases[o.key]; ok && exp.After(now) {
+			leased[o.key] = true
+		}
 	}
+	s.mu.Unlock()
 	slices.SortStableFunc(objs, func(a, b evictable) int {
 		return cmp.Or(uses[a.key].Compare(uses[b.key]), cmp.Compare(a.key, b.key))
 	})
+	return leased
 }
 
 // forget drops an evicted object's recency.
@@ -66,29 +78,22 @@ func (s *Server) forget(key string) {
 	s.mu.Unlock()
 }
 
-func (s *Server) leased(key string, now time.Time) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	exp, ok := s.mu.leases[key]
-	return ok && exp.After(now)
-}
-
 // pickVictims chooses, least recently used first, objects worth at least
 // need bytes, skipping leased and hard-pinned ones; soft-pinned ones join in
 // a second pass only if the first fell short. allowSoft reports whether the
 // second pass was needed.
 func (s *Server) pickVictims(objs []evictable, need uint64, now time.Time) (victims []evictable, allowSoft bool) {
-	s.byRecency(objs)
+	leased := s.byRecency(objs, now)
 	pass := func(soft bool) (out []evictable, freed uint64) {
 		for _, o := range objs {
 			if freed >= need {
 				break
 			}
-			if o.hard || s.leased(o.key, now) || (o.softPin > now.UnixNano() && !soft) {
+			if o.hard || leased[o.key] || (o.softPin > now.UnixNano() && !soft) {
 				continue
 			}
 			out = append(out, o)
-			freed += o.size
+			freed += o.freed
 		}
 		return out, freed
 	}
@@ -273,7 +278,7 @@ func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []ev
 		segTier[v.id] = v.tier
 	}
 	cutoff := now.Add(-time.Duration(req.OlderThanMs) * time.Millisecond)
-	s.byRecency(objs)
+	s.byRecency(objs, now)
 	for _, o := range objs {
 		if req.OlderThanMs > 0 && s.lastUse(o).After(cutoff) {
 			continue

@@ -380,7 +380,10 @@ func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 	id := SegmentID(n.id, a.Segment, n.epoch)
 	s := f.segments[id]
-	if s == nil || a.Key == "" || a.Size == 0 {
+	// Only a persistent tier keeps bytes across a restart, and only an
+	// aligned range inside the segment can be taken back.
+	if s == nil || s.tier != pb.Tier_TIER_SSD || a.Key == "" || len(a.Key) > MaxKeyLen || a.Size == 0 ||
+		a.Offset%s.alloc.align != 0 || a.Size > s.alloc.capacity || a.Offset > s.alloc.capacity-a.Size {
 		return false
 	}
 	o := f.objects[a.Key]

@@ -178,12 +178,12 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		if err != nil {
 			return nil, err
 		}
-		out, err = m.retryAfterEviction(ctx, cmd, tiers, host, out.([]PutStartResult))
+		started, err := m.retryAfterEviction(ctx, cmd, tiers, host, out.([]PutStartResult))
 		if err != nil {
 			return nil, err
 		}
 		m.s.fsm.mu.RLock()
-		for j, r := range out.([]PutStartResult) {
+		for j, r := range started {
 			reps := m.s.fsm.describe(r.Replicas)
 			if r.Err == nil && len(reps) < len(r.Replicas) {
 				// A segment went away between the apply and now; the put
@@ -209,27 +209,21 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 // them again: a put under memory pressure evicts instead of failing.
 // The room made for one put may be taken by another (of this batch, or of
 // a concurrent request) before its retry applies, so it tries a few times.
-func (m *masterService) retryAfterEviction(ctx context.Context, cmd *pb.PutStartCmd, tiers []pb.Tier, host string, res []PutStartResult) (any, error) {
-	for range maxRoomAttempts {
-		retry := &pb.PutStartCmd{}
-		var at []int
-		for i, r := range res {
-			if errors.Is(r.Err, ErrNoSpace) && m.s.makeRoom(ctx, cmd.Items[i].Size, tiers[i], host) {
-				it := cmd.Items[i]
-				it.Candidates = m.s.candidates(it.Size, tiers[i], host)
-				retry.Items = append(retry.Items, it)
-				at = append(at, i)
+func (m *masterService) retryAfterEviction(ctx context.Context, cmd *pb.PutStartCmd, tiers []pb.Tier, host string, res []PutStartResult) ([]PutStartResult, error) {
+	// One put at a time: the room made for a put is taken by it before the
+	// next one looks, or every put of a batch would see the same free range.
+	for i := range res {
+		for attempt := 0; attempt < maxRoomAttempts && errors.Is(res[i].Err, ErrNoSpace); attempt++ {
+			it := cmd.Items[i]
+			if !m.s.makeRoom(ctx, it.Size, tiers[i], host) {
+				break
 			}
-		}
-		if len(at) == 0 {
-			return res, nil
-		}
-		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: retry}})
-		if err != nil {
-			return nil, err
-		}
-		for j, r := range out.([]PutStartResult) {
-			res[at[j]] = r
+			it.Candidates = m.s.candidates(it.Size, tiers[i], host)
+			out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: &pb.PutStartCmd{Items: []*pb.PutStartItem{it}}}})
+			if err != nil {
+				return nil, err
+			}
+			res[i] = out.([]PutStartResult)[0]
 		}
 	}
 	return res, nil
@@ -301,8 +295,13 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
+	refused := m.s.lease(req.Keys)
 	res := m.s.fsm.replicas(req.Keys)
-	m.s.lease(req.Keys, res)
+	for i, k := range req.Keys {
+		if refused[k] {
+			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
+		}
+	}
 	return &pb.GetReplicasResponse{Results: res, LeaseTtlMs: uint64(m.s.cfg.LeaseTTL.Milliseconds())}, nil
 }
 

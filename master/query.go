@@ -173,6 +173,7 @@ func (f *FSM) info(o *object) *pb.ObjectInfo {
 type evictable struct {
 	key      string
 	size     uint64
+	freed    uint64 // allocated bytes its replicas hold (sizes rounded up per segment)
 	created  int64
 	hard     bool
 	softPin  int64
@@ -180,10 +181,10 @@ type evictable struct {
 }
 
 // completeObjects lists the complete objects that match, in key order.
+// It sorts after releasing the lock, so Apply waits only for the scan.
 func (f *FSM) completeObjects(match func(key string) bool) []evictable {
-	f.mu.RLock()
-	defer f.mu.RUnlock()
 	var out []evictable
+	f.mu.RLock()
 	for k, o := range f.objects {
 		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || !match(k) {
 			continue
@@ -191,9 +192,13 @@ func (f *FSM) completeObjects(match func(key string) bool) []evictable {
 		e := evictable{key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin}
 		for _, r := range o.replicas {
 			e.segments = append(e.segments, r.Segment)
+			if s := f.segments[r.Segment]; s != nil {
+				e.freed = max(e.freed, s.alloc.rounded(o.size))
+			}
 		}
 		out = append(out, e)
 	}
+	f.mu.RUnlock()
 	slices.SortFunc(out, func(a, b evictable) int { return cmp.Compare(a.key, b.key) })
 	return out
 }

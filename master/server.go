@@ -442,24 +442,28 @@ func countNil(errs []error) int {
 	return n
 }
 
-// lease grants read leases on the found keys of res, in place; a key whose
-// Remove is in flight is answered as not found instead, since that Remove
-// may already have computed when its space is free.
-func (s *Server) lease(keys []string, res []*pb.ObjectReplicas) {
+// lease grants read leases on keys before their replicas are read, and
+// reports the keys it refused because a Remove or eviction of them is in
+// flight: such a key is answered as not found. Leasing first closes the
+// window in which a removal could finish between reading the replicas and
+// leasing them: a removal that finished earlier shows in the read, one that
+// starts later sees the lease.
+func (s *Server) lease(keys []string) (refused map[string]bool) {
 	exp := s.cfg.Now().Add(s.cfg.LeaseTTL)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for i, k := range keys {
-		if res[i].Status.Code != 0 {
-			continue
-		}
+	for _, k := range keys {
 		if s.mu.removing[k] > 0 {
-			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
+			if refused == nil {
+				refused = map[string]bool{}
+			}
+			refused[k] = true
 			continue
 		}
 		s.mu.leases[k] = exp
 		s.mu.access[k] = exp.Add(-s.cfg.LeaseTTL)
 	}
+	return refused
 }
 
 // startRemove marks keys as being removed and returns when their space may
