@@ -22,9 +22,9 @@ func (a *adminService) Pin(ctx context.Context, req *pb.PinRequest) (*pb.ItemsRe
 	if !req.Hard {
 		ttl := time.Duration(req.TtlMs) * time.Millisecond
 		switch {
-		case ttl == 0:
+		case req.TtlMs == 0:
 			ttl = DefaultSoftPinTTL
-		case ttl > MaxSoftPinTTL:
+		case req.TtlMs > uint64(MaxSoftPinTTL/time.Millisecond):
 			return nil, fmt.Errorf("%w: soft pin of %v exceeds the %v limit (pin hard instead)", ErrInvalidRequest, ttl, MaxSoftPinTTL)
 		}
 		cmd.SoftUntilUnixNano = a.s.cfg.Now().Add(ttl).UnixNano()

@@ -257,6 +257,9 @@ func (s *Server) segmentView(id string) (segmentView, bool) {
 // age filters evict every match, soft pins included (an operator asked),
 // but never hard-pinned objects; a watermark evicts as the sweep does.
 func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []evictable, allowSoft bool, skipped int, err error) {
+	if req.OlderThanMs > uint64(100*365*24*time.Hour/time.Millisecond) {
+		return nil, false, 0, fmt.Errorf("%w: an age of %d ms is out of range", ErrInvalidRequest, req.OlderThanMs)
+	}
 	if req.Key == "" && req.Prefix == "" && req.OlderThanMs == 0 && req.ToWatermark == 0 {
 		return nil, false, 0, fmt.Errorf("%w: evict needs a key, a prefix, an age or a watermark", ErrInvalidRequest)
 	}

@@ -256,10 +256,17 @@ func itemsResponse(errs []error) *pb.ItemsResponse {
 
 func (m *masterService) PutEnd(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
 	resp, err := m.keysCmd(ctx, req, func(c *pb.KeysCmd) *pb.Command { return &pb.Command{Op: &pb.Command_PutEnd{PutEnd: c}} })
-	if err == nil {
-		m.s.touch(req.Keys, m.s.cfg.Now())
+	if err != nil {
+		return nil, err
 	}
-	return resp, err
+	var ended []string
+	for i, r := range resp.Results {
+		if r.Code == 0 {
+			ended = append(ended, req.Keys[i])
+		}
+	}
+	m.s.touch(ended, m.s.cfg.Now())
+	return resp, nil
 }
 
 func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {

@@ -62,6 +62,7 @@ type Node struct {
 
 	registered chan struct{}
 	stop       chan struct{}
+	runDone    chan struct{} // closed when run has returned
 	closeOnce  sync.Once
 	closeErr   error
 	wg         sync.WaitGroup
@@ -107,6 +108,7 @@ func New(cfg Config) (*Node, error) {
 		endpoint:   cfg.Advertise,
 		registered: make(chan struct{}),
 		stop:       make(chan struct{}),
+		runDone:    make(chan struct{}),
 	}
 	if n.endpoint == "" {
 		n.endpoint = strings.Join(addrs, ",")
@@ -155,6 +157,7 @@ func (n *Node) Epoch() uint64 {
 // forgotten this node's epoch.
 func (n *Node) run() {
 	defer n.wg.Done()
+	defer close(n.runDone)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	n.wg.Add(1)
@@ -172,9 +175,12 @@ func (n *Node) run() {
 	for {
 		if n.Epoch() != 0 && time.Since(lastSync) >= n.cfg.IndexSyncInterval {
 			lastSync = time.Now()
-			if err := n.syncIndexes(ctx); err != nil && ctx.Err() == nil {
+			// Bounded, so a slow master cannot hold heartbeats past the TTL.
+			sctx, scancel := context.WithTimeout(ctx, 2*n.cfg.HeartbeatInterval)
+			if err := n.syncIndexes(sctx); err != nil && ctx.Err() == nil {
 				n.log.Warn("sync the index of a persistent tier", "err", err)
 			}
+			scancel()
 		}
 		if n.Epoch() == 0 {
 			if err := n.register(ctx); err != nil {
@@ -215,7 +221,10 @@ func (n *Node) register(ctx context.Context) error {
 		}
 		kept, err := it.Index().All()
 		if err != nil {
-			return fmt.Errorf("read the index of tier %s: %w", t.Name(), err)
+			// Rejoining matters more than what the index held: the tier
+			// starts empty in the pool and the next sync rewrites the index.
+			n.log.Error("unreadable index; the tier's objects are not re-adopted", "tier", t.Name(), "err", err)
+			continue
 		}
 		for _, o := range kept {
 			req.Adopt = append(req.Adopt, &pb.AdoptedObject{Key: o.Key, Segment: t.Name(), Offset: o.Offset, Size: o.Size, Checksum: o.Checksum})
@@ -333,8 +342,9 @@ func (n *Node) leave() {
 // It is safe to call more than once.
 func (n *Node) Close() error {
 	n.closeOnce.Do(func() {
-		n.leave()
 		close(n.stop)
+		<-n.runDone // no sync of its own races the final one
+		n.leave()
 		errs := []error{n.eng.Close()}
 		n.wg.Wait()
 		errs = append(errs, n.masters.Close())

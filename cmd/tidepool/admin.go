@@ -124,6 +124,9 @@ func runAdminPin(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer done()
+	if ttl <= 0 {
+		return fmt.Errorf("%w: --ttl must be positive", errUsage)
+	}
 	return call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) error {
 		resp, err := a.Pin(ctx, &pb.PinRequest{Key: pos[0], Hard: hard, TtlMs: uint64(ttl.Milliseconds())}, o...)
 		return firstItemErr(resp, err)
@@ -174,6 +177,9 @@ is at most F full, as the master's own eviction does. --dry-run lists what would
 		return err
 	}
 	defer done()
+	if olderThan < 0 {
+		return fmt.Errorf("%w: --older-than must not be negative", errUsage)
+	}
 	req.OlderThanMs = uint64(olderThan.Milliseconds())
 	if tier != "" {
 		t, ok := pb.Tier_value["TIER_"+strings.ToUpper(tier)]
