@@ -281,6 +281,12 @@ func (n *Node) syncIndexes(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
+		// The index must never name bytes the disk could still lose.
+		if s, ok := t.(interface{ Sync() error }); ok {
+			if err := s.Sync(); err != nil {
+				return fmt.Errorf("tier %s: sync data before indexing it: %w", t.Name(), err)
+			}
+		}
 		objs := make([]tiers.SSDObject, len(resp.Objects))
 		for i, o := range resp.Objects {
 			objs[i] = tiers.SSDObject{Key: o.Key, Offset: o.Offset, Size: o.Size, Checksum: o.Checksum}

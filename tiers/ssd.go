@@ -49,6 +49,10 @@ type SSDTier struct {
 
 	// Accesses served through each path, for tests and status.
 	nDirect, nBuffered atomic.Int64
+	// directRefused is set once O_DIRECT answered EINVAL: the disk wants
+	// more alignment than ssdAlign, so every later access goes buffered
+	// instead of paying for a refused attempt first.
+	directRefused atomic.Bool
 }
 
 var (
@@ -255,12 +259,15 @@ func (t *SSDTier) access(write bool, p []byte, off int64) (int, error) {
 		return 0, nil
 	}
 	var err error
-	direct := t.mu.direct >= 0 && ssdAligned(p, off)
+	direct := t.mu.direct >= 0 && !t.directRefused.Load() && ssdAligned(p, off)
 	if direct {
 		err = fileIO(write, t.mu.direct, p, off)
-		// EINVAL: the disk wants more alignment than ssdAlign. The access is
-		// idempotent, so it is safe to do it again through the page cache.
-		direct = !errors.Is(err, unix.EINVAL)
+		// EINVAL: the access is idempotent, so it is safe to do it again
+		// through the page cache.
+		if errors.Is(err, unix.EINVAL) {
+			direct = false
+			t.directRefused.Store(true)
+		}
 	}
 	if !direct {
 		err = fileIO(write, t.mu.fd, p, off)

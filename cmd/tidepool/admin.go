@@ -170,7 +170,7 @@ is at most F full, as the master's own eviction does. --dry-run lists what would
 			fs.StringVar(&req.Prefix, "prefix", "", "evict keys with this prefix")
 			fs.DurationVar(&olderThan, "older-than", 0, "evict objects not read or written for this long")
 			fs.Float64Var(&req.ToWatermark, "to-watermark", 0, "evict until segments are at most this fraction full")
-			fs.StringVar(&tier, "tier", "", "only segments of this tier: hbm, dram or ssd")
+			fs.StringVar(&tier, "tier", "", "only objects with a replica in this tier (hbm, dram or ssd); an evicted object loses every replica")
 			fs.BoolVar(&req.DryRun, "dry-run", false, "list what would be evicted; change nothing")
 		})
 	if err != nil {
