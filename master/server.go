@@ -45,7 +45,8 @@ type Config struct {
 	// Peers are the voters a new cluster starts with; empty means this node
 	// alone. Every peer must be given the same list.
 	Peers []raft.Server
-	// Transport overrides raft's TCP transport (tests use raft's in-memory one).
+	// Transport overrides raft's TCP transport (tests use raft's in-memory
+	// one). Close closes it if it is an io.Closer.
 	Transport raft.Transport
 
 	LeaseTTL   time.Duration // read lease of GetReplicas; default 10 s

@@ -50,7 +50,7 @@ func runAdminRails(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := (&http.Client{}).Do(req) // ctx bounds it
 	if err != nil {
 		return fmt.Errorf("ask %s for its rails: %w", *addr, err)
 	}
