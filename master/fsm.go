@@ -273,11 +273,7 @@ func (f *FSM) remove(key string, freeAfter, now int64) error {
 	case o.state != pb.ObjectState_OBJECT_STATE_COMPLETE:
 		return fmt.Errorf("%w: %q", ErrPutInProgress, key)
 	}
-	if freeAfter > now {
-		f.retire(o, freeAfter)
-	} else {
-		f.drop(o)
-	}
+	f.retireAfter(o, freeAfter, now)
 	return nil
 }
 
@@ -309,12 +305,18 @@ func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) erro
 	case o.softPin > now && !allowSoft:
 		return fmt.Errorf("%w: %q is soft pinned", ErrPinned, key)
 	}
+	f.retireAfter(o, freeAfter, now)
+	return nil
+}
+
+// retireAfter deletes an object whose space is free from freeAfter on, at
+// once if that has passed.
+func (f *FSM) retireAfter(o *object, freeAfter, now int64) {
 	if freeAfter > now {
 		f.retire(o, freeAfter)
 	} else {
 		f.drop(o)
 	}
-	return nil
 }
 
 // drop deletes an object and frees its space at once.

@@ -145,22 +145,16 @@ func (t *HBMTier) String() string {
 // ReadAt copies the tier's bytes at off into p: device to host. It never
 // returns a short read: a range that does not fit fails with ErrOutOfRange.
 func (t *HBMTier) ReadAt(p []byte, off int64) (int, error) {
-	if err := t.inRange(len(p), off); err != nil {
-		return 0, err
-	}
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	if t.mu.mem == nil {
-		return 0, fmt.Errorf("hbm tier %q: %w", t.name, engine.ErrClosed)
-	}
-	if err := t.mu.mem.read(p, off); err != nil {
-		return 0, fmt.Errorf("hbm tier %q: read %d bytes at %d: %w", t.name, len(p), off, err)
-	}
-	return len(p), nil
+	return t.access("read", p, off, func(m hbmMemory) error { return m.read(p, off) })
 }
 
 // WriteAt copies p into the tier at off: host to device.
 func (t *HBMTier) WriteAt(p []byte, off int64) (int, error) {
+	return t.access("write", p, off, func(m hbmMemory) error { return m.write(off, p) })
+}
+
+// access runs one copy while Close is held off.
+func (t *HBMTier) access(what string, p []byte, off int64, copyFn func(hbmMemory) error) (int, error) {
 	if err := t.inRange(len(p), off); err != nil {
 		return 0, err
 	}
@@ -169,8 +163,8 @@ func (t *HBMTier) WriteAt(p []byte, off int64) (int, error) {
 	if t.mu.mem == nil {
 		return 0, fmt.Errorf("hbm tier %q: %w", t.name, engine.ErrClosed)
 	}
-	if err := t.mu.mem.write(off, p); err != nil {
-		return 0, fmt.Errorf("hbm tier %q: write %d bytes at %d: %w", t.name, len(p), off, err)
+	if err := copyFn(t.mu.mem); err != nil {
+		return 0, fmt.Errorf("hbm tier %q: %s %d bytes at %d: %w", t.name, what, len(p), off, err)
 	}
 	return len(p), nil
 }
