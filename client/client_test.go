@@ -582,15 +582,47 @@ func TestChecksum(t *testing.T) {
 	pos := rep.Offset + rep.Length/2
 	mem[pos] ^= 0x01
 
-	if v, err := cl.Get(ctx, "k"); !errors.Is(err, client.ErrChecksum) || v != nil {
-		t.Fatalf("Get of a corrupted value = %d bytes, %v; want ErrChecksum", len(v), err)
-	}
 	if n, err := cl.GetInto(ctx, "k", make([]byte, len(want))); !errors.Is(err, client.ErrChecksum) || n != 0 {
 		t.Fatalf("GetInto of a corrupted value = %d, %v; want ErrChecksum", n, err)
 	}
-	mem[pos] ^= 0x01
+	// The reader reported the replica; it was the only one, so the key is
+	// gone and an engine recomputes instead of failing on every get.
+	if v, err := cl.Get(ctx, "k"); !errors.Is(err, client.ErrNotFound) || v != nil {
+		t.Fatalf("Get after the corrupt replica was reported = %d bytes, %v; want ErrNotFound", len(v), err)
+	}
+}
+
+// TestChecksumRepair: with two replicas, a get that finds one corrupt
+// returns the other's bytes, and the corrupt replica is dropped.
+func TestChecksumRepair(t *testing.T) {
+	c := newCluster(t, clusterOpts{stores: []storeSpec{{id: "s0"}, {id: "s1"}}})
+	cl, err := client.New(client.Config{Masters: []string{c.addr}, Replicas: 2, EngineConfig: engine.Config{NoShm: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cl.Close() })
+	ctx := testCtx(t)
+	want := value(6, 64<<10)
+	if err := cl.Put(ctx, "k", want); err != nil {
+		t.Fatal(err)
+	}
+	infos, err := cl.List(ctx, "k")
+	if err != nil || len(infos) != 1 || len(infos[0].Replicas) != 2 {
+		t.Fatalf("List = %v, %v; want two replicas", infos, err)
+	}
+	// Corrupt the replica a get reads first.
+	first := infos[0].Replicas[0]
+	for _, s := range c.stores {
+		if s.spec.id == first.Node {
+			s.tier.Bytes()[first.Offset+7] ^= 0xff
+		}
+	}
 	if got, err := cl.Get(ctx, "k"); err != nil || !bytes.Equal(got, want) {
-		t.Fatalf("Get after repair: %d bytes, %v", len(got), err)
+		t.Fatalf("Get with one corrupt replica: %d bytes, %v", len(got), err)
+	}
+	infos, err = cl.List(ctx, "k")
+	if err != nil || len(infos) != 1 || len(infos[0].Replicas) != 1 || infos[0].Replicas[0].Node == first.Node {
+		t.Fatalf("after the repair List = %v, %v; want the good replica only", infos, err)
 	}
 }
 

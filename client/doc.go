@@ -7,7 +7,8 @@
 // PutEnd publishes; any failure in between revokes the put, so a value is
 // either complete and visible or absent. Get verifies the CRC-32C of every
 // value and discards a read that finished after its lease expired, so it
-// never returns bytes that the pool may have reused.
+// never returns bytes that the pool may have reused. A replica that fails
+// the checksum is reported to the master, which drops it.
 //
 // Errors wrap the sentinels below; test them with errors.Is.
 package client

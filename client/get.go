@@ -2,6 +2,7 @@ package client
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -121,11 +122,13 @@ func (c *Client) batchRead(ctx context.Context, keys []string, buffer func(i int
 	}
 	for _, r := range reads {
 		err := c.check(r.task.Err(), r.obj, vals[r.i], leaseEnd)
+		c.reportCorrupt(err, keys[r.i], r.obj, r.obj.Replicas[0])
 		for _, rep := range r.obj.Replicas[1:] {
 			if err == nil {
 				break
 			}
 			err = c.check(c.readOne(ctx, vals[r.i], rep, leaseEnd), r.obj, vals[r.i], leaseEnd)
+			c.reportCorrupt(err, keys[r.i], r.obj, rep)
 		}
 		if err != nil {
 			vals[r.i], errs[r.i] = nil, fmt.Errorf("get %q: %w", keys[r.i], err)
@@ -158,6 +161,24 @@ func (c *Client) check(err error, obj *pb.ObjectReplicas, got []byte, leaseEnd t
 		return fmt.Errorf("%w: want %08x, got %08x", ErrChecksum, obj.Checksum, Checksum(got))
 	}
 	return nil
+}
+
+// reportCorrupt tells the master about a replica whose bytes failed the
+// checksum, so it drops it: the next get reads a good replica, or finds the
+// key absent and the engine recomputes, instead of failing forever.
+func (c *Client) reportCorrupt(err error, key string, obj *pb.ObjectReplicas, rep *pb.Replica) {
+	if !errors.Is(err, ErrChecksum) {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	report := &pb.CorruptReplica{Key: key, Segment: rep.Segment, Checksum: obj.Checksum}
+	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) error {
+		_, err := m.ReportCorrupt(ctx, report, o...)
+		return err
+	}); err != nil {
+		c.log.Warn("report a corrupt replica", "key", key, "segment", rep.Segment, "err", err)
+	}
 }
 
 func target(r *pb.Replica) engine.Target {

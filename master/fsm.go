@@ -142,6 +142,8 @@ func (f *FSM) Apply(l *raft.Log) any {
 		return nil
 	case *pb.Command_Pin:
 		return []error{f.pin(op.Pin)}
+	case *pb.Command_DropReplica:
+		return f.dropReplica(op.DropReplica, now)
 	case *pb.Command_Evict:
 		c := op.Evict
 		return f.eachKey(c.Keys, func(k string) error { return f.evict(k, c.FreeAfterUnixNano, c.AllowSoftPinned, now) })
@@ -307,6 +309,34 @@ func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) erro
 	}
 	f.retireAfter(o, freeAfter, now)
 	return nil
+}
+
+// dropReplica removes a replica a reader found corrupt; an object left
+// without a replica is forgotten. It reports whether it dropped one.
+func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
+	o := f.objects[c.Key]
+	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || o.checksum != c.Checksum {
+		return false
+	}
+	i := slices.IndexFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == c.Segment })
+	if i < 0 {
+		return false
+	}
+	if len(o.replicas) == 1 {
+		f.retireAfter(o, c.FreeAfterUnixNano, now)
+		return true
+	}
+	r := o.replicas[i]
+	o.replicas = slices.Delete(slices.Clone(o.replicas), i, i+1)
+	if s := f.segments[r.Segment]; s != nil {
+		s.objects--
+		if c.FreeAfterUnixNano > now {
+			f.pending = append(f.pending, &pb.PendingFree{Extent: r, AfterUnixNano: c.FreeAfterUnixNano})
+		} else {
+			s.alloc.release(r.Offset, r.Length)
+		}
+	}
+	return true
 }
 
 // retireAfter deletes an object whose space is free from freeAfter on, at

@@ -433,3 +433,28 @@ func (r *registryService) Leave(ctx context.Context, req *pb.HeartbeatRequest) (
 	r.s.log.Info("store node left the pool", "node", req.Node, "epoch", req.Epoch)
 	return &pb.HeartbeatResponse{}, nil
 }
+
+// ReportCorrupt drops the replica a reader found corrupt. Its space is
+// reused only after the leases on the key end, like a removal's.
+func (m *masterService) ReportCorrupt(ctx context.Context, req *pb.CorruptReplica) (*pb.CorruptReplicaResponse, error) {
+	if err := validKey(req.Key); err != nil {
+		return nil, err
+	}
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	freeAfter, done := m.s.startRemove([]string{req.Key})
+	defer done()
+	out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_DropReplica{DropReplica: &pb.DropReplicaCmd{
+		Key: req.Key, Segment: req.Segment, Checksum: req.Checksum, FreeAfterUnixNano: freeAfter.UnixNano(),
+	}}})
+	if err != nil {
+		return nil, err
+	}
+	dropped := out.(bool)
+	if dropped {
+		m.s.log.Warn("dropped a corrupt replica", "key", req.Key, "segment", req.Segment)
+		m.s.metrics.corrupt()
+	}
+	return &pb.CorruptReplicaResponse{Dropped: dropped}, nil
+}

@@ -14,6 +14,7 @@ type metrics struct {
 	latency  *prometheus.HistogramVec
 	revokes  prometheus.Counter
 	putFails *prometheus.CounterVec
+	corrupts prometheus.Counter
 	evicts   *prometheus.CounterVec
 	evBytes  *prometheus.CounterVec
 	evAge    prometheus.Histogram
@@ -39,6 +40,10 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Name: "tidepool_master_put_failures_total",
 		Help: "Puts PutStart refused, by reason (the gRPC code: ResourceExhausted is no room, OutOfRange too large, ...).",
 	}, []string{"reason"})
+	m.corrupts = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "tidepool_master_corrupt_replicas_total",
+		Help: "Replicas dropped because a reader found their bytes did not match the checksum.",
+	})
 	m.evicts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tidepool_master_evictions_total",
 		Help: "Objects evicted, by reason (watermark, allocation, admin).",
@@ -52,7 +57,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Help:    "Time since an evicted object was last read or written.",
 		Buckets: prometheus.ExponentialBuckets(1, 4, 10), // 1 s .. 3 days
 	})
-	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.evicts, m.evBytes, m.evAge, stateCollector{s}} {
+	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, stateCollector{s}} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -75,6 +80,12 @@ func (m *metrics) evicted(reason string, bytes uint64, age time.Duration) {
 	m.evicts.WithLabelValues(reason).Inc()
 	m.evBytes.WithLabelValues(reason).Add(float64(bytes))
 	m.evAge.Observe(age.Seconds())
+}
+
+func (m *metrics) corrupt() {
+	if m != nil {
+		m.corrupts.Inc()
+	}
 }
 
 func (m *metrics) putFailed(c codes.Code) {

@@ -123,3 +123,38 @@ func TestReplicasFastestFirst(t *testing.T) {
 		t.Fatalf("replica tiers %v, want %v", tiers, want)
 	}
 }
+
+// TestFSMDropReplica: a replica reported corrupt goes, only for the version
+// the reader checked; the last one takes the object with it.
+func TestFSMDropReplica(t *testing.T) {
+	d := newDriver(t)
+	a := d.register(1, "a", "a:1", dram("m", 1<<20)).SegmentIDs[0]
+	b := d.register(1, "b", "b:1", dram("m", 1<<20)).SegmentIDs[0]
+	out := d.apply(2, &pb.Command{Op: &pb.Command_PutStart{PutStart: &pb.PutStartCmd{Items: []*pb.PutStartItem{{
+		Key: "k", Size: 10, Checksum: 10, Candidates: []string{a, b}, DeadlineUnixNano: 100, Replicas: 2,
+	}}}}})
+	if r := out.([]PutStartResult)[0]; r.Err != nil || len(r.Replicas) != 2 {
+		t.Fatalf("put start: %+v", r)
+	}
+	if err := d.putEnd(3, "k"); err != nil {
+		t.Fatal(err)
+	}
+	drop := func(now int64, seg string, sum uint32) bool {
+		return d.apply(now, &pb.Command{Op: &pb.Command_DropReplica{DropReplica: &pb.DropReplicaCmd{Key: "k", Segment: seg, Checksum: sum}}}).(bool)
+	}
+	if drop(4, a, 99) {
+		t.Fatal("a report about another version dropped a replica")
+	}
+	if drop(4, "nosuch", 10) {
+		t.Fatal("a report about an unknown segment dropped a replica")
+	}
+	if !drop(5, a, 10) || len(d.f.replicas([]string{"k"})[0].Replicas) != 1 {
+		t.Fatal("the corrupt replica was not dropped")
+	}
+	if v := d.segment(a); v.used != 0 || v.objects != 0 {
+		t.Fatalf("segment a after the drop: %+v", v)
+	}
+	if !drop(6, b, 10) || d.f.exists([]string{"k"})[0] {
+		t.Fatal("dropping the last replica must forget the object")
+	}
+}

@@ -41,6 +41,7 @@ type Command struct {
 	//	*Command_Member
 	//	*Command_Pin
 	//	*Command_Evict
+	//	*Command_DropReplica
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -171,6 +172,15 @@ func (x *Command) GetEvict() *EvictCmd {
 	return nil
 }
 
+func (x *Command) GetDropReplica() *DropReplicaCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_DropReplica); ok {
+			return x.DropReplica
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -211,6 +221,10 @@ type Command_Evict struct {
 	Evict *EvictCmd `protobuf:"bytes,10,opt,name=evict,proto3,oneof"`
 }
 
+type Command_DropReplica struct {
+	DropReplica *DropReplicaCmd `protobuf:"bytes,11,opt,name=drop_replica,json=dropReplica,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -229,6 +243,78 @@ func (*Command_Pin) isCommand_Op() {}
 
 func (*Command_Evict) isCommand_Op() {}
 
+func (*Command_DropReplica) isCommand_Op() {}
+
+// DropReplicaCmd drops one replica found corrupt; its space is reused after
+// free_after.
+type DropReplicaCmd struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	Key               string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Segment           string                 `protobuf:"bytes,2,opt,name=segment,proto3" json:"segment,omitempty"`
+	Checksum          uint32                 `protobuf:"varint,3,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	FreeAfterUnixNano int64                  `protobuf:"varint,4,opt,name=free_after_unix_nano,json=freeAfterUnixNano,proto3" json:"free_after_unix_nano,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *DropReplicaCmd) Reset() {
+	*x = DropReplicaCmd{}
+	mi := &file_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DropReplicaCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DropReplicaCmd) ProtoMessage() {}
+
+func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DropReplicaCmd.ProtoReflect.Descriptor instead.
+func (*DropReplicaCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *DropReplicaCmd) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *DropReplicaCmd) GetSegment() string {
+	if x != nil {
+		return x.Segment
+	}
+	return ""
+}
+
+func (x *DropReplicaCmd) GetChecksum() uint32 {
+	if x != nil {
+		return x.Checksum
+	}
+	return 0
+}
+
+func (x *DropReplicaCmd) GetFreeAfterUnixNano() int64 {
+	if x != nil {
+		return x.FreeAfterUnixNano
+	}
+	return 0
+}
+
 type PinCmd struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	Key               string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
@@ -242,7 +328,7 @@ type PinCmd struct {
 
 func (x *PinCmd) Reset() {
 	*x = PinCmd{}
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -254,7 +340,7 @@ func (x *PinCmd) String() string {
 func (*PinCmd) ProtoMessage() {}
 
 func (x *PinCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -267,7 +353,7 @@ func (x *PinCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCmd.ProtoReflect.Descriptor instead.
 func (*PinCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{1}
+	return file_fsm_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *PinCmd) GetKey() string {
@@ -312,7 +398,7 @@ type EvictCmd struct {
 
 func (x *EvictCmd) Reset() {
 	*x = EvictCmd{}
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -324,7 +410,7 @@ func (x *EvictCmd) String() string {
 func (*EvictCmd) ProtoMessage() {}
 
 func (x *EvictCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -337,7 +423,7 @@ func (x *EvictCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictCmd.ProtoReflect.Descriptor instead.
 func (*EvictCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{2}
+	return file_fsm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *EvictCmd) GetKeys() []string {
@@ -378,7 +464,7 @@ type PutStartItem struct {
 
 func (x *PutStartItem) Reset() {
 	*x = PutStartItem{}
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -390,7 +476,7 @@ func (x *PutStartItem) String() string {
 func (*PutStartItem) ProtoMessage() {}
 
 func (x *PutStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -403,7 +489,7 @@ func (x *PutStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartItem.ProtoReflect.Descriptor instead.
 func (*PutStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{3}
+	return file_fsm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *PutStartItem) GetKey() string {
@@ -457,7 +543,7 @@ type PutStartCmd struct {
 
 func (x *PutStartCmd) Reset() {
 	*x = PutStartCmd{}
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -469,7 +555,7 @@ func (x *PutStartCmd) String() string {
 func (*PutStartCmd) ProtoMessage() {}
 
 func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -482,7 +568,7 @@ func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartCmd.ProtoReflect.Descriptor instead.
 func (*PutStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{4}
+	return file_fsm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *PutStartCmd) GetItems() []*PutStartItem {
@@ -507,7 +593,7 @@ type KeysCmd struct {
 
 func (x *KeysCmd) Reset() {
 	*x = KeysCmd{}
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -519,7 +605,7 @@ func (x *KeysCmd) String() string {
 func (*KeysCmd) ProtoMessage() {}
 
 func (x *KeysCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -532,7 +618,7 @@ func (x *KeysCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysCmd.ProtoReflect.Descriptor instead.
 func (*KeysCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{5}
+	return file_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *KeysCmd) GetKeys() []string {
@@ -568,7 +654,7 @@ type RemoveCmd struct {
 
 func (x *RemoveCmd) Reset() {
 	*x = RemoveCmd{}
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -580,7 +666,7 @@ func (x *RemoveCmd) String() string {
 func (*RemoveCmd) ProtoMessage() {}
 
 func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -593,7 +679,7 @@ func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveCmd.ProtoReflect.Descriptor instead.
 func (*RemoveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{6}
+	return file_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *RemoveCmd) GetKeys() []string {
@@ -622,7 +708,7 @@ type RegisterCmd struct {
 
 func (x *RegisterCmd) Reset() {
 	*x = RegisterCmd{}
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -634,7 +720,7 @@ func (x *RegisterCmd) String() string {
 func (*RegisterCmd) ProtoMessage() {}
 
 func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -647,7 +733,7 @@ func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterCmd.ProtoReflect.Descriptor instead.
 func (*RegisterCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{7}
+	return file_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *RegisterCmd) GetNode() string {
@@ -688,7 +774,7 @@ type NodeDownCmd struct {
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -700,7 +786,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -713,7 +799,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{8}
+	return file_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -740,7 +826,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -752,7 +838,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -765,7 +851,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{9}
+	return file_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -793,7 +879,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -805,7 +891,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -818,7 +904,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{10}
+	return file_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Extent) GetSegment() string {
@@ -861,7 +947,7 @@ type Object struct {
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -873,7 +959,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -886,7 +972,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{11}
+	return file_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Object) GetKey() string {
@@ -973,7 +1059,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -985,7 +1071,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -998,7 +1084,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{12}
+	return file_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Node) GetId() string {
@@ -1046,7 +1132,7 @@ type PendingFree struct {
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1058,7 +1144,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1071,7 +1157,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{13}
+	return file_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -1100,7 +1186,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1112,7 +1198,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1125,7 +1211,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{14}
+	return file_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -1160,7 +1246,7 @@ var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\x81\x04\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xc3\x04\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -1173,8 +1259,14 @@ const file_fsm_proto_rawDesc = "" +
 	"\x06member\x18\b \x01(\v2\x16.tidepool.v1.MemberCmdH\x00R\x06member\x12'\n" +
 	"\x03pin\x18\t \x01(\v2\x13.tidepool.v1.PinCmdH\x00R\x03pin\x12-\n" +
 	"\x05evict\x18\n" +
-	" \x01(\v2\x15.tidepool.v1.EvictCmdH\x00R\x05evictB\x04\n" +
-	"\x02op\"u\n" +
+	" \x01(\v2\x15.tidepool.v1.EvictCmdH\x00R\x05evict\x12@\n" +
+	"\fdrop_replica\x18\v \x01(\v2\x1b.tidepool.v1.DropReplicaCmdH\x00R\vdropReplicaB\x04\n" +
+	"\x02op\"\x89\x01\n" +
+	"\x0eDropReplicaCmd\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x18\n" +
+	"\asegment\x18\x02 \x01(\tR\asegment\x12\x1a\n" +
+	"\bchecksum\x18\x03 \x01(\rR\bchecksum\x12/\n" +
+	"\x14free_after_unix_nano\x18\x04 \x01(\x03R\x11freeAfterUnixNano\"u\n" +
 	"\x06PinCmd\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04hard\x18\x02 \x01(\bR\x04hard\x12/\n" +
@@ -1257,53 +1349,55 @@ func file_fsm_proto_rawDescGZIP() []byte {
 	return file_fsm_proto_rawDescData
 }
 
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_fsm_proto_goTypes = []any{
-	(*Command)(nil),       // 0: tidepool.v1.Command
-	(*PinCmd)(nil),        // 1: tidepool.v1.PinCmd
-	(*EvictCmd)(nil),      // 2: tidepool.v1.EvictCmd
-	(*PutStartItem)(nil),  // 3: tidepool.v1.PutStartItem
-	(*PutStartCmd)(nil),   // 4: tidepool.v1.PutStartCmd
-	(*KeysCmd)(nil),       // 5: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),     // 6: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),   // 7: tidepool.v1.RegisterCmd
-	(*NodeDownCmd)(nil),   // 8: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),     // 9: tidepool.v1.MemberCmd
-	(*Extent)(nil),        // 10: tidepool.v1.Extent
-	(*Object)(nil),        // 11: tidepool.v1.Object
-	(*Node)(nil),          // 12: tidepool.v1.Node
-	(*PendingFree)(nil),   // 13: tidepool.v1.PendingFree
-	(*Snapshot)(nil),      // 14: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),   // 15: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil), // 16: tidepool.v1.AdoptedObject
-	(ObjectState)(0),      // 17: tidepool.v1.ObjectState
+	(*Command)(nil),        // 0: tidepool.v1.Command
+	(*DropReplicaCmd)(nil), // 1: tidepool.v1.DropReplicaCmd
+	(*PinCmd)(nil),         // 2: tidepool.v1.PinCmd
+	(*EvictCmd)(nil),       // 3: tidepool.v1.EvictCmd
+	(*PutStartItem)(nil),   // 4: tidepool.v1.PutStartItem
+	(*PutStartCmd)(nil),    // 5: tidepool.v1.PutStartCmd
+	(*KeysCmd)(nil),        // 6: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),      // 7: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),    // 8: tidepool.v1.RegisterCmd
+	(*NodeDownCmd)(nil),    // 9: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),      // 10: tidepool.v1.MemberCmd
+	(*Extent)(nil),         // 11: tidepool.v1.Extent
+	(*Object)(nil),         // 12: tidepool.v1.Object
+	(*Node)(nil),           // 13: tidepool.v1.Node
+	(*PendingFree)(nil),    // 14: tidepool.v1.PendingFree
+	(*Snapshot)(nil),       // 15: tidepool.v1.Snapshot
+	(*SegmentSpec)(nil),    // 16: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),  // 17: tidepool.v1.AdoptedObject
+	(ObjectState)(0),       // 18: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
-	4,  // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
-	5,  // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
-	5,  // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
-	6,  // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
-	7,  // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	8,  // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	9,  // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
-	1,  // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
-	2,  // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
-	3,  // 9: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	15, // 10: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	16, // 11: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	17, // 12: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	10, // 13: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	15, // 14: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	10, // 15: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	11, // 16: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	12, // 17: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	9,  // 18: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	13, // 19: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	20, // [20:20] is the sub-list for method output_type
-	20, // [20:20] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	5,  // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
+	6,  // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
+	6,  // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
+	7,  // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
+	8,  // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
+	9,  // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	10, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	2,  // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
+	3,  // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
+	1,  // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
+	4,  // 10: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	16, // 11: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	17, // 12: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	18, // 13: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	11, // 14: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	16, // 15: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	11, // 16: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	12, // 17: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	13, // 18: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	10, // 19: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	14, // 20: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	21, // [21:21] is the sub-list for method output_type
+	21, // [21:21] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -1322,6 +1416,7 @@ func file_fsm_proto_init() {
 		(*Command_Member)(nil),
 		(*Command_Pin)(nil),
 		(*Command_Evict)(nil),
+		(*Command_DropReplica)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1329,7 +1424,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -1001,6 +1001,114 @@ func (x *ListResponse) GetTruncated() bool {
 	return false
 }
 
+// A replica whose bytes did not match the object's checksum on a read.
+type CorruptReplica struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Key     string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Segment string                 `protobuf:"bytes,2,opt,name=segment,proto3" json:"segment,omitempty"`
+	// The checksum the reader checked against: the report is about that
+	// version of the object only.
+	Checksum      uint32 `protobuf:"varint,3,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CorruptReplica) Reset() {
+	*x = CorruptReplica{}
+	mi := &file_tidepool_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CorruptReplica) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CorruptReplica) ProtoMessage() {}
+
+func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CorruptReplica.ProtoReflect.Descriptor instead.
+func (*CorruptReplica) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *CorruptReplica) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *CorruptReplica) GetSegment() string {
+	if x != nil {
+		return x.Segment
+	}
+	return ""
+}
+
+func (x *CorruptReplica) GetChecksum() uint32 {
+	if x != nil {
+		return x.Checksum
+	}
+	return 0
+}
+
+type CorruptReplicaResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The replica was dropped (false: the object or replica had changed).
+	Dropped       bool `protobuf:"varint,1,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CorruptReplicaResponse) Reset() {
+	*x = CorruptReplicaResponse{}
+	mi := &file_tidepool_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CorruptReplicaResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CorruptReplicaResponse) ProtoMessage() {}
+
+func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CorruptReplicaResponse.ProtoReflect.Descriptor instead.
+func (*CorruptReplicaResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *CorruptReplicaResponse) GetDropped() bool {
+	if x != nil {
+		return x.Dropped
+	}
+	return false
+}
+
 type StatusRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1009,7 +1117,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1021,7 +1129,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1034,7 +1142,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{14}
+	return file_tidepool_proto_rawDescGZIP(), []int{16}
 }
 
 type MemberInfo struct {
@@ -1048,7 +1156,7 @@ type MemberInfo struct {
 
 func (x *MemberInfo) Reset() {
 	*x = MemberInfo{}
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1060,7 +1168,7 @@ func (x *MemberInfo) String() string {
 func (*MemberInfo) ProtoMessage() {}
 
 func (x *MemberInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1073,7 +1181,7 @@ func (x *MemberInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberInfo.ProtoReflect.Descriptor instead.
 func (*MemberInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{15}
+	return file_tidepool_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *MemberInfo) GetId() string {
@@ -1116,7 +1224,7 @@ type SegmentInfo struct {
 
 func (x *SegmentInfo) Reset() {
 	*x = SegmentInfo{}
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1128,7 +1236,7 @@ func (x *SegmentInfo) String() string {
 func (*SegmentInfo) ProtoMessage() {}
 
 func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1141,7 +1249,7 @@ func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentInfo.ProtoReflect.Descriptor instead.
 func (*SegmentInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{16}
+	return file_tidepool_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *SegmentInfo) GetName() string {
@@ -1223,7 +1331,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1235,7 +1343,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1248,7 +1356,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{17}
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *StatusResponse) GetLeaderId() string {
@@ -1319,7 +1427,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1331,7 +1439,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1344,7 +1452,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{18}
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -1384,7 +1492,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1396,7 +1504,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1409,7 +1517,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -1461,7 +1569,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1473,7 +1581,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1486,7 +1594,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -1531,7 +1639,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1543,7 +1651,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1556,7 +1664,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -1592,7 +1700,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1604,7 +1712,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1617,7 +1725,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -1650,7 +1758,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1662,7 +1770,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1675,7 +1783,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -1695,7 +1803,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1707,7 +1815,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1720,7 +1828,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -1745,7 +1853,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1757,7 +1865,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1770,7 +1878,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 type PinRequest struct {
@@ -1786,7 +1894,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1798,7 +1906,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1811,7 +1919,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -1855,7 +1963,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1867,7 +1975,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1880,7 +1988,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -1941,7 +2049,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1953,7 +2061,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1966,7 +2074,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -2056,7 +2164,13 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x16soft_pin_until_unix_ms\x18\b \x01(\x03R\x12softPinUntilUnixMs\"_\n" +
 	"\fListResponse\x121\n" +
 	"\aobjects\x18\x01 \x03(\v2\x17.tidepool.v1.ObjectInfoR\aobjects\x12\x1c\n" +
-	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"\x0f\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"X\n" +
+	"\x0eCorruptReplica\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x18\n" +
+	"\asegment\x18\x02 \x01(\tR\asegment\x12\x1a\n" +
+	"\bchecksum\x18\x03 \x01(\rR\bchecksum\"2\n" +
+	"\x16CorruptReplicaResponse\x12\x18\n" +
+	"\adropped\x18\x01 \x01(\bR\adropped\"\x0f\n" +
 	"\rStatusRequest\"N\n" +
 	"\n" +
 	"MemberInfo\x12\x0e\n" +
@@ -2136,7 +2250,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vObjectState\x12\x1c\n" +
 	"\x18OBJECT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17OBJECT_STATE_PROCESSING\x10\x01\x12\x19\n" +
-	"\x15OBJECT_STATE_COMPLETE\x10\x022\xf6\x04\n" +
+	"\x15OBJECT_STATE_COMPLETE\x10\x022\xc9\x05\n" +
 	"\x06Master\x12E\n" +
 	"\bPutStart\x12\x1c.tidepool.v1.PutStartRequest\x1a\x1b.tidepool.v1.PutStartResult\x12>\n" +
 	"\x06PutEnd\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12A\n" +
@@ -2146,7 +2260,8 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06Exists\x12\x18.tidepool.v1.KeysRequest\x1a\x1b.tidepool.v1.ExistsResponse\x12>\n" +
 	"\x06Remove\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12;\n" +
 	"\x04List\x12\x18.tidepool.v1.ListRequest\x1a\x19.tidepool.v1.ListResponse\x12A\n" +
-	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse2\xc2\x02\n" +
+	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse\x12Q\n" +
+	"\rReportCorrupt\x12\x1b.tidepool.v1.CorruptReplica\x1a#.tidepool.v1.CorruptReplicaResponse2\xc2\x02\n" +
 	"\bRegistry\x12G\n" +
 	"\bRegister\x12\x1c.tidepool.v1.RegisterRequest\x1a\x1d.tidepool.v1.RegisterResponse\x12J\n" +
 	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
@@ -2170,7 +2285,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 29)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -2188,21 +2303,23 @@ var file_tidepool_proto_goTypes = []any{
 	(*ListRequest)(nil),            // 13: tidepool.v1.ListRequest
 	(*ObjectInfo)(nil),             // 14: tidepool.v1.ObjectInfo
 	(*ListResponse)(nil),           // 15: tidepool.v1.ListResponse
-	(*StatusRequest)(nil),          // 16: tidepool.v1.StatusRequest
-	(*MemberInfo)(nil),             // 17: tidepool.v1.MemberInfo
-	(*SegmentInfo)(nil),            // 18: tidepool.v1.SegmentInfo
-	(*StatusResponse)(nil),         // 19: tidepool.v1.StatusResponse
-	(*SegmentSpec)(nil),            // 20: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 21: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 22: tidepool.v1.RegisterRequest
-	(*RegisterResponse)(nil),       // 23: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 24: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 25: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 26: tidepool.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),      // 27: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 28: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 29: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 30: tidepool.v1.EvictResponse
+	(*CorruptReplica)(nil),         // 16: tidepool.v1.CorruptReplica
+	(*CorruptReplicaResponse)(nil), // 17: tidepool.v1.CorruptReplicaResponse
+	(*StatusRequest)(nil),          // 18: tidepool.v1.StatusRequest
+	(*MemberInfo)(nil),             // 19: tidepool.v1.MemberInfo
+	(*SegmentInfo)(nil),            // 20: tidepool.v1.SegmentInfo
+	(*StatusResponse)(nil),         // 21: tidepool.v1.StatusResponse
+	(*SegmentSpec)(nil),            // 22: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 23: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 24: tidepool.v1.RegisterRequest
+	(*RegisterResponse)(nil),       // 25: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 26: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 27: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 28: tidepool.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),      // 29: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 30: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 31: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 32: tidepool.v1.EvictResponse
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -2219,12 +2336,12 @@ var file_tidepool_proto_depIdxs = []int32{
 	3,  // 11: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
 	14, // 12: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
 	0,  // 13: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
-	17, // 14: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
-	18, // 15: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
+	19, // 14: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
+	20, // 15: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
 	0,  // 16: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	20, // 17: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	21, // 18: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	21, // 19: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	22, // 17: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	23, // 18: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	23, // 19: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
 	0,  // 20: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
 	14, // 21: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
 	4,  // 22: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
@@ -2235,32 +2352,34 @@ var file_tidepool_proto_depIdxs = []int32{
 	8,  // 27: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
 	8,  // 28: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
 	13, // 29: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	16, // 30: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	22, // 31: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	26, // 32: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	24, // 33: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	26, // 34: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	28, // 35: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	8,  // 36: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	29, // 37: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	5,  // 38: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 39: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 40: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 41: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 42: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 43: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 44: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 45: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	19, // 46: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	23, // 47: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	27, // 48: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	25, // 49: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	27, // 50: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	9,  // 51: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	9,  // 52: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	30, // 53: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	38, // [38:54] is the sub-list for method output_type
-	22, // [22:38] is the sub-list for method input_type
+	18, // 30: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	16, // 31: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	24, // 32: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	28, // 33: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	26, // 34: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	28, // 35: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	30, // 36: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	8,  // 37: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	31, // 38: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	5,  // 39: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	9,  // 40: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	9,  // 41: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 42: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	11, // 43: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	12, // 44: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	9,  // 45: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	15, // 46: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	21, // 47: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	17, // 48: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	25, // 49: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	29, // 50: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	27, // 51: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	29, // 52: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	9,  // 53: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	9,  // 54: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	32, // 55: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	39, // [39:56] is the sub-list for method output_type
+	22, // [22:39] is the sub-list for method input_type
 	22, // [22:22] is the sub-list for extension type_name
 	22, // [22:22] is the sub-list for extension extendee
 	0,  // [0:22] is the sub-list for field type_name
@@ -2277,7 +2396,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   29,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -33,6 +33,7 @@ const (
 	Master_Remove_FullMethodName        = "/tidepool.v1.Master/Remove"
 	Master_List_FullMethodName          = "/tidepool.v1.Master/List"
 	Master_Status_FullMethodName        = "/tidepool.v1.Master/Status"
+	Master_ReportCorrupt_FullMethodName = "/tidepool.v1.Master/ReportCorrupt"
 )
 
 // MasterClient is the client API for Master service.
@@ -56,6 +57,10 @@ type MasterClient interface {
 	Remove(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
 	List(ctx context.Context, in *ListRequest, opts ...grpc.CallOption) (*ListResponse, error)
 	Status(ctx context.Context, in *StatusRequest, opts ...grpc.CallOption) (*StatusResponse, error)
+	// ReportCorrupt drops a replica a reader found corrupt, so the object is
+	// repaired (served from its other replicas) or, without one, forgotten
+	// instead of failing every get.
+	ReportCorrupt(ctx context.Context, in *CorruptReplica, opts ...grpc.CallOption) (*CorruptReplicaResponse, error)
 }
 
 type masterClient struct {
@@ -156,6 +161,16 @@ func (c *masterClient) Status(ctx context.Context, in *StatusRequest, opts ...gr
 	return out, nil
 }
 
+func (c *masterClient) ReportCorrupt(ctx context.Context, in *CorruptReplica, opts ...grpc.CallOption) (*CorruptReplicaResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CorruptReplicaResponse)
+	err := c.cc.Invoke(ctx, Master_ReportCorrupt_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MasterServer is the server API for Master service.
 // All implementations must embed UnimplementedMasterServer
 // for forward compatibility.
@@ -177,6 +192,10 @@ type MasterServer interface {
 	Remove(context.Context, *KeysRequest) (*ItemsResponse, error)
 	List(context.Context, *ListRequest) (*ListResponse, error)
 	Status(context.Context, *StatusRequest) (*StatusResponse, error)
+	// ReportCorrupt drops a replica a reader found corrupt, so the object is
+	// repaired (served from its other replicas) or, without one, forgotten
+	// instead of failing every get.
+	ReportCorrupt(context.Context, *CorruptReplica) (*CorruptReplicaResponse, error)
 	mustEmbedUnimplementedMasterServer()
 }
 
@@ -213,6 +232,9 @@ func (UnimplementedMasterServer) List(context.Context, *ListRequest) (*ListRespo
 }
 func (UnimplementedMasterServer) Status(context.Context, *StatusRequest) (*StatusResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Status not implemented")
+}
+func (UnimplementedMasterServer) ReportCorrupt(context.Context, *CorruptReplica) (*CorruptReplicaResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ReportCorrupt not implemented")
 }
 func (UnimplementedMasterServer) mustEmbedUnimplementedMasterServer() {}
 func (UnimplementedMasterServer) testEmbeddedByValue()                {}
@@ -397,6 +419,24 @@ func _Master_Status_Handler(srv interface{}, ctx context.Context, dec func(inter
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Master_ReportCorrupt_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CorruptReplica)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MasterServer).ReportCorrupt(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Master_ReportCorrupt_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MasterServer).ReportCorrupt(ctx, req.(*CorruptReplica))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Master_ServiceDesc is the grpc.ServiceDesc for Master service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -439,6 +479,10 @@ var Master_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Status",
 			Handler:    _Master_Status_Handler,
+		},
+		{
+			MethodName: "ReportCorrupt",
+			Handler:    _Master_ReportCorrupt_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
