@@ -377,7 +377,7 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	raftAddr := fs.String("raft", defaultRaft, "master raft address")
 	engineAddr := fs.String("engine", defaultEngine, "store transfer engine address")
 	dram := fs.String("dram", "1GiB", "size of the store's DRAM tier")
-	ssd := fs.String("ssd", "2GiB", "size of the store's SSD tier, a file under --dir (0: none)")
+	ssd := fs.String("ssd", "1GiB", "size of the store's SSD tier, a file under --dir (0: none)")
 	leaseTTL := fs.Duration("lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get; the master evicts nothing for this long after it starts")
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
