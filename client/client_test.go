@@ -422,7 +422,7 @@ func TestStoreKilledMidPut(t *testing.T) {
 	}
 
 	a := c.stores[0]
-	stalled := a.proxy.stallAfter(4 << 20)
+	stalled := a.proxy.StallAfter(4 << 20)
 	big := value(42, 64<<20)
 	errc := make(chan error, 1)
 	go func() { errc <- cl.Put(ctx, "big", big) }()
@@ -493,7 +493,7 @@ func TestPutRevokedByMaster(t *testing.T) {
 	cl := c.newClient()
 	ctx := testCtx(t)
 
-	stalled := c.stores[0].proxy.stallAfter(1 << 20)
+	stalled := c.stores[0].proxy.StallAfter(1 << 20)
 	errc := make(chan error, 1)
 	go func() { errc <- cl.Put(ctx, "slow", value(1, 4<<20)) }()
 	select {
@@ -520,7 +520,7 @@ func TestPutRevokedByMaster(t *testing.T) {
 		}
 		return len(infos) == 0
 	})
-	c.stores[0].proxy.resumeAll()
+	c.stores[0].proxy.ResumeAll()
 	// The write's deadline is the put timeout, so the put fails on its own
 	// (timed out) or at PutEnd (revoked); either way it is not published.
 	if err := <-errc; !errors.Is(err, client.ErrConflict) && !errors.Is(err, client.ErrUnavailable) {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/engine/enginetest"
 	"github.com/tidepool-kv/tidepool/master"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
@@ -64,7 +65,7 @@ type storeNode struct {
 	spec  storeSpec
 	node  *store.Node
 	tier  *tiers.DRAMTier
-	proxy *proxy // nil unless spec.proxied
+	proxy *enginetest.Proxy // nil unless spec.proxied
 }
 
 // newCluster starts a master and the stores and waits until every store
@@ -182,10 +183,10 @@ func (c *cluster) startStore(i int) {
 		// and point the proxy there.
 		cfg.Listen = freePort(c.t)
 		if s.proxy == nil {
-			s.proxy = newProxy(c.t, "")
+			s.proxy = enginetest.NewProxy(c.t, "")
 		}
-		s.proxy.setTarget(cfg.Listen)
-		cfg.Advertise = s.proxy.addr()
+		s.proxy.SetTarget(cfg.Listen)
+		cfg.Advertise = s.proxy.Addr()
 	}
 	node, err := store.New(cfg)
 	if err != nil {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/engine/enginetest"
 	"github.com/tidepool-kv/tidepool/master"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 	"github.com/tidepool-kv/tidepool/store"
@@ -264,20 +265,20 @@ func TestRegister(t *testing.T) {
 func TestReregisterAfterNodeDown(t *testing.T) {
 	m := startMaster(t)
 	cl := newClient(t, m.addr)
-	p := newProxy(t, m.addr) // the node's only way to the master
-	n, _ := startNode(t, "n1", []string{p.addr()}, 1<<20)
+	p := enginetest.NewProxy(t, m.addr) // the node's only way to the master
+	n, _ := startNode(t, "n1", []string{p.Addr()}, 1<<20)
 	if e := n.Epoch(); e != 1 {
 		t.Fatalf("Epoch = %d, want 1", e)
 	}
 
-	p.setDown(true)
+	p.SetDown(true)
 	waitFor(t, 5*nodeTTL, "the master to declare the node dead", func() bool {
 		return m.segments(t, cl)["n1/dram0@1"] == nil
 	})
 	if e := n.Epoch(); e != 1 {
 		t.Fatalf("Epoch = %d while cut off, want 1", e)
 	}
-	p.setDown(false)
+	p.SetDown(false)
 	waitFor(t, waitLong, "the node to register again", func() bool { return n.Epoch() == 2 })
 	waitFor(t, waitLong, "the master to list n1/dram0@2", func() bool {
 		segs := m.segments(t, cl)

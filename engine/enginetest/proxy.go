@@ -1,4 +1,4 @@
-package client_test
+package enginetest
 
 import (
 	"net"
@@ -6,11 +6,11 @@ import (
 	"testing"
 )
 
-// proxy is a TCP bridge on loopback in front of one target address, with
-// the fault hooks the tests need (like etcd's bridge): it can stall the
+// Proxy is a TCP bridge on loopback in front of one target address, with
+// fault hooks for tests (like etcd's bridge): it can stall the
 // client-to-target direction after a number of bytes, resume it, and cut
 // every connection while refusing new ones.
-type proxy struct {
+type Proxy struct {
 	ln   net.Listener
 	quit chan struct{}
 	wg   sync.WaitGroup
@@ -27,15 +27,16 @@ type proxy struct {
 	}
 }
 
-// newProxy listens on loopback; connections are forwarded to target, which
-// may be set later with setTarget (before the first connection).
-func newProxy(t testing.TB, target string) *proxy {
+// NewProxy listens on loopback; connections are forwarded to target, which
+// may be set later with SetTarget (before the first connection). The test's
+// cleanup closes it.
+func NewProxy(t testing.TB, target string) *Proxy {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &proxy{ln: ln, quit: make(chan struct{})}
+	p := &Proxy{ln: ln, quit: make(chan struct{})}
 	p.mu.target = target
 	p.mu.conns = map[net.Conn]struct{}{}
 	p.mu.limit = -1
@@ -43,21 +44,21 @@ func newProxy(t testing.TB, target string) *proxy {
 	p.mu.resume = make(chan struct{})
 	p.wg.Add(1)
 	go p.serve()
-	t.Cleanup(p.close)
+	t.Cleanup(p.Close)
 	return p
 }
 
-func (p *proxy) addr() string { return p.ln.Addr().String() }
+func (p *Proxy) Addr() string { return p.ln.Addr().String() }
 
-func (p *proxy) setTarget(target string) {
+func (p *Proxy) SetTarget(target string) {
 	p.mu.Lock()
 	p.mu.target = target
 	p.mu.Unlock()
 }
 
-// stallAfter lets n more bytes through from clients to the target, then
-// holds the rest until resume; stalled is closed when the hold begins.
-func (p *proxy) stallAfter(n int64) (stalled <-chan struct{}) {
+// StallAfter lets n more bytes through from clients to the target, then
+// holds the rest until ResumeAll; stalled is closed when the hold begins.
+func (p *Proxy) StallAfter(n int64) (stalled <-chan struct{}) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.mu.limit = n
@@ -67,8 +68,8 @@ func (p *proxy) stallAfter(n int64) (stalled <-chan struct{}) {
 	return p.mu.stalled
 }
 
-// resumeAll lifts the stall.
-func (p *proxy) resumeAll() {
+// ResumeAll lifts the stall.
+func (p *Proxy) ResumeAll() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.mu.limit = -1
@@ -76,8 +77,8 @@ func (p *proxy) resumeAll() {
 	p.mu.resume = make(chan struct{})
 }
 
-// setDown(true) cuts every connection and refuses new ones until setDown(false).
-func (p *proxy) setDown(down bool) {
+// SetDown(true) cuts every connection and refuses new ones until SetDown(false).
+func (p *Proxy) SetDown(down bool) {
 	p.mu.Lock()
 	p.mu.down = down
 	var conns []net.Conn
@@ -92,7 +93,8 @@ func (p *proxy) setDown(down bool) {
 	}
 }
 
-func (p *proxy) close() {
+// Close stops the proxy and its connections; calling it again does nothing.
+func (p *Proxy) Close() {
 	select {
 	case <-p.quit:
 		return
@@ -100,11 +102,11 @@ func (p *proxy) close() {
 	}
 	close(p.quit)
 	p.ln.Close()
-	p.setDown(true)
+	p.SetDown(true)
 	p.wg.Wait()
 }
 
-func (p *proxy) serve() {
+func (p *Proxy) serve() {
 	defer p.wg.Done()
 	for {
 		c, err := p.ln.Accept()
@@ -152,7 +154,7 @@ func (p *proxy) serve() {
 }
 
 // pipe copies src to dst; the client-to-target direction obeys the stall.
-func (p *proxy) pipe(src, dst net.Conn, done <-chan struct{}, gated bool) {
+func (p *Proxy) pipe(src, dst net.Conn, done <-chan struct{}, gated bool) {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
@@ -185,7 +187,7 @@ func (p *proxy) pipe(src, dst net.Conn, done <-chan struct{}, gated bool) {
 
 // admit returns how many of n bytes may pass now; 0 with a channel to wait
 // on when the stall holds.
-func (p *proxy) admit(n int) (int, <-chan struct{}) {
+func (p *Proxy) admit(n int) (int, <-chan struct{}) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.mu.limit < 0 {
