@@ -152,6 +152,23 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	}
 	now := m.s.cfg.Now()
 	host := clientHost(ctx)
+	// A batch of KV blocks is mostly one size: order the segments once per
+	// size and tier (but sample anew per put for RandomOfTwo).
+	type sizeTier struct {
+		size uint64
+		tier pb.Tier
+	}
+	placed := map[sizeTier][]string{}
+	place := func(size uint64, tier pb.Tier) []string {
+		if m.s.cfg.Placement == RandomOfTwo {
+			return m.s.candidates(size, tier, host)
+		}
+		k := sizeTier{size, tier}
+		if _, ok := placed[k]; !ok {
+			placed[k] = m.s.candidates(size, tier, host)
+		}
+		return placed[k]
+	}
 	var tiers []pb.Tier // per command item, for retries
 	results := make([]*pb.PutStartResult, len(req.Items))
 	cmd := &pb.PutStartCmd{}
@@ -167,7 +184,7 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		}
 		cmd.Items = append(cmd.Items, &pb.PutStartItem{
 			Key: it.Key, Size: it.Size, Checksum: it.Checksum, Replicas: it.Replicas,
-			Candidates:       m.s.candidates(it.Size, it.Tier, host),
+			Candidates:       place(it.Size, it.Tier),
 			DeadlineUnixNano: now.Add(m.s.cfg.PutTimeout).UnixNano(),
 		})
 		tiers = append(tiers, it.Tier)
