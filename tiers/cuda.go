@@ -52,14 +52,17 @@ func loadCUDA(names ...string) (*cudaRuntime, error) {
 	}
 	var lib uintptr
 	var tried []string
+	// dlerror is per OS thread: keep dlopen and its error on one.
+	runtime.LockOSThread()
 	for _, name := range names {
 		h, err := purego.Dlopen(name, purego.RTLD_NOW|purego.RTLD_LOCAL)
 		if err == nil {
 			lib = h
 			break
 		}
-		tried = append(tried, err.Error()) // dlerror names the library
+		tried = append(tried, fmt.Sprintf("%s (%v)", name, err))
 	}
+	runtime.UnlockOSThread()
 	if lib == 0 {
 		return nil, fmt.Errorf("%w: dlopen: %s", ErrNoGPU, strings.Join(tried, "; "))
 	}
