@@ -16,5 +16,8 @@ var (
 	ErrNotLeader      = errors.New("not the raft leader")
 	ErrStoreGone      = errors.New("store left the pool")
 	ErrPinned         = errors.New("object is pinned")
+	ErrCopyInProgress = errors.New("a copy of this object is in progress")
+	ErrDraining       = errors.New("node is draining")
+	ErrDrained        = errors.New("node was drained by an operator; it stays out of the pool until restarted")
 	ErrOutcomeUnknown = errors.New("leadership lost while committing: the change may or may not have been made")
 )

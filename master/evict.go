@@ -48,7 +48,7 @@ func (s *Server) lastUse(o evictable) time.Time {
 	return time.Unix(0, o.created)
 }
 
-// byRecency sorts objects least recently used first, ties by key, and
+// byRecency sorts objects least recently used first, and
 // reports which are read-leased at now; it takes the lock once.
 func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]bool) {
 	uses := make(map[string]time.Time, len(objs))
@@ -66,7 +66,9 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 	}
 	s.mu.Unlock()
 	slices.SortStableFunc(objs, func(a, b evictable) int {
-		return cmp.Or(uses[a.key].Compare(uses[b.key]), cmp.Compare(a.key, b.key))
+		// When recency ties (a chain put in one batch), a chain's leaves go
+		// before their parents: a prefix stays matchable.
+		return cmp.Or(uses[a.key].Compare(uses[b.key]), cmp.Compare(a.children, b.children), cmp.Compare(a.key, b.key))
 	})
 	return leased
 }
@@ -150,32 +152,45 @@ func filterObjects(objs []evictable, keep func(evictable) bool) []evictable {
 	return slices.DeleteFunc(objs, func(o evictable) bool { return !keep(o) })
 }
 
-// toWatermark picks victims that bring every segment (of tier, if set)
-// that is fuller than above to at most mark of its capacity.
-func (s *Server) toWatermark(mark, above float64, tier pb.Tier, now time.Time) (victims []evictable, allowSoft bool) {
+// segmentPick is what one segment gives up to come down to a watermark.
+type segmentPick struct {
+	view      segmentView
+	victims   []evictable
+	allowSoft bool
+}
+
+// toWatermark picks, per segment (of tier, if set) fuller than above, the
+// victims that bring it to at most mark of its capacity. An object is
+// picked once, for the first segment; objects being copied are left out,
+// and so are the bytes their moves will free (inflight, by segment).
+func (s *Server) toWatermark(mark, above float64, tier pb.Tier, now time.Time, inflight map[string]uint64) []segmentPick {
 	all := s.fsm.completeObjects(func(string) bool { return true })
 	chosen := map[string]bool{}
+	var picks []segmentPick
 	for _, v := range s.fsm.segmentViews() {
 		if tier != pb.Tier_TIER_UNSPECIFIED && v.tier != tier {
 			continue
 		}
 		limit := uint64(mark * float64(v.capacity))
-		if v.used <= limit || float64(v.used) <= above*float64(v.capacity) {
+		if v.used <= limit || float64(v.used) <= above*float64(v.capacity) || v.used-limit <= inflight[v.id] {
 			continue
 		}
-		objs := filterObjects(slices.Clone(all), func(o evictable) bool { return onSegment(v.id)(o) && !chosen[o.key] })
-		vs, soft := s.pickVictims(objs, v.used-limit, now)
-		allowSoft = allowSoft || soft
+		objs := filterObjects(slices.Clone(all), func(o evictable) bool { return onSegment(v.id)(o) && !chosen[o.key] && !o.copying })
+		vs, soft := s.pickVictims(objs, v.used-limit-inflight[v.id], now)
 		for _, o := range vs {
 			chosen[o.key] = true
-			victims = append(victims, o)
+		}
+		if len(vs) > 0 {
+			picks = append(picks, segmentPick{view: v, victims: vs, allowSoft: soft})
 		}
 	}
-	return victims, allowSoft
+	return picks
 }
 
 // evictToWatermark is the sweep's eviction: segments above the high
-// watermark come down by the evict ratio.
+// watermark come down by the evict ratio. A fast tier's objects are demoted
+// to a slower tier with room, the slowest tier's are evicted; the slowest
+// segments go first, so demotions find room.
 func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 	if now.Before(s.evictableFrom()) {
 		return
@@ -190,16 +205,23 @@ func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 	}
 	// Only the segments above the high watermark: one between it and the
 	// target has not crossed it and keeps its objects.
-	victims, soft := s.toWatermark(high-s.cfg.EvictRatio, high, pb.Tier_TIER_UNSPECIFIED, now)
-	if len(victims) == 0 {
-		return
+	picks := s.toWatermark(high-s.cfg.EvictRatio, high, pb.Tier_TIER_UNSPECIFIED, now, s.fsm.movingBytes())
+	slices.SortStableFunc(picks, func(a, b segmentPick) int { return cmp.Compare(readRank(b.view.tier), readRank(a.view.tier)) })
+	for _, p := range picks {
+		victims := p.victims
+		if s.hasSlowerTier(p.view.tier) {
+			victims = s.demote(ctx, p.view, victims)
+		}
+		if len(victims) == 0 {
+			continue
+		}
+		n, bytes, err := s.evictObjects(ctx, victims, p.allowSoft, "watermark")
+		if err != nil {
+			s.log.Warn("evict to the watermark", "segment", p.view.id, "err", err)
+			return
+		}
+		s.log.Info("evicted to the watermark", "segment", p.view.id, "objects", n, "bytes", bytes)
 	}
-	n, bytes, err := s.evictObjects(ctx, victims, soft, "watermark")
-	if err != nil {
-		s.log.Warn("evict to the watermark", "err", err)
-		return
-	}
-	s.log.Info("evicted to the watermark", "objects", n, "bytes", bytes)
 }
 
 // evictableFrom is when this leader may evict: one lease TTL after it took
@@ -217,7 +239,15 @@ func (s *Server) makeRoom(ctx context.Context, size uint64, tier pb.Tier, host s
 	if now.Before(s.evictableFrom()) {
 		return false
 	}
-	for _, id := range s.candidates(size, tier, host) {
+	// The pool forgets only in its slowest tier (faster ones demote into
+	// it), so room is made there first; the put then lands there.
+	ids := s.candidates(size, tier, host)
+	rank := map[string]int{}
+	for _, v := range s.fsm.segmentViews() {
+		rank[v.id] = readRank(v.tier)
+	}
+	slices.SortStableFunc(ids, func(a, b string) int { return cmp.Compare(rank[b], rank[a]) })
+	for _, id := range ids {
 		for round := 0; round < 4; round++ {
 			view, ok := s.segmentView(id)
 			if !ok {
@@ -260,17 +290,20 @@ func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []ev
 	if req.OlderThanMs > uint64(100*365*24*time.Hour/time.Millisecond) {
 		return nil, false, 0, fmt.Errorf("%w: an age of %d ms is out of range", ErrInvalidRequest, req.OlderThanMs)
 	}
-	if req.Key == "" && req.Prefix == "" && req.OlderThanMs == 0 && req.ToWatermark == 0 {
-		return nil, false, 0, fmt.Errorf("%w: evict needs a key, a prefix, an age or a watermark", ErrInvalidRequest)
+	if req.Key == "" && req.Prefix == "" && req.Tenant == "" && req.OlderThanMs == 0 && req.ToWatermark == 0 {
+		return nil, false, 0, fmt.Errorf("%w: evict needs a key, a prefix, a tenant, an age or a watermark", ErrInvalidRequest)
 	}
 	if !(req.ToWatermark >= 0 && req.ToWatermark < 1) { // NaN too: it is not 0, so it would match every object
 		return nil, false, 0, fmt.Errorf("%w: watermark %v is not in [0, 1)", ErrInvalidRequest, req.ToWatermark)
 	}
 	if req.ToWatermark > 0 {
-		if req.Key != "" || req.Prefix != "" || req.OlderThanMs != 0 {
-			return nil, false, 0, fmt.Errorf("%w: a watermark eviction takes no key, prefix or age", ErrInvalidRequest)
+		if req.Key != "" || req.Prefix != "" || req.Tenant != "" || req.OlderThanMs != 0 {
+			return nil, false, 0, fmt.Errorf("%w: a watermark eviction takes no key, prefix, tenant or age", ErrInvalidRequest)
 		}
-		victims, allowSoft = s.toWatermark(req.ToWatermark, req.ToWatermark, req.Tier, now)
+		for _, p := range s.toWatermark(req.ToWatermark, req.ToWatermark, req.Tier, now, nil) {
+			victims = append(victims, p.victims...)
+			allowSoft = allowSoft || p.allowSoft
+		}
 		return victims, allowSoft, 0, nil
 	}
 	objs := s.fsm.completeObjects(func(k string) bool {
@@ -283,7 +316,7 @@ func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []ev
 	cutoff := now.Add(-time.Duration(req.OlderThanMs) * time.Millisecond)
 	s.byRecency(objs, now)
 	for _, o := range objs {
-		if req.OlderThanMs > 0 && s.lastUse(o).After(cutoff) {
+		if (req.OlderThanMs > 0 && s.lastUse(o).After(cutoff)) || (req.Tenant != "" && o.tenant != req.Tenant) {
 			continue
 		}
 		if req.Tier != pb.Tier_TIER_UNSPECIFIED && !slices.ContainsFunc(o.segments, func(id string) bool { return segTier[id] == req.Tier }) {

@@ -25,6 +25,7 @@ type FSM struct {
 	segments map[string]*segment // by segment id
 	members  map[string]string   // raft server id -> gRPC address
 	pending  []*pb.PendingFree   // removed ranges still covered by read leases
+	children map[string]int      // key -> objects naming it as their parent
 }
 
 type object struct {
@@ -38,6 +39,9 @@ type object struct {
 	hard     bool  // hard pinned: never evicted
 	softPin  int64 // soft pinned until then (unix nanos)
 	replicas []*pb.Extent
+	copies   []*pb.PendingCopy // replicas being written; not readable yet
+	parent   string
+	tenant   string
 }
 
 type node struct {
@@ -45,6 +49,8 @@ type node struct {
 	endpoint string
 	epoch    uint64
 	down     bool
+	draining bool
+	drained  bool
 	specs    []*pb.SegmentSpec
 	segments []string // ids of the current epoch's segments
 }
@@ -73,6 +79,7 @@ func (f *FSM) reset() {
 	f.segments = map[string]*segment{}
 	f.members = map[string]string{}
 	f.pending = nil
+	f.children = map[string]int{}
 }
 
 // SegmentID names a segment of one node epoch; it is the engine segment name.
@@ -103,8 +110,25 @@ type RegisterResult struct {
 	Adopted    int
 }
 
+// CopyStartResult is what Apply returns per item of a CopyStartCmd.
+type CopyStartResult struct {
+	Err  error
+	Copy *pb.PendingCopy
+}
+
+// CopyEndResult is what Apply returns per item of a CopyEndCmd.
+type CopyEndResult struct {
+	Err    error
+	Reason pb.CopyReason
+	Size   uint64
+	Node   string // the source's node
+	// The copy ended well and, for a move, its source was dropped.
+	Done bool
+}
+
 // Apply implements raft.FSM. It returns []PutStartResult, []error (one per
-// key), RegisterResult or error, by command.
+// key), []CopyStartResult, []CopyEndResult, RegisterResult or error, by
+// command.
 func (f *FSM) Apply(l *raft.Log) any {
 	var cmd pb.Command
 	if err := proto.Unmarshal(l.Data, &cmd); err != nil {
@@ -134,9 +158,32 @@ func (f *FSM) Apply(l *raft.Log) any {
 		if n == nil || n.down || n.epoch != op.NodeDown.Epoch {
 			return ErrUnknownNode
 		}
+		if op.NodeDown.Drained && (!n.draining || f.holds(n)) {
+			return fmt.Errorf("%w: node %s still holds objects", ErrDraining, n.id)
+		}
 		f.dropSegments(n)
-		n.down = true
+		n.down, n.drained = true, op.NodeDown.Drained
 		return nil
+	case *pb.Command_Drain:
+		n := f.nodes[op.Drain.Node]
+		if n == nil || n.down {
+			return fmt.Errorf("%w: %s", ErrUnknownNode, op.Drain.Node)
+		}
+		n.draining = !op.Drain.Cancel
+		return nil
+	case *pb.Command_CopyStart:
+		res := make([]CopyStartResult, len(op.CopyStart.Items))
+		for i, it := range op.CopyStart.Items {
+			res[i] = f.copyStart(it, l.Index<<16|uint64(i))
+		}
+		return res
+	case *pb.Command_CopyEnd:
+		c := op.CopyEnd
+		res := make([]CopyEndResult, len(c.Items))
+		for i, it := range c.Items {
+			res[i] = f.copyEnd(it, c.FreeAfterUnixNano, now)
+		}
+		return res
 	case *pb.Command_Member:
 		f.members[op.Member.Id] = op.Member.Address
 		return nil
@@ -212,12 +259,12 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		}
 	}
 	if len(exts) > 0 {
-		f.objects[it.Key] = &object{
+		f.add(&object{
 			key: it.Key, size: it.Size, checksum: it.Checksum, putID: putID,
 			state:   pb.ObjectState_OBJECT_STATE_PROCESSING,
 			created: now, deadline: it.DeadlineUnixNano,
-			replicas: exts,
-		}
+			replicas: exts, parent: it.Parent, tenant: it.Tenant,
+		})
 		return PutStartResult{Replicas: slices.Clone(exts), PutID: putID} // the object's slice changes later
 	}
 	if len(f.segments) == 0 {
@@ -323,20 +370,28 @@ func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
 		return false
 	}
 	if len(o.replicas) == 1 {
+		if c.KeepLast {
+			return false
+		}
 		f.retireAfter(o, c.FreeAfterUnixNano, now)
 		return true
 	}
+	f.dropExtent(o, i, c.FreeAfterUnixNano, now)
+	return true
+}
+
+// dropExtent removes o's replica i, which is not its last; the space is
+// reused from freeAfter on.
+func (f *FSM) dropExtent(o *object, i int, freeAfter, now int64) {
 	r := o.replicas[i]
-	o.replicas = slices.Delete(slices.Clone(o.replicas), i, i+1)
+	o.replicas = slices.Delete(slices.Clone(o.replicas), i, i+1) // readers may hold the old slice
 	if s := f.segments[r.Segment]; s != nil {
 		s.objects--
-		if c.FreeAfterUnixNano > now {
-			f.pending = append(f.pending, &pb.PendingFree{Extent: r, AfterUnixNano: c.FreeAfterUnixNano})
-		} else {
-			s.alloc.release(r.Offset, r.Length)
+		if freeAfter <= now {
+			freeAfter = 0
 		}
+		f.free(r, freeAfter)
 	}
-	return true
 }
 
 // retireAfter deletes an object whose space is free from freeAfter on, at
@@ -352,19 +407,49 @@ func (f *FSM) retireAfter(o *object, freeAfter, now int64) {
 // drop deletes an object and frees its space at once.
 func (f *FSM) drop(o *object) { f.retire(o, 0) }
 
+// add puts an object in the table.
+func (f *FSM) add(o *object) {
+	f.objects[o.key] = o
+	if o.parent != "" {
+		f.children[o.parent]++
+	}
+}
+
+// forget takes an object out of the table; its space is the caller's.
+func (f *FSM) forget(o *object) {
+	delete(f.objects, o.key)
+	if o.parent != "" {
+		if f.children[o.parent]--; f.children[o.parent] <= 0 {
+			delete(f.children, o.parent)
+		}
+	}
+}
+
 // retire deletes an object; its space is reused only from time after on
 // (the end of its read leases, or of its writer's late bytes).
 func (f *FSM) retire(o *object, after int64) {
-	delete(f.objects, o.key)
+	f.forget(o)
 	for _, r := range o.replicas {
 		if s := f.segments[r.Segment]; s != nil {
 			s.objects--
-			if after > 0 {
-				f.pending = append(f.pending, &pb.PendingFree{Extent: r, AfterUnixNano: after})
-			} else {
-				s.alloc.release(r.Offset, r.Length)
-			}
+			f.free(r, after)
 		}
+	}
+	for _, c := range o.copies {
+		// A copier may still be writing: keep the room until it must stop.
+		f.free(c.Target, c.DeadlineUnixNano+lateWriteGrace)
+	}
+}
+
+// free releases an extent, at once or from time after on.
+func (f *FSM) free(e *pb.Extent, after int64) {
+	s := f.segments[e.Segment]
+	switch {
+	case s == nil:
+	case after > 0:
+		f.pending = append(f.pending, &pb.PendingFree{Extent: e, AfterUnixNano: after})
+	default:
+		s.alloc.release(e.Offset, e.Length)
 	}
 }
 
@@ -392,7 +477,7 @@ func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 		f.dropSegments(n)
 	}
 	n.epoch++
-	n.down = false
+	n.down, n.draining, n.drained = false, false, false
 	n.endpoint = c.Endpoint
 	n.specs = c.Segments
 	f.addSegments(n)
@@ -435,11 +520,11 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 	s.objects++
 	ext := &pb.Extent{Segment: id, Offset: a.Offset, Length: a.Size}
 	if o == nil {
-		f.objects[a.Key] = &object{
+		f.add(&object{
 			key: a.Key, size: a.Size, checksum: a.Checksum,
 			state: pb.ObjectState_OBJECT_STATE_COMPLETE, created: now,
 			replicas: []*pb.Extent{ext},
-		}
+		})
 		return true
 	}
 	o.replicas = append(o.replicas, ext)
@@ -468,10 +553,12 @@ func (f *FSM) dropSegments(n *node) {
 		delete(f.segments, id)
 	}
 	n.segments = nil
-	for key, o := range f.objects {
+	for _, key := range sortedKeys(f.objects) { // retire appends to pending: keep the order deterministic
+		o := f.objects[key]
 		o.replicas = slices.DeleteFunc(o.replicas, func(r *pb.Extent) bool { return gone[r.Segment] })
+		o.copies = slices.DeleteFunc(o.copies, func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] })
 		if len(o.replicas) == 0 {
-			delete(f.objects, key)
+			f.retire(o, 0)
 		}
 	}
 	f.pending = slices.DeleteFunc(f.pending, func(p *pb.PendingFree) bool { return gone[p.Extent.Segment] })
@@ -488,11 +575,13 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 			Key: o.key, Size: o.size, Checksum: o.checksum, State: o.state,
 			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline, Replicas: o.replicas, PutId: o.putID,
 			HardPinned: o.hard, SoftPinUntilUnixNano: o.softPin,
+			Copies: o.copies, Parent: o.parent, Tenant: o.tenant,
 		})
 	}
 	for _, id := range sortedKeys(f.nodes) {
 		n := f.nodes[id]
-		snap.Nodes = append(snap.Nodes, &pb.Node{Id: n.id, Endpoint: n.endpoint, Epoch: n.epoch, Segments: n.specs, Down: n.down})
+		snap.Nodes = append(snap.Nodes, &pb.Node{Id: n.id, Endpoint: n.endpoint, Epoch: n.epoch, Segments: n.specs,
+			Down: n.down, Draining: n.draining, Drained: n.drained})
 	}
 	for _, id := range sortedKeys(f.members) {
 		snap.Members = append(snap.Members, &pb.MemberCmd{Id: id, Address: f.members[id]})
@@ -522,7 +611,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		f.members[m.Id] = m.Address
 	}
 	for _, pn := range snap.Nodes {
-		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down}
+		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down, draining: pn.Draining, drained: pn.Drained}
 		f.nodes[n.id] = n
 		if !n.down {
 			f.addSegments(n)
@@ -544,7 +633,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		o := &object{
 			key: po.Key, size: po.Size, checksum: po.Checksum, state: po.State,
 			created: po.CreatedUnixNano, deadline: po.DeadlineUnixNano, putID: po.PutId,
-			hard: po.HardPinned, softPin: po.SoftPinUntilUnixNano,
+			hard: po.HardPinned, softPin: po.SoftPinUntilUnixNano, parent: po.Parent, tenant: po.Tenant,
 		}
 		for _, r := range po.Replicas {
 			if reserve(r) {
@@ -552,8 +641,17 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 				f.segments[r.Segment].objects++
 			}
 		}
+		for _, c := range po.Copies {
+			if reserve(c.Target) {
+				o.copies = append(o.copies, c)
+			}
+		}
 		if len(o.replicas) > 0 {
-			f.objects[o.key] = o
+			f.add(o)
+		} else {
+			for _, c := range o.copies {
+				f.free(c.Target, 0)
+			}
 		}
 	}
 	for _, p := range snap.PendingFrees {

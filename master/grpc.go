@@ -42,7 +42,8 @@ func code(err error) codes.Code {
 		return codes.ResourceExhausted
 	case errors.Is(err, ErrTooLarge):
 		return codes.OutOfRange
-	case errors.Is(err, ErrPutInProgress), errors.Is(err, ErrNotInProgress), errors.Is(err, ErrPinned):
+	case errors.Is(err, ErrPutInProgress), errors.Is(err, ErrNotInProgress), errors.Is(err, ErrPinned),
+		errors.Is(err, ErrCopyInProgress), errors.Is(err, ErrDraining), errors.Is(err, ErrDrained):
 		return codes.FailedPrecondition
 	case errors.Is(err, ErrNotLeader), errors.Is(err, ErrStoreGone):
 		return codes.Unavailable
@@ -175,6 +176,9 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	var idx []int // results index of each command item
 	for i, it := range req.Items {
 		err := validKey(it.Key)
+		if err == nil && (len(it.Parent) > MaxKeyLen || len(it.Tenant) > MaxKeyLen) {
+			err = fmt.Errorf("%w: parent key or tenant of %q longer than %d bytes", ErrInvalidRequest, it.Key, MaxKeyLen)
+		}
 		if err == nil && it.Size == 0 {
 			err = fmt.Errorf("%w: zero-length value for %q", ErrInvalidRequest, it.Key)
 		}
@@ -183,7 +187,7 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 			continue
 		}
 		cmd.Items = append(cmd.Items, &pb.PutStartItem{
-			Key: it.Key, Size: it.Size, Checksum: it.Checksum, Replicas: it.Replicas,
+			Key: it.Key, Size: it.Size, Checksum: it.Checksum, Replicas: it.Replicas, Parent: it.Parent, Tenant: it.Tenant,
 			Candidates:       place(it.Size, it.Tier),
 			DeadlineUnixNano: now.Add(m.s.cfg.PutTimeout).UnixNano(),
 		})
@@ -326,6 +330,7 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
 		}
 	}
+	m.s.noteReads(req.Keys, res)
 	return &pb.GetReplicasResponse{Results: res, LeaseTtlMs: uint64(m.s.cfg.LeaseTTL.Milliseconds())}, nil
 }
 
@@ -367,7 +372,7 @@ func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.St
 		_, registered := live[v.node]
 		resp.Segments = append(resp.Segments, &pb.SegmentInfo{
 			Name: v.id, Node: v.node, Tier: v.tier, Capacity: v.capacity, Used: v.used,
-			Endpoint: v.endpoint, Epoch: v.epoch, Alive: registered && (!leader || s.alive(v.node)), Objects: uint64(v.objects),
+			Endpoint: v.endpoint, Epoch: v.epoch, Alive: registered && (!leader || s.alive(v.node)), Objects: uint64(v.objects), Draining: v.draining,
 		})
 	}
 	_, complete, bytes := s.fsm.objectStats()
@@ -413,7 +418,10 @@ func (r *registryService) Heartbeat(ctx context.Context, req *pb.HeartbeatReques
 	if err := r.s.heartbeat(req.Node, req.Epoch); err != nil {
 		return nil, err
 	}
-	return &pb.HeartbeatResponse{}, nil
+	if err := r.s.endCopies(ctx, req.CopiesDone); err != nil {
+		return nil, err // the store reports them again
+	}
+	return &pb.HeartbeatResponse{Copies: r.s.takeCopies(req.Node, int(req.CopySlots))}, nil
 }
 
 // clientHost is the IP address the request came from, for LocalFirst.

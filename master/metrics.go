@@ -1,10 +1,13 @@
 package master
 
 import (
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
 // metrics are the master's Prometheus metrics. A nil *metrics records
@@ -18,6 +21,9 @@ type metrics struct {
 	evicts   *prometheus.CounterVec
 	evBytes  *prometheus.CounterVec
 	evAge    prometheus.Histogram
+	copies   *prometheus.CounterVec
+	cpBytes  *prometheus.CounterVec
+	drops    *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -57,7 +63,19 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Help:    "Time since an evicted object was last read or written.",
 		Buckets: prometheus.ExponentialBuckets(1, 4, 10), // 1 s .. 3 days
 	})
-	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, stateCollector{s}} {
+	m.copies = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_master_copies_total",
+		Help: "Replica copies made by stores for the leader, by reason (demote: DRAM or HBM to SSD, promote: SSD to DRAM, drain) and result (ok, failed, expired).",
+	}, []string{"reason", "result"})
+	m.cpBytes = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_master_copied_bytes_total",
+		Help: "Bytes of replica copies that ended well, by reason.",
+	}, []string{"reason"})
+	m.drops = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_master_replica_drops_total",
+		Help: "Replicas dropped while the object kept another, by reason (demote: it already had a slower replica; drain; corrupt).",
+	}, []string{"reason"})
+	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, m.copies, m.cpBytes, m.drops, stateCollector{s}} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -80,6 +98,28 @@ func (m *metrics) evicted(reason string, bytes uint64, age time.Duration) {
 	m.evicts.WithLabelValues(reason).Inc()
 	m.evBytes.WithLabelValues(reason).Add(float64(bytes))
 	m.evAge.Observe(age.Seconds())
+}
+
+func (m *metrics) copied(reason pb.CopyReason, result string, bytes uint64) {
+	if m == nil {
+		return
+	}
+	r := copyReason(reason)
+	m.copies.WithLabelValues(r, result).Inc()
+	if result == "ok" {
+		m.cpBytes.WithLabelValues(r).Add(float64(bytes))
+	}
+}
+
+func (m *metrics) dropped(reason string) {
+	if m != nil {
+		m.drops.WithLabelValues(reason).Inc()
+	}
+}
+
+// copyReason is the metric label of a copy reason: demote, promote, drain.
+func copyReason(r pb.CopyReason) string {
+	return strings.ToLower(strings.TrimPrefix(r.String(), "COPY_REASON_"))
 }
 
 func (m *metrics) corrupt() {

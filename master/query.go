@@ -96,6 +96,7 @@ type segmentView struct {
 	capacity, used     uint64
 	largestFree        uint64
 	objects            int
+	draining           bool // its node is being drained
 }
 
 func (f *FSM) segmentViews() []segmentView {
@@ -106,6 +107,7 @@ func (f *FSM) segmentViews() []segmentView {
 		out = append(out, segmentView{
 			id: s.id, node: s.node, endpoint: s.endpoint, tier: s.tier, epoch: s.epoch,
 			capacity: s.alloc.capacity, used: s.alloc.used, largestFree: s.alloc.largestFree(), objects: s.objects,
+			draining: f.nodes[s.node] != nil && f.nodes[s.node].draining,
 		})
 	}
 	slices.SortFunc(out, func(a, b segmentView) int { return cmp.Compare(a.id, b.id) })
@@ -165,7 +167,7 @@ func (f *FSM) info(o *object) *pb.ObjectInfo {
 	return &pb.ObjectInfo{
 		Key: o.key, Size: o.size, State: o.state, Checksum: o.checksum,
 		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.replicas),
-		HardPinned: o.hard, SoftPinUntilUnixMs: o.softPin / 1e6,
+		HardPinned: o.hard, SoftPinUntilUnixMs: o.softPin / 1e6, Parent: o.parent, Tenant: o.tenant,
 	}
 }
 
@@ -178,6 +180,11 @@ type evictable struct {
 	hard     bool
 	softPin  int64
 	segments []string
+	checksum uint32
+	putID    uint64
+	copying  bool // a copy of it is in progress
+	children int  // objects that name it as their parent
+	tenant   string
 }
 
 // completeObjects lists the complete objects that match, in key order.
@@ -189,7 +196,10 @@ func (f *FSM) completeObjects(match func(key string) bool) []evictable {
 		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || !match(k) {
 			continue
 		}
-		e := evictable{key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin}
+		e := evictable{
+			key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin, checksum: o.checksum,
+			putID: o.putID, copying: len(o.copies) > 0, children: f.children[k], tenant: o.tenant,
+		}
 		for _, r := range o.replicas {
 			e.segments = append(e.segments, r.Segment)
 			if s := f.segments[r.Segment]; s != nil {
@@ -234,4 +244,28 @@ func (f *FSM) segmentObjects(id, name string) []*pb.AdoptedObject {
 		}
 	}
 	return out
+}
+
+// movingBytes sums, by source segment, the sizes of objects being moved
+// off it (demoted or drained): room that is on its way.
+func (f *FSM) movingBytes() map[string]uint64 {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	out := map[string]uint64{}
+	for _, o := range f.objects {
+		for _, c := range o.copies {
+			if c.Reason != pb.CopyReason_COPY_REASON_PROMOTE {
+				out[c.Source] += o.size
+			}
+		}
+	}
+	return out
+}
+
+// drained reports whether node was drained in epoch.
+func (f *FSM) drained(node string, epoch uint64) bool {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	n := f.nodes[node]
+	return n != nil && n.drained && n.epoch == epoch
 }

@@ -91,6 +91,10 @@ type Server struct {
 		leases      map[string]time.Time // key -> read lease expiry, leader only
 		removing    map[string]int       // keys with a Remove in flight: no new leases
 		access      map[string]time.Time // key -> last get or put, leader only: eviction recency
+		copyQueue   map[string][]queuedCopy // node -> copies for its next heartbeat
+		slowReads   map[string]int          // key -> reads served from a slow tier only: promotion
+		promote     map[string]bool         // keys read often enough to promote
+		drains      map[string]*pb.DrainProgress
 	}
 
 	rngMu sync.Mutex
@@ -144,6 +148,10 @@ func New(cfg Config) (*Server, error) {
 	s.mu.leases = map[string]time.Time{}
 	s.mu.removing = map[string]int{}
 	s.mu.access = map[string]time.Time{}
+	s.mu.copyQueue = map[string][]queuedCopy{}
+	s.mu.slowReads = map[string]int{}
+	s.mu.promote = map[string]bool{}
+	s.mu.drains = map[string]*pb.DrainProgress{}
 	if err := s.startRaft(); err != nil {
 		s.closeStores()
 		return nil, err
@@ -369,6 +377,10 @@ func (s *Server) setLeader(leader bool) {
 	clear(s.mu.leases)
 	clear(s.mu.lastSeen)
 	clear(s.mu.access)
+	clear(s.mu.copyQueue) // their copies expire and the sweep ends them
+	clear(s.mu.slowReads)
+	clear(s.mu.promote)
+	clear(s.mu.drains)
 	if leader {
 		// Every store gets a full TTL to reach the new leader.
 		for id := range s.fsm.liveNodes() {
@@ -419,6 +431,9 @@ func (s *Server) sweep() {
 		}
 	}
 	s.mu.Unlock()
+	s.endExpiredCopies(ctx, now)
+	defer s.drainNodes(ctx)
+	defer s.promote(ctx)
 	defer s.evictToWatermark(ctx, now)
 	for _, id := range dead {
 		s.log.Warn("store node silent, declaring it dead", "node", id, "ttl", s.cfg.NodeTTL)
@@ -496,6 +511,9 @@ func (s *Server) startRemove(keys []string) (time.Time, func()) {
 
 func (s *Server) heartbeat(node string, epoch uint64) error {
 	if e, ok := s.fsm.liveNodes()[node]; !ok || e != epoch {
+		if s.fsm.drained(node, epoch) {
+			return fmt.Errorf("%w: %s@%d", ErrDrained, node, epoch)
+		}
 		return fmt.Errorf("%w: %s@%d", ErrUnknownNode, node, epoch)
 	}
 	s.mu.Lock()

@@ -26,6 +26,62 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// CopyReason says why the leader copies a replica.
+type CopyReason int32
+
+const (
+	CopyReason_COPY_REASON_UNSPECIFIED CopyReason = 0
+	// A cold object leaves a fast tier for a slower one (DRAM to SSD).
+	CopyReason_COPY_REASON_DEMOTE CopyReason = 1
+	// An object read repeatedly from a slow tier gains a fast replica.
+	CopyReason_COPY_REASON_PROMOTE CopyReason = 2
+	// A draining node's replica moves to another node.
+	CopyReason_COPY_REASON_DRAIN CopyReason = 3
+)
+
+// Enum value maps for CopyReason.
+var (
+	CopyReason_name = map[int32]string{
+		0: "COPY_REASON_UNSPECIFIED",
+		1: "COPY_REASON_DEMOTE",
+		2: "COPY_REASON_PROMOTE",
+		3: "COPY_REASON_DRAIN",
+	}
+	CopyReason_value = map[string]int32{
+		"COPY_REASON_UNSPECIFIED": 0,
+		"COPY_REASON_DEMOTE":      1,
+		"COPY_REASON_PROMOTE":     2,
+		"COPY_REASON_DRAIN":       3,
+	}
+)
+
+func (x CopyReason) Enum() *CopyReason {
+	p := new(CopyReason)
+	*p = x
+	return p
+}
+
+func (x CopyReason) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (CopyReason) Descriptor() protoreflect.EnumDescriptor {
+	return file_fsm_proto_enumTypes[0].Descriptor()
+}
+
+func (CopyReason) Type() protoreflect.EnumType {
+	return &file_fsm_proto_enumTypes[0]
+}
+
+func (x CopyReason) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use CopyReason.Descriptor instead.
+func (CopyReason) EnumDescriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{0}
+}
+
 type Command struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The leader's clock when it proposed the command.
@@ -42,6 +98,9 @@ type Command struct {
 	//	*Command_Pin
 	//	*Command_Evict
 	//	*Command_DropReplica
+	//	*Command_CopyStart
+	//	*Command_CopyEnd
+	//	*Command_Drain
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -181,6 +240,33 @@ func (x *Command) GetDropReplica() *DropReplicaCmd {
 	return nil
 }
 
+func (x *Command) GetCopyStart() *CopyStartCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_CopyStart); ok {
+			return x.CopyStart
+		}
+	}
+	return nil
+}
+
+func (x *Command) GetCopyEnd() *CopyEndCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_CopyEnd); ok {
+			return x.CopyEnd
+		}
+	}
+	return nil
+}
+
+func (x *Command) GetDrain() *DrainCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_Drain); ok {
+			return x.Drain
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -225,6 +311,18 @@ type Command_DropReplica struct {
 	DropReplica *DropReplicaCmd `protobuf:"bytes,11,opt,name=drop_replica,json=dropReplica,proto3,oneof"`
 }
 
+type Command_CopyStart struct {
+	CopyStart *CopyStartCmd `protobuf:"bytes,12,opt,name=copy_start,json=copyStart,proto3,oneof"`
+}
+
+type Command_CopyEnd struct {
+	CopyEnd *CopyEndCmd `protobuf:"bytes,13,opt,name=copy_end,json=copyEnd,proto3,oneof"`
+}
+
+type Command_Drain struct {
+	Drain *DrainCmd `protobuf:"bytes,14,opt,name=drain,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -245,21 +343,421 @@ func (*Command_Evict) isCommand_Op() {}
 
 func (*Command_DropReplica) isCommand_Op() {}
 
-// DropReplicaCmd drops one replica found corrupt; its space is reused after
-// free_after.
+func (*Command_CopyStart) isCommand_Op() {}
+
+func (*Command_CopyEnd) isCommand_Op() {}
+
+func (*Command_Drain) isCommand_Op() {}
+
+// CopyStartItem allocates room for a new replica of a complete object; a
+// store then copies the bytes from source into it.
+type CopyStartItem struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// The version of the object to copy: a key put again since is not copied.
+	PutId uint64 `protobuf:"varint,2,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	// Segment id of the replica to read.
+	Source string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
+	// Destination segments in the leader's order; Apply allocates in the
+	// first one with room on a node holding no replica of the object.
+	Candidates       []string   `protobuf:"bytes,4,rep,name=candidates,proto3" json:"candidates,omitempty"`
+	DeadlineUnixNano int64      `protobuf:"varint,5,opt,name=deadline_unix_nano,json=deadlineUnixNano,proto3" json:"deadline_unix_nano,omitempty"`
+	Reason           CopyReason `protobuf:"varint,6,opt,name=reason,proto3,enum=tidepool.v1.CopyReason" json:"reason,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *CopyStartItem) Reset() {
+	*x = CopyStartItem{}
+	mi := &file_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyStartItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyStartItem) ProtoMessage() {}
+
+func (x *CopyStartItem) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyStartItem.ProtoReflect.Descriptor instead.
+func (*CopyStartItem) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *CopyStartItem) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *CopyStartItem) GetPutId() uint64 {
+	if x != nil {
+		return x.PutId
+	}
+	return 0
+}
+
+func (x *CopyStartItem) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *CopyStartItem) GetCandidates() []string {
+	if x != nil {
+		return x.Candidates
+	}
+	return nil
+}
+
+func (x *CopyStartItem) GetDeadlineUnixNano() int64 {
+	if x != nil {
+		return x.DeadlineUnixNano
+	}
+	return 0
+}
+
+func (x *CopyStartItem) GetReason() CopyReason {
+	if x != nil {
+		return x.Reason
+	}
+	return CopyReason_COPY_REASON_UNSPECIFIED
+}
+
+type CopyStartCmd struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Items         []*CopyStartItem       `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CopyStartCmd) Reset() {
+	*x = CopyStartCmd{}
+	mi := &file_fsm_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyStartCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyStartCmd) ProtoMessage() {}
+
+func (x *CopyStartCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyStartCmd.ProtoReflect.Descriptor instead.
+func (*CopyStartCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *CopyStartCmd) GetItems() []*CopyStartItem {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
+// CopyEndItem ends a copy: the new replica joins the object (and a move
+// drops the source), or, failed, its room is freed.
+type CopyEndItem struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Key    string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	CopyId uint64                 `protobuf:"varint,2,opt,name=copy_id,json=copyId,proto3" json:"copy_id,omitempty"`
+	Failed bool                   `protobuf:"varint,3,opt,name=failed,proto3" json:"failed,omitempty"`
+	// The sweep ends only copies past their deadline and keeps their room a
+	// while for bytes still on the wire.
+	OnlyExpired   bool `protobuf:"varint,4,opt,name=only_expired,json=onlyExpired,proto3" json:"only_expired,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CopyEndItem) Reset() {
+	*x = CopyEndItem{}
+	mi := &file_fsm_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyEndItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyEndItem) ProtoMessage() {}
+
+func (x *CopyEndItem) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyEndItem.ProtoReflect.Descriptor instead.
+func (*CopyEndItem) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *CopyEndItem) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *CopyEndItem) GetCopyId() uint64 {
+	if x != nil {
+		return x.CopyId
+	}
+	return 0
+}
+
+func (x *CopyEndItem) GetFailed() bool {
+	if x != nil {
+		return x.Failed
+	}
+	return false
+}
+
+func (x *CopyEndItem) GetOnlyExpired() bool {
+	if x != nil {
+		return x.OnlyExpired
+	}
+	return false
+}
+
+type CopyEndCmd struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Items []*CopyEndItem         `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	// A replica dropped by a move is reused after this, when the last read
+	// lease on its key has ended.
+	FreeAfterUnixNano int64 `protobuf:"varint,2,opt,name=free_after_unix_nano,json=freeAfterUnixNano,proto3" json:"free_after_unix_nano,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *CopyEndCmd) Reset() {
+	*x = CopyEndCmd{}
+	mi := &file_fsm_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyEndCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyEndCmd) ProtoMessage() {}
+
+func (x *CopyEndCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyEndCmd.ProtoReflect.Descriptor instead.
+func (*CopyEndCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *CopyEndCmd) GetItems() []*CopyEndItem {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
+func (x *CopyEndCmd) GetFreeAfterUnixNano() int64 {
+	if x != nil {
+		return x.FreeAfterUnixNano
+	}
+	return 0
+}
+
+// DrainCmd starts (or cancels) moving every replica off a node; placement
+// stops choosing it at once.
+type DrainCmd struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Cancel        bool                   `protobuf:"varint,2,opt,name=cancel,proto3" json:"cancel,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DrainCmd) Reset() {
+	*x = DrainCmd{}
+	mi := &file_fsm_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DrainCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DrainCmd) ProtoMessage() {}
+
+func (x *DrainCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DrainCmd.ProtoReflect.Descriptor instead.
+func (*DrainCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *DrainCmd) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *DrainCmd) GetCancel() bool {
+	if x != nil {
+		return x.Cancel
+	}
+	return false
+}
+
+// PendingCopy is a replica being written by a copy; it is not readable yet.
+type PendingCopy struct {
+	state            protoimpl.MessageState `protogen:"open.v1"`
+	Id               uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	Target           *Extent                `protobuf:"bytes,2,opt,name=target,proto3" json:"target,omitempty"`
+	Source           string                 `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
+	DeadlineUnixNano int64                  `protobuf:"varint,4,opt,name=deadline_unix_nano,json=deadlineUnixNano,proto3" json:"deadline_unix_nano,omitempty"`
+	Reason           CopyReason             `protobuf:"varint,5,opt,name=reason,proto3,enum=tidepool.v1.CopyReason" json:"reason,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *PendingCopy) Reset() {
+	*x = PendingCopy{}
+	mi := &file_fsm_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PendingCopy) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PendingCopy) ProtoMessage() {}
+
+func (x *PendingCopy) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PendingCopy.ProtoReflect.Descriptor instead.
+func (*PendingCopy) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *PendingCopy) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *PendingCopy) GetTarget() *Extent {
+	if x != nil {
+		return x.Target
+	}
+	return nil
+}
+
+func (x *PendingCopy) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *PendingCopy) GetDeadlineUnixNano() int64 {
+	if x != nil {
+		return x.DeadlineUnixNano
+	}
+	return 0
+}
+
+func (x *PendingCopy) GetReason() CopyReason {
+	if x != nil {
+		return x.Reason
+	}
+	return CopyReason_COPY_REASON_UNSPECIFIED
+}
+
+// DropReplicaCmd drops one replica (found corrupt, demoted, drained); its
+// space is reused after free_after.
 type DropReplicaCmd struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	Key               string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
 	Segment           string                 `protobuf:"bytes,2,opt,name=segment,proto3" json:"segment,omitempty"`
 	Checksum          uint32                 `protobuf:"varint,3,opt,name=checksum,proto3" json:"checksum,omitempty"`
 	FreeAfterUnixNano int64                  `protobuf:"varint,4,opt,name=free_after_unix_nano,json=freeAfterUnixNano,proto3" json:"free_after_unix_nano,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Drop it only if the object has another replica (a corrupt one goes
+	// even if it is the last, and the object with it).
+	KeepLast      bool `protobuf:"varint,5,opt,name=keep_last,json=keepLast,proto3" json:"keep_last,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DropReplicaCmd) Reset() {
 	*x = DropReplicaCmd{}
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -271,7 +769,7 @@ func (x *DropReplicaCmd) String() string {
 func (*DropReplicaCmd) ProtoMessage() {}
 
 func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -284,7 +782,7 @@ func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropReplicaCmd.ProtoReflect.Descriptor instead.
 func (*DropReplicaCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{1}
+	return file_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *DropReplicaCmd) GetKey() string {
@@ -315,6 +813,13 @@ func (x *DropReplicaCmd) GetFreeAfterUnixNano() int64 {
 	return 0
 }
 
+func (x *DropReplicaCmd) GetKeepLast() bool {
+	if x != nil {
+		return x.KeepLast
+	}
+	return false
+}
+
 type PinCmd struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	Key               string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
@@ -328,7 +833,7 @@ type PinCmd struct {
 
 func (x *PinCmd) Reset() {
 	*x = PinCmd{}
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -340,7 +845,7 @@ func (x *PinCmd) String() string {
 func (*PinCmd) ProtoMessage() {}
 
 func (x *PinCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -353,7 +858,7 @@ func (x *PinCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCmd.ProtoReflect.Descriptor instead.
 func (*PinCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{2}
+	return file_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *PinCmd) GetKey() string {
@@ -398,7 +903,7 @@ type EvictCmd struct {
 
 func (x *EvictCmd) Reset() {
 	*x = EvictCmd{}
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -410,7 +915,7 @@ func (x *EvictCmd) String() string {
 func (*EvictCmd) ProtoMessage() {}
 
 func (x *EvictCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -423,7 +928,7 @@ func (x *EvictCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictCmd.ProtoReflect.Descriptor instead.
 func (*EvictCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{3}
+	return file_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *EvictCmd) GetKeys() []string {
@@ -458,13 +963,15 @@ type PutStartItem struct {
 	DeadlineUnixNano int64    `protobuf:"varint,5,opt,name=deadline_unix_nano,json=deadlineUnixNano,proto3" json:"deadline_unix_nano,omitempty"`
 	// Copies wanted, each on a different node; 0 means 1.
 	Replicas      uint32 `protobuf:"varint,6,opt,name=replicas,proto3" json:"replicas,omitempty"`
+	Parent        string `protobuf:"bytes,7,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant        string `protobuf:"bytes,8,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PutStartItem) Reset() {
 	*x = PutStartItem{}
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -476,7 +983,7 @@ func (x *PutStartItem) String() string {
 func (*PutStartItem) ProtoMessage() {}
 
 func (x *PutStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -489,7 +996,7 @@ func (x *PutStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartItem.ProtoReflect.Descriptor instead.
 func (*PutStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{4}
+	return file_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *PutStartItem) GetKey() string {
@@ -534,6 +1041,20 @@ func (x *PutStartItem) GetReplicas() uint32 {
 	return 0
 }
 
+func (x *PutStartItem) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+func (x *PutStartItem) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
 type PutStartCmd struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Items         []*PutStartItem        `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
@@ -543,7 +1064,7 @@ type PutStartCmd struct {
 
 func (x *PutStartCmd) Reset() {
 	*x = PutStartCmd{}
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -555,7 +1076,7 @@ func (x *PutStartCmd) String() string {
 func (*PutStartCmd) ProtoMessage() {}
 
 func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -568,7 +1089,7 @@ func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartCmd.ProtoReflect.Descriptor instead.
 func (*PutStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{5}
+	return file_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *PutStartCmd) GetItems() []*PutStartItem {
@@ -593,7 +1114,7 @@ type KeysCmd struct {
 
 func (x *KeysCmd) Reset() {
 	*x = KeysCmd{}
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -605,7 +1126,7 @@ func (x *KeysCmd) String() string {
 func (*KeysCmd) ProtoMessage() {}
 
 func (x *KeysCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -618,7 +1139,7 @@ func (x *KeysCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysCmd.ProtoReflect.Descriptor instead.
 func (*KeysCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{6}
+	return file_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *KeysCmd) GetKeys() []string {
@@ -654,7 +1175,7 @@ type RemoveCmd struct {
 
 func (x *RemoveCmd) Reset() {
 	*x = RemoveCmd{}
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -666,7 +1187,7 @@ func (x *RemoveCmd) String() string {
 func (*RemoveCmd) ProtoMessage() {}
 
 func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -679,7 +1200,7 @@ func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveCmd.ProtoReflect.Descriptor instead.
 func (*RemoveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{7}
+	return file_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *RemoveCmd) GetKeys() []string {
@@ -708,7 +1229,7 @@ type RegisterCmd struct {
 
 func (x *RegisterCmd) Reset() {
 	*x = RegisterCmd{}
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -720,7 +1241,7 @@ func (x *RegisterCmd) String() string {
 func (*RegisterCmd) ProtoMessage() {}
 
 func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -733,7 +1254,7 @@ func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterCmd.ProtoReflect.Descriptor instead.
 func (*RegisterCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{8}
+	return file_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RegisterCmd) GetNode() string {
@@ -765,16 +1286,18 @@ func (x *RegisterCmd) GetAdopt() []*AdoptedObject {
 }
 
 type NodeDownCmd struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
-	Epoch         uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Epoch uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	// The node was drained: it holds nothing and its process stays out.
+	Drained       bool `protobuf:"varint,3,opt,name=drained,proto3" json:"drained,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -786,7 +1309,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -799,7 +1322,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{9}
+	return file_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -816,6 +1339,13 @@ func (x *NodeDownCmd) GetEpoch() uint64 {
 	return 0
 }
 
+func (x *NodeDownCmd) GetDrained() bool {
+	if x != nil {
+		return x.Drained
+	}
+	return false
+}
+
 type MemberCmd struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -826,7 +1356,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -838,7 +1368,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -851,7 +1381,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{10}
+	return file_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -879,7 +1409,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -891,7 +1421,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -904,7 +1434,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{11}
+	return file_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Extent) GetSegment() string {
@@ -938,16 +1468,20 @@ type Object struct {
 	DeadlineUnixNano int64                  `protobuf:"varint,6,opt,name=deadline_unix_nano,json=deadlineUnixNano,proto3" json:"deadline_unix_nano,omitempty"`
 	Replicas         []*Extent              `protobuf:"bytes,7,rep,name=replicas,proto3" json:"replicas,omitempty"`
 	// The raft index of the PutStart that created the object.
-	PutId                uint64 `protobuf:"varint,8,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
-	HardPinned           bool   `protobuf:"varint,9,opt,name=hard_pinned,json=hardPinned,proto3" json:"hard_pinned,omitempty"`
-	SoftPinUntilUnixNano int64  `protobuf:"varint,10,opt,name=soft_pin_until_unix_nano,json=softPinUntilUnixNano,proto3" json:"soft_pin_until_unix_nano,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	PutId                uint64         `protobuf:"varint,8,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	HardPinned           bool           `protobuf:"varint,9,opt,name=hard_pinned,json=hardPinned,proto3" json:"hard_pinned,omitempty"`
+	SoftPinUntilUnixNano int64          `protobuf:"varint,10,opt,name=soft_pin_until_unix_nano,json=softPinUntilUnixNano,proto3" json:"soft_pin_until_unix_nano,omitempty"`
+	Copies               []*PendingCopy `protobuf:"bytes,11,rep,name=copies,proto3" json:"copies,omitempty"`
+	// The key of the previous block of the object's chain, if any.
+	Parent        string `protobuf:"bytes,12,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant        string `protobuf:"bytes,13,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -959,7 +1493,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -972,7 +1506,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{12}
+	return file_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Object) GetKey() string {
@@ -1045,6 +1579,27 @@ func (x *Object) GetSoftPinUntilUnixNano() int64 {
 	return 0
 }
 
+func (x *Object) GetCopies() []*PendingCopy {
+	if x != nil {
+		return x.Copies
+	}
+	return nil
+}
+
+func (x *Object) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+func (x *Object) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
 type Node struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Id       string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -1052,14 +1607,19 @@ type Node struct {
 	Epoch    uint64                 `protobuf:"varint,3,opt,name=epoch,proto3" json:"epoch,omitempty"`
 	Segments []*SegmentSpec         `protobuf:"bytes,4,rep,name=segments,proto3" json:"segments,omitempty"`
 	// The node was declared dead; it keeps its epoch so a restart gets a new one.
-	Down          bool `protobuf:"varint,5,opt,name=down,proto3" json:"down,omitempty"`
+	Down bool `protobuf:"varint,5,opt,name=down,proto3" json:"down,omitempty"`
+	// An operator asked to move its replicas away; placement skips it, and
+	// once it holds nothing it is taken out of the pool.
+	Draining bool `protobuf:"varint,6,opt,name=draining,proto3" json:"draining,omitempty"`
+	// It was drained and taken out; its process stays out until restarted.
+	Drained       bool `protobuf:"varint,7,opt,name=drained,proto3" json:"drained,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1071,7 +1631,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1084,7 +1644,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{13}
+	return file_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Node) GetId() string {
@@ -1122,6 +1682,20 @@ func (x *Node) GetDown() bool {
 	return false
 }
 
+func (x *Node) GetDraining() bool {
+	if x != nil {
+		return x.Draining
+	}
+	return false
+}
+
+func (x *Node) GetDrained() bool {
+	if x != nil {
+		return x.Drained
+	}
+	return false
+}
+
 type PendingFree struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Extent        *Extent                `protobuf:"bytes,1,opt,name=extent,proto3" json:"extent,omitempty"`
@@ -1132,7 +1706,7 @@ type PendingFree struct {
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1144,7 +1718,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1157,7 +1731,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{14}
+	return file_fsm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -1186,7 +1760,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1198,7 +1772,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1211,7 +1785,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{15}
+	return file_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -1246,7 +1820,7 @@ var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xc3\x04\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xe4\x05\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -1260,13 +1834,47 @@ const file_fsm_proto_rawDesc = "" +
 	"\x03pin\x18\t \x01(\v2\x13.tidepool.v1.PinCmdH\x00R\x03pin\x12-\n" +
 	"\x05evict\x18\n" +
 	" \x01(\v2\x15.tidepool.v1.EvictCmdH\x00R\x05evict\x12@\n" +
-	"\fdrop_replica\x18\v \x01(\v2\x1b.tidepool.v1.DropReplicaCmdH\x00R\vdropReplicaB\x04\n" +
-	"\x02op\"\x89\x01\n" +
+	"\fdrop_replica\x18\v \x01(\v2\x1b.tidepool.v1.DropReplicaCmdH\x00R\vdropReplica\x12:\n" +
+	"\n" +
+	"copy_start\x18\f \x01(\v2\x19.tidepool.v1.CopyStartCmdH\x00R\tcopyStart\x124\n" +
+	"\bcopy_end\x18\r \x01(\v2\x17.tidepool.v1.CopyEndCmdH\x00R\acopyEnd\x12-\n" +
+	"\x05drain\x18\x0e \x01(\v2\x15.tidepool.v1.DrainCmdH\x00R\x05drainB\x04\n" +
+	"\x02op\"\xcf\x01\n" +
+	"\rCopyStartItem\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x15\n" +
+	"\x06put_id\x18\x02 \x01(\x04R\x05putId\x12\x16\n" +
+	"\x06source\x18\x03 \x01(\tR\x06source\x12\x1e\n" +
+	"\n" +
+	"candidates\x18\x04 \x03(\tR\n" +
+	"candidates\x12,\n" +
+	"\x12deadline_unix_nano\x18\x05 \x01(\x03R\x10deadlineUnixNano\x12/\n" +
+	"\x06reason\x18\x06 \x01(\x0e2\x17.tidepool.v1.CopyReasonR\x06reason\"@\n" +
+	"\fCopyStartCmd\x120\n" +
+	"\x05items\x18\x01 \x03(\v2\x1a.tidepool.v1.CopyStartItemR\x05items\"s\n" +
+	"\vCopyEndItem\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x17\n" +
+	"\acopy_id\x18\x02 \x01(\x04R\x06copyId\x12\x16\n" +
+	"\x06failed\x18\x03 \x01(\bR\x06failed\x12!\n" +
+	"\fonly_expired\x18\x04 \x01(\bR\vonlyExpired\"m\n" +
+	"\n" +
+	"CopyEndCmd\x12.\n" +
+	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.CopyEndItemR\x05items\x12/\n" +
+	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"6\n" +
+	"\bDrainCmd\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x16\n" +
+	"\x06cancel\x18\x02 \x01(\bR\x06cancel\"\xc1\x01\n" +
+	"\vPendingCopy\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12+\n" +
+	"\x06target\x18\x02 \x01(\v2\x13.tidepool.v1.ExtentR\x06target\x12\x16\n" +
+	"\x06source\x18\x03 \x01(\tR\x06source\x12,\n" +
+	"\x12deadline_unix_nano\x18\x04 \x01(\x03R\x10deadlineUnixNano\x12/\n" +
+	"\x06reason\x18\x05 \x01(\x0e2\x17.tidepool.v1.CopyReasonR\x06reason\"\xa6\x01\n" +
 	"\x0eDropReplicaCmd\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x18\n" +
 	"\asegment\x18\x02 \x01(\tR\asegment\x12\x1a\n" +
 	"\bchecksum\x18\x03 \x01(\rR\bchecksum\x12/\n" +
-	"\x14free_after_unix_nano\x18\x04 \x01(\x03R\x11freeAfterUnixNano\"u\n" +
+	"\x14free_after_unix_nano\x18\x04 \x01(\x03R\x11freeAfterUnixNano\x12\x1b\n" +
+	"\tkeep_last\x18\x05 \x01(\bR\bkeepLast\"u\n" +
 	"\x06PinCmd\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04hard\x18\x02 \x01(\bR\x04hard\x12/\n" +
@@ -1275,7 +1883,7 @@ const file_fsm_proto_rawDesc = "" +
 	"\bEvictCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
 	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\x12*\n" +
-	"\x11allow_soft_pinned\x18\x03 \x01(\bR\x0fallowSoftPinned\"\xba\x01\n" +
+	"\x11allow_soft_pinned\x18\x03 \x01(\bR\x0fallowSoftPinned\"\xea\x01\n" +
 	"\fPutStartItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -1284,7 +1892,9 @@ const file_fsm_proto_rawDesc = "" +
 	"candidates\x18\x04 \x03(\tR\n" +
 	"candidates\x12,\n" +
 	"\x12deadline_unix_nano\x18\x05 \x01(\x03R\x10deadlineUnixNano\x12\x1a\n" +
-	"\breplicas\x18\x06 \x01(\rR\breplicas\">\n" +
+	"\breplicas\x18\x06 \x01(\rR\breplicas\x12\x16\n" +
+	"\x06parent\x18\a \x01(\tR\x06parent\x12\x16\n" +
+	"\x06tenant\x18\b \x01(\tR\x06tenant\">\n" +
 	"\vPutStartCmd\x12/\n" +
 	"\x05items\x18\x01 \x03(\v2\x19.tidepool.v1.PutStartItemR\x05items\"Y\n" +
 	"\aKeysCmd\x12\x12\n" +
@@ -1298,17 +1908,18 @@ const file_fsm_proto_rawDesc = "" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
 	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x120\n" +
-	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\"7\n" +
+	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\"Q\n" +
 	"\vNodeDownCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
-	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\"5\n" +
+	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12\x18\n" +
+	"\adrained\x18\x03 \x01(\bR\adrained\"5\n" +
 	"\tMemberCmd\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\"R\n" +
 	"\x06Extent\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x03 \x01(\x04R\x06length\"\xf5\x02\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"\xd7\x03\n" +
 	"\x06Object\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -1321,13 +1932,18 @@ const file_fsm_proto_rawDesc = "" +
 	"\vhard_pinned\x18\t \x01(\bR\n" +
 	"hardPinned\x126\n" +
 	"\x18soft_pin_until_unix_nano\x18\n" +
-	" \x01(\x03R\x14softPinUntilUnixNano\"\x92\x01\n" +
+	" \x01(\x03R\x14softPinUntilUnixNano\x120\n" +
+	"\x06copies\x18\v \x03(\v2\x18.tidepool.v1.PendingCopyR\x06copies\x12\x16\n" +
+	"\x06parent\x18\f \x01(\tR\x06parent\x12\x16\n" +
+	"\x06tenant\x18\r \x01(\tR\x06tenant\"\xc8\x01\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x12\x14\n" +
 	"\x05epoch\x18\x03 \x01(\x04R\x05epoch\x124\n" +
 	"\bsegments\x18\x04 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x12\x12\n" +
-	"\x04down\x18\x05 \x01(\bR\x04down\"b\n" +
+	"\x04down\x18\x05 \x01(\bR\x04down\x12\x1a\n" +
+	"\bdraining\x18\x06 \x01(\bR\bdraining\x12\x18\n" +
+	"\adrained\x18\a \x01(\bR\adrained\"b\n" +
 	"\vPendingFree\x12+\n" +
 	"\x06extent\x18\x01 \x01(\v2\x13.tidepool.v1.ExtentR\x06extent\x12&\n" +
 	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\"\xd3\x01\n" +
@@ -1335,7 +1951,13 @@ const file_fsm_proto_rawDesc = "" +
 	"\aobjects\x18\x01 \x03(\v2\x13.tidepool.v1.ObjectR\aobjects\x12'\n" +
 	"\x05nodes\x18\x02 \x03(\v2\x11.tidepool.v1.NodeR\x05nodes\x120\n" +
 	"\amembers\x18\x03 \x03(\v2\x16.tidepool.v1.MemberCmdR\amembers\x12=\n" +
-	"\rpending_frees\x18\x04 \x03(\v2\x18.tidepool.v1.PendingFreeR\fpendingFreesB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
+	"\rpending_frees\x18\x04 \x03(\v2\x18.tidepool.v1.PendingFreeR\fpendingFrees*q\n" +
+	"\n" +
+	"CopyReason\x12\x1b\n" +
+	"\x17COPY_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
+	"\x12COPY_REASON_DEMOTE\x10\x01\x12\x17\n" +
+	"\x13COPY_REASON_PROMOTE\x10\x02\x12\x15\n" +
+	"\x11COPY_REASON_DRAIN\x10\x03B2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
 
 var (
 	file_fsm_proto_rawDescOnce sync.Once
@@ -1349,55 +1971,72 @@ func file_fsm_proto_rawDescGZIP() []byte {
 	return file_fsm_proto_rawDescData
 }
 
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_fsm_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_fsm_proto_goTypes = []any{
-	(*Command)(nil),        // 0: tidepool.v1.Command
-	(*DropReplicaCmd)(nil), // 1: tidepool.v1.DropReplicaCmd
-	(*PinCmd)(nil),         // 2: tidepool.v1.PinCmd
-	(*EvictCmd)(nil),       // 3: tidepool.v1.EvictCmd
-	(*PutStartItem)(nil),   // 4: tidepool.v1.PutStartItem
-	(*PutStartCmd)(nil),    // 5: tidepool.v1.PutStartCmd
-	(*KeysCmd)(nil),        // 6: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),      // 7: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),    // 8: tidepool.v1.RegisterCmd
-	(*NodeDownCmd)(nil),    // 9: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),      // 10: tidepool.v1.MemberCmd
-	(*Extent)(nil),         // 11: tidepool.v1.Extent
-	(*Object)(nil),         // 12: tidepool.v1.Object
-	(*Node)(nil),           // 13: tidepool.v1.Node
-	(*PendingFree)(nil),    // 14: tidepool.v1.PendingFree
-	(*Snapshot)(nil),       // 15: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),    // 16: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),  // 17: tidepool.v1.AdoptedObject
-	(ObjectState)(0),       // 18: tidepool.v1.ObjectState
+	(CopyReason)(0),        // 0: tidepool.v1.CopyReason
+	(*Command)(nil),        // 1: tidepool.v1.Command
+	(*CopyStartItem)(nil),  // 2: tidepool.v1.CopyStartItem
+	(*CopyStartCmd)(nil),   // 3: tidepool.v1.CopyStartCmd
+	(*CopyEndItem)(nil),    // 4: tidepool.v1.CopyEndItem
+	(*CopyEndCmd)(nil),     // 5: tidepool.v1.CopyEndCmd
+	(*DrainCmd)(nil),       // 6: tidepool.v1.DrainCmd
+	(*PendingCopy)(nil),    // 7: tidepool.v1.PendingCopy
+	(*DropReplicaCmd)(nil), // 8: tidepool.v1.DropReplicaCmd
+	(*PinCmd)(nil),         // 9: tidepool.v1.PinCmd
+	(*EvictCmd)(nil),       // 10: tidepool.v1.EvictCmd
+	(*PutStartItem)(nil),   // 11: tidepool.v1.PutStartItem
+	(*PutStartCmd)(nil),    // 12: tidepool.v1.PutStartCmd
+	(*KeysCmd)(nil),        // 13: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),      // 14: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),    // 15: tidepool.v1.RegisterCmd
+	(*NodeDownCmd)(nil),    // 16: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),      // 17: tidepool.v1.MemberCmd
+	(*Extent)(nil),         // 18: tidepool.v1.Extent
+	(*Object)(nil),         // 19: tidepool.v1.Object
+	(*Node)(nil),           // 20: tidepool.v1.Node
+	(*PendingFree)(nil),    // 21: tidepool.v1.PendingFree
+	(*Snapshot)(nil),       // 22: tidepool.v1.Snapshot
+	(*SegmentSpec)(nil),    // 23: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),  // 24: tidepool.v1.AdoptedObject
+	(ObjectState)(0),       // 25: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
-	5,  // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
-	6,  // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
-	6,  // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
-	7,  // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
-	8,  // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	9,  // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	10, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
-	2,  // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
-	3,  // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
-	1,  // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
-	4,  // 10: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	16, // 11: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	17, // 12: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	18, // 13: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	11, // 14: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	16, // 15: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	11, // 16: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	12, // 17: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	13, // 18: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	10, // 19: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	14, // 20: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	21, // [21:21] is the sub-list for method output_type
-	21, // [21:21] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	12, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
+	13, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
+	13, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
+	14, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
+	15, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
+	16, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	17, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	9,  // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
+	10, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
+	8,  // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
+	3,  // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
+	5,  // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
+	6,  // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
+	0,  // 13: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
+	2,  // 14: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
+	4,  // 15: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
+	18, // 16: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
+	0,  // 17: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
+	11, // 18: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	23, // 19: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	24, // 20: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	25, // 21: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	18, // 22: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	7,  // 23: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
+	23, // 24: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	18, // 25: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	19, // 26: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	20, // 27: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	17, // 28: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	21, // 29: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	30, // [30:30] is the sub-list for method output_type
+	30, // [30:30] is the sub-list for method input_type
+	30, // [30:30] is the sub-list for extension type_name
+	30, // [30:30] is the sub-list for extension extendee
+	0,  // [0:30] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -1417,19 +2056,23 @@ func file_fsm_proto_init() {
 		(*Command_Pin)(nil),
 		(*Command_Evict)(nil),
 		(*Command_DropReplica)(nil),
+		(*Command_CopyStart)(nil),
+		(*Command_CopyEnd)(nil),
+		(*Command_Drain)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   16,
+			NumEnums:      1,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
 		GoTypes:           file_fsm_proto_goTypes,
 		DependencyIndexes: file_fsm_proto_depIdxs,
+		EnumInfos:         file_fsm_proto_enumTypes,
 		MessageInfos:      file_fsm_proto_msgTypes,
 	}.Build()
 	File_fsm_proto = out.File

@@ -280,7 +280,12 @@ type PutStartRequest struct {
 	Tier Tier `protobuf:"varint,4,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
 	// Copies on distinct store nodes; 0 means 1. Best effort: the result
 	// lists the replicas placed.
-	Replicas      uint32 `protobuf:"varint,5,opt,name=replicas,proto3" json:"replicas,omitempty"`
+	Replicas uint32 `protobuf:"varint,5,opt,name=replicas,proto3" json:"replicas,omitempty"`
+	// The key of the previous block of the value's chain (prefix caching),
+	// if any: eviction takes a chain's leaves before their parents.
+	Parent string `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
+	// Who owns the value, for `admin evict --tenant`; may be empty.
+	Tenant        string `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -348,6 +353,20 @@ func (x *PutStartRequest) GetReplicas() uint32 {
 		return x.Replicas
 	}
 	return 0
+}
+
+func (x *PutStartRequest) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+func (x *PutStartRequest) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
 }
 
 type PutStartResult struct {
@@ -857,7 +876,9 @@ type ObjectInfo struct {
 	HardPinned    bool                   `protobuf:"varint,7,opt,name=hard_pinned,json=hardPinned,proto3" json:"hard_pinned,omitempty"`
 	// A soft pin protects the object from eviction until then (0: none),
 	// unless evicting everything else did not make enough room.
-	SoftPinUntilUnixMs int64 `protobuf:"varint,8,opt,name=soft_pin_until_unix_ms,json=softPinUntilUnixMs,proto3" json:"soft_pin_until_unix_ms,omitempty"`
+	SoftPinUntilUnixMs int64  `protobuf:"varint,8,opt,name=soft_pin_until_unix_ms,json=softPinUntilUnixMs,proto3" json:"soft_pin_until_unix_ms,omitempty"`
+	Parent             string `protobuf:"bytes,9,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant             string `protobuf:"bytes,10,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	unknownFields      protoimpl.UnknownFields
 	sizeCache          protoimpl.SizeCache
 }
@@ -946,6 +967,20 @@ func (x *ObjectInfo) GetSoftPinUntilUnixMs() int64 {
 		return x.SoftPinUntilUnixMs
 	}
 	return 0
+}
+
+func (x *ObjectInfo) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+func (x *ObjectInfo) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
 }
 
 type ListResponse struct {
@@ -1216,8 +1251,10 @@ type SegmentInfo struct {
 	Epoch    uint64                 `protobuf:"varint,7,opt,name=epoch,proto3" json:"epoch,omitempty"`
 	// On the leader: heartbeating within the node TTL. On a follower, which
 	// sees no heartbeats: not declared dead.
-	Alive         bool   `protobuf:"varint,8,opt,name=alive,proto3" json:"alive,omitempty"`
-	Objects       uint64 `protobuf:"varint,9,opt,name=objects,proto3" json:"objects,omitempty"`
+	Alive   bool   `protobuf:"varint,8,opt,name=alive,proto3" json:"alive,omitempty"`
+	Objects uint64 `protobuf:"varint,9,opt,name=objects,proto3" json:"objects,omitempty"`
+	// The node is being drained (admin drain): placement skips it.
+	Draining      bool `protobuf:"varint,10,opt,name=draining,proto3" json:"draining,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1313,6 +1350,13 @@ func (x *SegmentInfo) GetObjects() uint64 {
 		return x.Objects
 	}
 	return 0
+}
+
+func (x *SegmentInfo) GetDraining() bool {
+	if x != nil {
+		return x.Draining
+	}
+	return false
 }
 
 type StatusResponse struct {
@@ -1794,9 +1838,13 @@ func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
 }
 
 type HeartbeatRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
-	Epoch         uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Epoch uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	// Copies this node finished since its last heartbeat.
+	CopiesDone []*CopyResult `protobuf:"bytes,3,rep,name=copies_done,json=copiesDone,proto3" json:"copies_done,omitempty"`
+	// How many more copies the node can take now.
+	CopySlots     uint32 `protobuf:"varint,4,opt,name=copy_slots,json=copySlots,proto3" json:"copy_slots,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1845,15 +1893,187 @@ func (x *HeartbeatRequest) GetEpoch() uint64 {
 	return 0
 }
 
-type HeartbeatResponse struct {
+func (x *HeartbeatRequest) GetCopiesDone() []*CopyResult {
+	if x != nil {
+		return x.CopiesDone
+	}
+	return nil
+}
+
+func (x *HeartbeatRequest) GetCopySlots() uint32 {
+	if x != nil {
+		return x.CopySlots
+	}
+	return 0
+}
+
+// CopyTask asks a store to copy an object's bytes from one replica to a new
+// one (demotion, promotion, drain). The store checks the checksum of what it
+// read before it writes.
+type CopyTask struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Id       uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	Key      string                 `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	Size     uint64                 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	Checksum uint32                 `protobuf:"varint,4,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	Source   *Replica               `protobuf:"bytes,5,opt,name=source,proto3" json:"source,omitempty"`
+	Target   *Replica               `protobuf:"bytes,6,opt,name=target,proto3" json:"target,omitempty"`
+	// The copy must end within this long; later the leader frees the target.
+	TimeoutMs     uint64 `protobuf:"varint,7,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CopyTask) Reset() {
+	*x = CopyTask{}
+	mi := &file_tidepool_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyTask) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyTask) ProtoMessage() {}
+
+func (x *CopyTask) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
+func (*CopyTask) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *CopyTask) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *CopyTask) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *CopyTask) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *CopyTask) GetChecksum() uint32 {
+	if x != nil {
+		return x.Checksum
+	}
+	return 0
+}
+
+func (x *CopyTask) GetSource() *Replica {
+	if x != nil {
+		return x.Source
+	}
+	return nil
+}
+
+func (x *CopyTask) GetTarget() *Replica {
+	if x != nil {
+		return x.Target
+	}
+	return nil
+}
+
+func (x *CopyTask) GetTimeoutMs() uint64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
+type CopyResult struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	Key           string                 `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	Status        *ItemStatus            `protobuf:"bytes,3,opt,name=status,proto3" json:"status,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CopyResult) Reset() {
+	*x = CopyResult{}
+	mi := &file_tidepool_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyResult) ProtoMessage() {}
+
+func (x *CopyResult) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
+func (*CopyResult) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *CopyResult) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *CopyResult) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *CopyResult) GetStatus() *ItemStatus {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
+type HeartbeatResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Copies for this node to make, at most copy_slots of them.
+	Copies        []*CopyTask `protobuf:"bytes,1,rep,name=copies,proto3" json:"copies,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1865,7 +2085,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1878,7 +2098,14 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *HeartbeatResponse) GetCopies() []*CopyTask {
+	if x != nil {
+		return x.Copies
+	}
+	return nil
 }
 
 type PinRequest struct {
@@ -1894,7 +2121,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1906,7 +2133,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1919,7 +2146,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -1956,14 +2183,16 @@ type EvictRequest struct {
 	ToWatermark float64 `protobuf:"fixed64,4,opt,name=to_watermark,json=toWatermark,proto3" json:"to_watermark,omitempty"`
 	Tier        Tier    `protobuf:"varint,5,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
 	// List what would be evicted; change nothing.
-	DryRun        bool `protobuf:"varint,6,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	DryRun bool `protobuf:"varint,6,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	// Objects put with this tenant.
+	Tenant        string `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1975,7 +2204,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1988,7 +2217,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -2033,6 +2262,13 @@ func (x *EvictRequest) GetDryRun() bool {
 	return false
 }
 
+func (x *EvictRequest) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
 type EvictResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// What was evicted (or, dry run, would be), in eviction order.
@@ -2049,7 +2285,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2061,7 +2297,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2074,7 +2310,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -2098,6 +2334,150 @@ func (x *EvictResponse) GetSkipped() uint64 {
 	return 0
 }
 
+type DrainRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	// Stop draining: the node takes new objects again.
+	Cancel        bool `protobuf:"varint,2,opt,name=cancel,proto3" json:"cancel,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DrainRequest) Reset() {
+	*x = DrainRequest{}
+	mi := &file_tidepool_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DrainRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DrainRequest) ProtoMessage() {}
+
+func (x *DrainRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
+func (*DrainRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *DrainRequest) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *DrainRequest) GetCancel() bool {
+	if x != nil {
+		return x.Cancel
+	}
+	return false
+}
+
+// DrainProgress is sent when the drain starts, about once a second while
+// it runs, and when it ends.
+type DrainProgress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Replicas and bytes still on the node.
+	ObjectsLeft uint64 `protobuf:"varint,1,opt,name=objects_left,json=objectsLeft,proto3" json:"objects_left,omitempty"`
+	BytesLeft   uint64 `protobuf:"varint,2,opt,name=bytes_left,json=bytesLeft,proto3" json:"bytes_left,omitempty"`
+	// Replicas moved to another node, and replicas dropped because the
+	// object had another one already.
+	Moved   uint64 `protobuf:"varint,3,opt,name=moved,proto3" json:"moved,omitempty"`
+	Dropped uint64 `protobuf:"varint,4,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	// Objects waiting for room elsewhere.
+	Waiting uint64 `protobuf:"varint,5,opt,name=waiting,proto3" json:"waiting,omitempty"`
+	// The node holds nothing and is out of the pool.
+	Done          bool `protobuf:"varint,6,opt,name=done,proto3" json:"done,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DrainProgress) Reset() {
+	*x = DrainProgress{}
+	mi := &file_tidepool_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DrainProgress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DrainProgress) ProtoMessage() {}
+
+func (x *DrainProgress) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
+func (*DrainProgress) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *DrainProgress) GetObjectsLeft() uint64 {
+	if x != nil {
+		return x.ObjectsLeft
+	}
+	return 0
+}
+
+func (x *DrainProgress) GetBytesLeft() uint64 {
+	if x != nil {
+		return x.BytesLeft
+	}
+	return 0
+}
+
+func (x *DrainProgress) GetMoved() uint64 {
+	if x != nil {
+		return x.Moved
+	}
+	return 0
+}
+
+func (x *DrainProgress) GetDropped() uint64 {
+	if x != nil {
+		return x.Dropped
+	}
+	return 0
+}
+
+func (x *DrainProgress) GetWaiting() uint64 {
+	if x != nil {
+		return x.Waiting
+	}
+	return 0
+}
+
+func (x *DrainProgress) GetDone() bool {
+	if x != nil {
+		return x.Done
+	}
+	return false
+}
+
 var File_tidepool_proto protoreflect.FileDescriptor
 
 const file_tidepool_proto_rawDesc = "" +
@@ -2113,13 +2493,15 @@ const file_tidepool_proto_rawDesc = "" +
 	"\bendpoint\x18\x03 \x01(\tR\bendpoint\x12\x16\n" +
 	"\x06offset\x18\x04 \x01(\x04R\x06offset\x12\x16\n" +
 	"\x06length\x18\x05 \x01(\x04R\x06length\x12%\n" +
-	"\x04tier\x18\x06 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\"\x96\x01\n" +
+	"\x04tier\x18\x06 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\"\xc6\x01\n" +
 	"\x0fPutStartRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
 	"\bchecksum\x18\x03 \x01(\rR\bchecksum\x12%\n" +
 	"\x04tier\x18\x04 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x1a\n" +
-	"\breplicas\x18\x05 \x01(\rR\breplicas\"\xcc\x01\n" +
+	"\breplicas\x18\x05 \x01(\rR\breplicas\x12\x16\n" +
+	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\"\xcc\x01\n" +
 	"\x0ePutStartResult\x12/\n" +
 	"\x06status\x18\x01 \x01(\v2\x17.tidepool.v1.ItemStatusR\x06status\x12\x16\n" +
 	"\x06exists\x18\x02 \x01(\bR\x06exists\x120\n" +
@@ -2150,7 +2532,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06prefix\x18\x01 \x01(\tR\x06prefix\x12\x14\n" +
 	"\x05limit\x18\x02 \x01(\rR\x05limit\x12\x1f\n" +
 	"\vstart_after\x18\x03 \x01(\tR\n" +
-	"startAfter\"\xad\x02\n" +
+	"startAfter\"\xdd\x02\n" +
 	"\n" +
 	"ObjectInfo\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
@@ -2161,7 +2543,10 @@ const file_tidepool_proto_rawDesc = "" +
 	"\breplicas\x18\x06 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x1f\n" +
 	"\vhard_pinned\x18\a \x01(\bR\n" +
 	"hardPinned\x122\n" +
-	"\x16soft_pin_until_unix_ms\x18\b \x01(\x03R\x12softPinUntilUnixMs\"_\n" +
+	"\x16soft_pin_until_unix_ms\x18\b \x01(\x03R\x12softPinUntilUnixMs\x12\x16\n" +
+	"\x06parent\x18\t \x01(\tR\x06parent\x12\x16\n" +
+	"\x06tenant\x18\n" +
+	" \x01(\tR\x06tenant\"_\n" +
 	"\fListResponse\x121\n" +
 	"\aobjects\x18\x01 \x03(\v2\x17.tidepool.v1.ObjectInfoR\aobjects\x12\x1c\n" +
 	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"X\n" +
@@ -2176,7 +2561,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"MemberInfo\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12\x16\n" +
-	"\x06leader\x18\x03 \x01(\bR\x06leader\"\xee\x01\n" +
+	"\x06leader\x18\x03 \x01(\bR\x06leader\"\x8a\x02\n" +
 	"\vSegmentInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12%\n" +
@@ -2186,7 +2571,9 @@ const file_tidepool_proto_rawDesc = "" +
 	"\bendpoint\x18\x06 \x01(\tR\bendpoint\x12\x14\n" +
 	"\x05epoch\x18\a \x01(\x04R\x05epoch\x12\x14\n" +
 	"\x05alive\x18\b \x01(\bR\x05alive\x12\x18\n" +
-	"\aobjects\x18\t \x01(\x04R\aobjects\"\xc7\x02\n" +
+	"\aobjects\x18\t \x01(\x04R\aobjects\x12\x1a\n" +
+	"\bdraining\x18\n" +
+	" \x01(\bR\bdraining\"\xc7\x02\n" +
 	"\x0eStatusResponse\x12\x1b\n" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12%\n" +
 	"\x0eleader_address\x18\x02 \x01(\tR\rleaderAddress\x121\n" +
@@ -2221,27 +2608,58 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12\x18\n" +
 	"\asegment\x18\x03 \x01(\tR\asegment\"N\n" +
 	"\x16SegmentObjectsResponse\x124\n" +
-	"\aobjects\x18\x01 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\aobjects\"<\n" +
+	"\aobjects\x18\x01 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\aobjects\"\x95\x01\n" +
 	"\x10HeartbeatRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
-	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\"\x13\n" +
-	"\x11HeartbeatResponse\"I\n" +
+	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x128\n" +
+	"\vcopies_done\x18\x03 \x03(\v2\x17.tidepool.v1.CopyResultR\n" +
+	"copiesDone\x12\x1d\n" +
+	"\n" +
+	"copy_slots\x18\x04 \x01(\rR\tcopySlots\"\xd7\x01\n" +
+	"\bCopyTask\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\x12\x12\n" +
+	"\x04size\x18\x03 \x01(\x04R\x04size\x12\x1a\n" +
+	"\bchecksum\x18\x04 \x01(\rR\bchecksum\x12,\n" +
+	"\x06source\x18\x05 \x01(\v2\x14.tidepool.v1.ReplicaR\x06source\x12,\n" +
+	"\x06target\x18\x06 \x01(\v2\x14.tidepool.v1.ReplicaR\x06target\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\a \x01(\x04R\ttimeoutMs\"_\n" +
+	"\n" +
+	"CopyResult\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\x12/\n" +
+	"\x06status\x18\x03 \x01(\v2\x17.tidepool.v1.ItemStatusR\x06status\"B\n" +
+	"\x11HeartbeatResponse\x12-\n" +
+	"\x06copies\x18\x01 \x03(\v2\x15.tidepool.v1.CopyTaskR\x06copies\"I\n" +
 	"\n" +
 	"PinRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04hard\x18\x02 \x01(\bR\x04hard\x12\x15\n" +
-	"\x06ttl_ms\x18\x03 \x01(\x04R\x05ttlMs\"\xbf\x01\n" +
+	"\x06ttl_ms\x18\x03 \x01(\x04R\x05ttlMs\"\xd7\x01\n" +
 	"\fEvictRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x16\n" +
 	"\x06prefix\x18\x02 \x01(\tR\x06prefix\x12\"\n" +
 	"\rolder_than_ms\x18\x03 \x01(\x04R\volderThanMs\x12!\n" +
 	"\fto_watermark\x18\x04 \x01(\x01R\vtoWatermark\x12%\n" +
 	"\x04tier\x18\x05 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x17\n" +
-	"\adry_run\x18\x06 \x01(\bR\x06dryRun\"r\n" +
+	"\adry_run\x18\x06 \x01(\bR\x06dryRun\x12\x16\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\"r\n" +
 	"\rEvictResponse\x121\n" +
 	"\aobjects\x18\x01 \x03(\v2\x17.tidepool.v1.ObjectInfoR\aobjects\x12\x14\n" +
 	"\x05bytes\x18\x02 \x01(\x04R\x05bytes\x12\x18\n" +
-	"\askipped\x18\x03 \x01(\x04R\askipped*G\n" +
+	"\askipped\x18\x03 \x01(\x04R\askipped\":\n" +
+	"\fDrainRequest\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x16\n" +
+	"\x06cancel\x18\x02 \x01(\bR\x06cancel\"\xaf\x01\n" +
+	"\rDrainProgress\x12!\n" +
+	"\fobjects_left\x18\x01 \x01(\x04R\vobjectsLeft\x12\x1d\n" +
+	"\n" +
+	"bytes_left\x18\x02 \x01(\x04R\tbytesLeft\x12\x14\n" +
+	"\x05moved\x18\x03 \x01(\x04R\x05moved\x12\x18\n" +
+	"\adropped\x18\x04 \x01(\x04R\adropped\x12\x18\n" +
+	"\awaiting\x18\x05 \x01(\x04R\awaiting\x12\x12\n" +
+	"\x04done\x18\x06 \x01(\bR\x04done*G\n" +
 	"\x04Tier\x12\x14\n" +
 	"\x10TIER_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bTIER_HBM\x10\x01\x12\r\n" +
@@ -2266,11 +2684,12 @@ const file_tidepool_proto_rawDesc = "" +
 	"\bRegister\x12\x1c.tidepool.v1.RegisterRequest\x1a\x1d.tidepool.v1.RegisterResponse\x12J\n" +
 	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
 	"\x0eSegmentObjects\x12\".tidepool.v1.SegmentObjectsRequest\x1a#.tidepool.v1.SegmentObjectsResponse\x12F\n" +
-	"\x05Leave\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\xc2\x01\n" +
+	"\x05Leave\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\x84\x02\n" +
 	"\x05Admin\x12:\n" +
 	"\x03Pin\x12\x17.tidepool.v1.PinRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12=\n" +
 	"\x05Unpin\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n" +
-	"\x05Evict\x12\x19.tidepool.v1.EvictRequest\x1a\x1a.tidepool.v1.EvictResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
+	"\x05Evict\x12\x19.tidepool.v1.EvictRequest\x1a\x1a.tidepool.v1.EvictResponse\x12@\n" +
+	"\x05Drain\x12\x19.tidepool.v1.DrainRequest\x1a\x1a.tidepool.v1.DrainProgress0\x01B2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
 
 var (
 	file_tidepool_proto_rawDescOnce sync.Once
@@ -2285,7 +2704,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 35)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -2316,10 +2735,14 @@ var file_tidepool_proto_goTypes = []any{
 	(*SegmentObjectsRequest)(nil),  // 26: tidepool.v1.SegmentObjectsRequest
 	(*SegmentObjectsResponse)(nil), // 27: tidepool.v1.SegmentObjectsResponse
 	(*HeartbeatRequest)(nil),       // 28: tidepool.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),      // 29: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 30: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 31: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 32: tidepool.v1.EvictResponse
+	(*CopyTask)(nil),               // 29: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 30: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 31: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 32: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 33: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 34: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 35: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 36: tidepool.v1.DrainProgress
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -2342,47 +2765,54 @@ var file_tidepool_proto_depIdxs = []int32{
 	22, // 17: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
 	23, // 18: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
 	23, // 19: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	0,  // 20: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	14, // 21: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 22: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	8,  // 23: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	8,  // 24: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 25: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	8,  // 26: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	8,  // 27: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	8,  // 28: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	13, // 29: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	18, // 30: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	16, // 31: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	24, // 32: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	28, // 33: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	26, // 34: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	28, // 35: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	30, // 36: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	8,  // 37: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	31, // 38: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	5,  // 39: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 40: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 41: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 42: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 43: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 44: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 45: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 46: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	21, // 47: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	17, // 48: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	25, // 49: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	29, // 50: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	27, // 51: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	29, // 52: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	9,  // 53: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	9,  // 54: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	32, // 55: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	39, // [39:56] is the sub-list for method output_type
-	22, // [22:39] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	30, // 20: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 21: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 22: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 23: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	29, // 24: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 25: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	14, // 26: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 27: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	8,  // 28: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	8,  // 29: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 30: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	8,  // 31: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	8,  // 32: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	8,  // 33: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	13, // 34: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	18, // 35: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	16, // 36: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	24, // 37: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	28, // 38: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	26, // 39: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	28, // 40: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	32, // 41: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	8,  // 42: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	33, // 43: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	35, // 44: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	5,  // 45: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	9,  // 46: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	9,  // 47: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 48: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	11, // 49: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	12, // 50: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	9,  // 51: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	15, // 52: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	21, // 53: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	17, // 54: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	25, // 55: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	31, // 56: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	27, // 57: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	31, // 58: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	9,  // 59: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	9,  // 60: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	34, // 61: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	36, // 62: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	45, // [45:63] is the sub-list for method output_type
+	27, // [27:45] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -2396,7 +2826,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   31,
+			NumMessages:   35,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -504,6 +504,10 @@ const (
 // the master does not know the node at that epoch; the store registers anew.
 type RegistryClient interface {
 	Register(ctx context.Context, in *RegisterRequest, opts ...grpc.CallOption) (*RegisterResponse, error)
+	// Heartbeat is also the leader's command channel to the store: it
+	// carries copies to make and their results back. It answers
+	// FAILED_PRECONDITION to a node that was drained: the process stays out
+	// of the pool until it is restarted.
 	Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error)
 	// SegmentObjects lists the complete objects with a replica on one of the
 	// node's segments; a store keeps the index of a persistent tier with it.
@@ -570,6 +574,10 @@ func (c *registryClient) Leave(ctx context.Context, in *HeartbeatRequest, opts .
 // the master does not know the node at that epoch; the store registers anew.
 type RegistryServer interface {
 	Register(context.Context, *RegisterRequest) (*RegisterResponse, error)
+	// Heartbeat is also the leader's command channel to the store: it
+	// carries copies to make and their results back. It answers
+	// FAILED_PRECONDITION to a node that was drained: the process stays out
+	// of the pool until it is restarted.
 	Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error)
 	// SegmentObjects lists the complete objects with a replica on one of the
 	// node's segments; a store keeps the index of a persistent tier with it.
@@ -725,6 +733,7 @@ const (
 	Admin_Pin_FullMethodName   = "/tidepool.v1.Admin/Pin"
 	Admin_Unpin_FullMethodName = "/tidepool.v1.Admin/Unpin"
 	Admin_Evict_FullMethodName = "/tidepool.v1.Admin/Evict"
+	Admin_Drain_FullMethodName = "/tidepool.v1.Admin/Drain"
 )
 
 // AdminClient is the client API for Admin service.
@@ -736,6 +745,10 @@ type AdminClient interface {
 	Pin(ctx context.Context, in *PinRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
 	Unpin(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
 	Evict(ctx context.Context, in *EvictRequest, opts ...grpc.CallOption) (*EvictResponse, error)
+	// Drain moves every replica off a node, then takes it out of the pool,
+	// streaming progress. Closing the stream does not stop the drain; the
+	// leader (or the next one) finishes it.
+	Drain(ctx context.Context, in *DrainRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[DrainProgress], error)
 }
 
 type adminClient struct {
@@ -776,6 +789,25 @@ func (c *adminClient) Evict(ctx context.Context, in *EvictRequest, opts ...grpc.
 	return out, nil
 }
 
+func (c *adminClient) Drain(ctx context.Context, in *DrainRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[DrainProgress], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Admin_ServiceDesc.Streams[0], Admin_Drain_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[DrainRequest, DrainProgress]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Admin_DrainClient = grpc.ServerStreamingClient[DrainProgress]
+
 // AdminServer is the server API for Admin service.
 // All implementations must embed UnimplementedAdminServer
 // for forward compatibility.
@@ -785,6 +817,10 @@ type AdminServer interface {
 	Pin(context.Context, *PinRequest) (*ItemsResponse, error)
 	Unpin(context.Context, *KeysRequest) (*ItemsResponse, error)
 	Evict(context.Context, *EvictRequest) (*EvictResponse, error)
+	// Drain moves every replica off a node, then takes it out of the pool,
+	// streaming progress. Closing the stream does not stop the drain; the
+	// leader (or the next one) finishes it.
+	Drain(*DrainRequest, grpc.ServerStreamingServer[DrainProgress]) error
 	mustEmbedUnimplementedAdminServer()
 }
 
@@ -803,6 +839,9 @@ func (UnimplementedAdminServer) Unpin(context.Context, *KeysRequest) (*ItemsResp
 }
 func (UnimplementedAdminServer) Evict(context.Context, *EvictRequest) (*EvictResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Evict not implemented")
+}
+func (UnimplementedAdminServer) Drain(*DrainRequest, grpc.ServerStreamingServer[DrainProgress]) error {
+	return status.Errorf(codes.Unimplemented, "method Drain not implemented")
 }
 func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
 func (UnimplementedAdminServer) testEmbeddedByValue()               {}
@@ -879,6 +918,17 @@ func _Admin_Evict_Handler(srv interface{}, ctx context.Context, dec func(interfa
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Admin_Drain_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(DrainRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(AdminServer).Drain(m, &grpc.GenericServerStream[DrainRequest, DrainProgress]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Admin_DrainServer = grpc.ServerStreamingServer[DrainProgress]
+
 // Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -899,6 +949,12 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _Admin_Evict_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "Drain",
+			Handler:       _Admin_Drain_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "tidepool.proto",
 }

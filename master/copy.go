@@ -1,0 +1,307 @@
+package master
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Copies move an object's bytes between segments without a client: a
+// demotion to a slower tier, a promotion to a faster one, a drain off a
+// node. The leader allocates the new replica through raft (CopyStart), the
+// store holding the source makes the copy, which the leader hands it on its
+// next heartbeat, and reports back on the one after; the leader then
+// publishes the replica (CopyEnd), dropping the source for a move. A copy
+// that is not reported by its deadline is ended by the sweep, so a store
+// that dies mid-copy leaks nothing.
+
+// copyStart allocates the target of a copy; id (the raft position of the
+// command) names it. At most one copy of an object runs at a time, and the
+// target is a segment that holds no replica of it yet.
+func (f *FSM) copyStart(it *pb.CopyStartItem, id uint64) CopyStartResult {
+	o := f.objects[it.Key]
+	switch {
+	case o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || (it.PutId != 0 && o.putID != it.PutId):
+		return CopyStartResult{Err: errorf(ErrNotFound, it.Key)}
+	case len(o.copies) > 0:
+		return CopyStartResult{Err: errorf(ErrCopyInProgress, it.Key)}
+	case !slices.ContainsFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == it.Source }):
+		return CopyStartResult{Err: fmt.Errorf("%w: %q has no replica on %s", ErrNotFound, it.Key, it.Source)}
+	}
+	for _, segID := range it.Candidates {
+		s := f.segments[segID]
+		if s == nil || slices.ContainsFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == segID }) {
+			continue
+		}
+		off, ok := s.alloc.alloc(o.size)
+		if !ok {
+			continue
+		}
+		c := &pb.PendingCopy{
+			Id: id, Target: &pb.Extent{Segment: segID, Offset: off, Length: o.size}, Source: it.Source,
+			DeadlineUnixNano: it.DeadlineUnixNano, Reason: it.Reason,
+		}
+		o.copies = append(o.copies, c)
+		return CopyStartResult{Copy: c}
+	}
+	return CopyStartResult{Err: fmt.Errorf("%w to copy %q (%d bytes)", ErrNoSpace, it.Key, o.size)}
+}
+
+// copyEnd publishes or abandons a copy. A move (demotion, drain) drops its
+// source once the copy is a replica; that space is reused from freeAfter on.
+func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
+	o := f.objects[it.Key]
+	i := -1
+	if o != nil {
+		i = slices.IndexFunc(o.copies, func(c *pb.PendingCopy) bool { return c.Id == it.CopyId })
+	}
+	if i < 0 {
+		return CopyEndResult{Err: fmt.Errorf("%w: copy %d of %q", ErrNotInProgress, it.CopyId, it.Key)}
+	}
+	c := o.copies[i]
+	if it.OnlyExpired && c.DeadlineUnixNano >= now {
+		return CopyEndResult{Err: fmt.Errorf("%w: copy %d of %q has not expired", ErrNotInProgress, it.CopyId, it.Key)}
+	}
+	o.copies = slices.Delete(slices.Clone(o.copies), i, i+1)
+	res := CopyEndResult{Reason: c.Reason, Size: o.size}
+	if src := f.segments[c.Source]; src != nil {
+		res.Node = src.node
+	}
+	switch {
+	case it.OnlyExpired, now > c.DeadlineUnixNano:
+		// The copier stops at the deadline, but its bytes may still land.
+		f.free(c.Target, now+lateWriteGrace)
+		res.Err = fmt.Errorf("%w: copy %d of %q expired", ErrNotInProgress, it.CopyId, it.Key)
+	case it.Failed:
+		f.free(c.Target, 0)
+	default:
+		o.replicas = append(slices.Clone(o.replicas), c.Target)
+		if s := f.segments[c.Target.Segment]; s != nil {
+			s.objects++
+		}
+		if c.Reason != pb.CopyReason_COPY_REASON_PROMOTE {
+			if j := slices.IndexFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == c.Source }); j >= 0 {
+				f.dropExtent(o, j, freeAfter, now)
+			}
+		}
+		res.Done = true
+	}
+	return res
+}
+
+// holds reports whether any of a node's segments holds a replica or the
+// target of a copy; f.mu must be held.
+func (f *FSM) holds(n *node) bool {
+	for _, id := range n.segments {
+		if s := f.segments[id]; s != nil && s.objects > 0 {
+			return true
+		}
+	}
+	mine := func(e *pb.Extent) bool { return slices.Contains(n.segments, e.Segment) }
+	for _, o := range f.objects {
+		for _, c := range o.copies {
+			if mine(c.Target) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// expiredCopies lists copies past their deadline, by key.
+func (f *FSM) expiredCopies(now int64) []*pb.CopyEndItem {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var out []*pb.CopyEndItem
+	for k, o := range f.objects {
+		for _, c := range o.copies {
+			if c.DeadlineUnixNano < now {
+				out = append(out, &pb.CopyEndItem{Key: k, CopyId: c.Id, OnlyExpired: true})
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b *pb.CopyEndItem) int { return strings.Compare(a.Key, b.Key) })
+	return out
+}
+
+// copyJob is a copy for the leader to start: the object, the replica to
+// read, and where the new one may go, best first.
+type copyJob struct {
+	key        string
+	putID      uint64
+	source     string
+	candidates []string
+	reason     pb.CopyReason
+}
+
+// startCopies allocates the targets of jobs through raft and queues each
+// started copy for the store that holds its source. It returns how many
+// started, and the keys of those that found no room.
+func (s *Server) startCopies(ctx context.Context, jobs []copyJob) (started int, noRoom []string, err error) {
+	if len(jobs) == 0 {
+		return 0, nil, nil
+	}
+	deadline := s.cfg.Now().Add(s.cfg.PutTimeout)
+	cmd := &pb.CopyStartCmd{}
+	for _, j := range jobs {
+		cmd.Items = append(cmd.Items, &pb.CopyStartItem{
+			Key: j.key, PutId: j.putID, Source: j.source, Candidates: j.candidates,
+			DeadlineUnixNano: deadline.UnixNano(), Reason: j.reason,
+		})
+	}
+	out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_CopyStart{CopyStart: cmd}})
+	if err != nil {
+		return 0, nil, err
+	}
+	for i, r := range out.([]CopyStartResult) {
+		if errors.Is(r.Err, ErrNoSpace) {
+			noRoom = append(noRoom, cmd.Items[i].Key)
+		}
+		if r.Err != nil {
+			continue
+		}
+		task, node, ok := s.fsm.copyTask(cmd.Items[i].Key, r.Copy, deadline)
+		if !ok {
+			continue // the object or a segment went away; the sweep ends the copy
+		}
+		task.TimeoutMs = uint64(s.cfg.PutTimeout.Milliseconds())
+		s.mu.Lock()
+		s.mu.copyQueue[node] = append(s.mu.copyQueue[node], queuedCopy{task: task, deadline: deadline})
+		s.mu.Unlock()
+		started++
+	}
+	return started, noRoom, nil
+}
+
+// copyTask describes a started copy for the store that makes it.
+func (f *FSM) copyTask(key string, c *pb.PendingCopy, deadline time.Time) (*pb.CopyTask, string, bool) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	o := f.objects[key]
+	src := f.segments[c.Source]
+	if o == nil || src == nil {
+		return nil, "", false
+	}
+	var ext *pb.Extent
+	for _, r := range o.replicas {
+		if r.Segment == c.Source {
+			ext = r
+		}
+	}
+	reps := f.describe([]*pb.Extent{ext, c.Target})
+	if ext == nil || len(reps) != 2 {
+		return nil, "", false
+	}
+	source, target := reps[0], reps[1]
+	if source.Segment != c.Source { // describe orders by tier
+		source, target = target, source
+	}
+	return &pb.CopyTask{Id: c.Id, Key: key, Size: o.size, Checksum: o.checksum, Source: source, Target: target}, src.node, true
+}
+
+// queuedCopy is a copy waiting for its store's next heartbeat.
+type queuedCopy struct {
+	task     *pb.CopyTask
+	deadline time.Time
+}
+
+// takeCopies hands a heartbeating store up to slots of its queued copies,
+// dropping those whose deadline has passed (the sweep ends them).
+func (s *Server) takeCopies(node string, slots int) []*pb.CopyTask {
+	now := s.cfg.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := s.mu.copyQueue[node]
+	var out []*pb.CopyTask
+	for len(q) > 0 && len(out) < slots {
+		if q[0].deadline.After(now.Add(time.Second)) {
+			out = append(out, q[0].task)
+		}
+		q = q[1:]
+	}
+	if len(q) == 0 {
+		delete(s.mu.copyQueue, node)
+	} else {
+		s.mu.copyQueue[node] = q
+	}
+	return out
+}
+
+// endCopies publishes the copies a store reports.
+func (s *Server) endCopies(ctx context.Context, results []*pb.CopyResult) error {
+	if len(results) == 0 {
+		return nil
+	}
+	cmd := &pb.CopyEndCmd{}
+	var keys []string
+	for _, r := range results {
+		failed := r.Status != nil && r.Status.Code != int32(codes.OK)
+		if failed {
+			s.log.Warn("copy failed", "key", r.Key, "copy", r.Id, "err", r.Status.Message)
+		}
+		cmd.Items = append(cmd.Items, &pb.CopyEndItem{Key: r.Key, CopyId: r.Id, Failed: failed})
+		keys = append(keys, r.Key)
+	}
+	cmd.FreeAfterUnixNano = s.leaseEnd(keys).UnixNano()
+	out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_CopyEnd{CopyEnd: cmd}})
+	if err != nil {
+		return err
+	}
+	s.copiesEnded(out.([]CopyEndResult))
+	return nil
+}
+
+// copiesEnded counts ended copies in the metrics and drain progress.
+func (s *Server) copiesEnded(res []CopyEndResult) {
+	for _, r := range res {
+		result := "ok"
+		if !r.Done {
+			result = "failed"
+		}
+		s.metrics.copied(r.Reason, result, r.Size)
+		if r.Done && r.Reason == pb.CopyReason_COPY_REASON_DRAIN {
+			s.drainMoved(r.Node)
+		}
+	}
+}
+
+// endExpiredCopies ends the copies no store reported in time.
+func (s *Server) endExpiredCopies(ctx context.Context, now time.Time) {
+	items := s.fsm.expiredCopies(now.UnixNano())
+	if len(items) == 0 {
+		return
+	}
+	out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_CopyEnd{CopyEnd: &pb.CopyEndCmd{Items: items}}})
+	if err != nil {
+		s.log.Warn("end expired copies", "copies", len(items), "err", err)
+		return
+	}
+	s.log.Warn("copies expired before their store reported them", "copies", len(items))
+	for _, r := range out.([]CopyEndResult) {
+		s.metrics.copied(r.Reason, "expired", r.Size)
+	}
+}
+
+// leaseEnd is when the last read lease this leader (or, to be safe, an
+// earlier one) granted on keys ends. A replica dropped while its key stays
+// readable is freed then; a read leased in the instant between this and the
+// drop's commit may still see the old replica, and its checksum check
+// sends it to the next one if the space was reused.
+func (s *Server) leaseEnd(keys []string) time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
+	for _, k := range keys {
+		if exp, ok := s.mu.leases[k]; ok && exp.After(t) {
+			t = exp
+		}
+	}
+	return t
+}

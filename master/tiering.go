@@ -1,0 +1,193 @@
+package master
+
+import (
+	"cmp"
+	"context"
+	"slices"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Tiering keeps hot objects in fast tiers and cold ones in slow tiers.
+//
+// Demotion: when a DRAM (or HBM) segment crosses the high watermark, its
+// least recently used objects are copied to a slower tier with room (SSD),
+// at the engine's LOW priority, and their fast replica is dropped once the
+// copy is a replica. An object that already has a slower replica just
+// loses its fast one. Only without room in a slower tier is an object of a
+// fast tier evicted outright.
+//
+// Promotion: an object read from a slow tier only, PromoteAfter times,
+// gains a DRAM replica, if DRAM has room below the high watermark; its SSD
+// replica stays, so demoting it again costs nothing.
+
+// PromoteAfter is how many reads served from a slow tier only make an
+// object hot enough to promote (admission by frequency).
+const PromoteAfter = 2
+
+// Bounds on the leader's promotion bookkeeping and work per sweep.
+const (
+	maxSlowReads    = 1 << 17
+	maxPromotePerSweep = 256
+)
+
+// hasSlowerTier reports whether the pool has a segment of a slower tier
+// than t that placement may use.
+func (s *Server) hasSlowerTier(t pb.Tier) bool {
+	for _, v := range s.fsm.segmentViews() {
+		if readRank(v.tier) > readRank(t) && !v.draining && s.alive(v.node) {
+			return true
+		}
+	}
+	return false
+}
+
+// slowerSegments orders the live segments of tiers slower than t that
+// have a free range of size bytes: the same node as near first (a local
+// file write), then the freer.
+func (s *Server) slowerSegments(t pb.Tier, size uint64, near string) []string {
+	views := slices.DeleteFunc(s.fsm.segmentViews(), func(v segmentView) bool {
+		return readRank(v.tier) <= readRank(t) || v.draining || !s.alive(v.node) || v.largestFree < size
+	})
+	slices.SortStableFunc(views, func(a, b segmentView) int {
+		if (a.node == near) != (b.node == near) {
+			if a.node == near {
+				return -1
+			}
+			return 1
+		}
+		return cmp.Or(cmp.Compare(readRank(a.tier), readRank(b.tier)), freerFirst(a, b))
+	})
+	ids := make([]string, len(views))
+	for i, v := range views {
+		ids[i] = v.id
+	}
+	return ids
+}
+
+// demote moves victims off the fast segment from, and returns those it
+// could not place in a slower tier: the caller evicts them.
+func (s *Server) demote(ctx context.Context, from segmentView, victims []evictable) (unplaced []evictable) {
+	tiers := map[string]pb.Tier{}
+	for _, v := range s.fsm.segmentViews() {
+		tiers[v.id] = v.tier
+	}
+	var jobs []copyJob
+	byKey := map[string]evictable{}
+	for _, o := range victims {
+		slower := slices.ContainsFunc(o.segments, func(id string) bool { return readRank(tiers[id]) > readRank(from.tier) })
+		if slower {
+			if s.dropReplica(ctx, o, from.id, "demote") {
+				continue
+			}
+			unplaced = append(unplaced, o)
+			continue
+		}
+		cands := s.slowerSegments(from.tier, o.size, from.node)
+		if len(cands) == 0 {
+			unplaced = append(unplaced, o)
+			continue
+		}
+		byKey[o.key] = o
+		jobs = append(jobs, copyJob{key: o.key, putID: o.putID, source: from.id, candidates: cands, reason: pb.CopyReason_COPY_REASON_DEMOTE})
+	}
+	started, failed, err := s.startCopies(ctx, jobs)
+	if err != nil {
+		s.log.Warn("demote", "segment", from.id, "err", err)
+		return unplaced
+	}
+	for _, k := range failed {
+		unplaced = append(unplaced, byKey[k])
+	}
+	if started > 0 {
+		s.log.Debug("demoting", "segment", from.id, "objects", started)
+	}
+	return unplaced
+}
+
+// dropReplica drops o's replica on segment, which is not its last, and
+// frees it when the leases on the key end.
+func (s *Server) dropReplica(ctx context.Context, o evictable, segment, reason string) bool {
+	out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_DropReplica{DropReplica: &pb.DropReplicaCmd{
+		Key: o.key, Segment: segment, Checksum: o.checksum, FreeAfterUnixNano: s.leaseEnd([]string{o.key}).UnixNano(),
+		KeepLast: true,
+	}}})
+	if err != nil || !out.(bool) {
+		return false
+	}
+	s.metrics.dropped(reason)
+	return true
+}
+
+// noteReads counts reads of objects whose fastest replica is in a slow
+// tier; those read PromoteAfter times are queued for promotion.
+func (s *Server) noteReads(keys []string, res []*pb.ObjectReplicas) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, r := range res {
+		if len(r.Replicas) == 0 || readRank(r.Replicas[0].Tier) <= readRank(pb.Tier_TIER_DRAM) {
+			continue
+		}
+		if len(s.mu.slowReads) >= maxSlowReads {
+			clear(s.mu.slowReads) // forget old counts rather than grow without bound
+		}
+		s.mu.slowReads[keys[i]]++
+		if s.mu.slowReads[keys[i]] >= PromoteAfter && len(s.mu.promote) < maxSlowReads {
+			s.mu.promote[keys[i]] = true
+			delete(s.mu.slowReads, keys[i])
+		}
+	}
+}
+
+// promote copies the objects queued for promotion into DRAM segments that
+// have room below the high watermark.
+func (s *Server) promote(ctx context.Context) {
+	s.mu.Lock()
+	keys := make([]string, 0, min(len(s.mu.promote), maxPromotePerSweep))
+	for k := range s.mu.promote {
+		if len(keys) == maxPromotePerSweep {
+			break
+		}
+		keys = append(keys, k)
+		delete(s.mu.promote, k)
+	}
+	s.mu.Unlock()
+	if len(keys) == 0 {
+		return
+	}
+	slices.Sort(keys)
+	views := slices.DeleteFunc(s.fsm.segmentViews(), func(v segmentView) bool {
+		return v.tier != pb.Tier_TIER_DRAM || v.draining || !s.alive(v.node)
+	})
+	slices.SortStableFunc(views, freerFirst)
+	tiers := map[string]pb.Tier{}
+	for _, v := range s.fsm.segmentViews() {
+		tiers[v.id] = v.tier
+	}
+	room := map[string]uint64{} // what each DRAM segment may still take
+	for _, v := range views {
+		if limit := uint64(s.cfg.HighWatermark * float64(v.capacity)); v.used < limit {
+			room[v.id] = min(limit-v.used, v.largestFree)
+		}
+	}
+	var jobs []copyJob
+	for _, o := range s.fsm.completeObjects(func(k string) bool { _, ok := slices.BinarySearch(keys, k); return ok }) {
+		if o.copying || slices.ContainsFunc(o.segments, func(id string) bool { return readRank(tiers[id]) <= readRank(pb.Tier_TIER_DRAM) }) {
+			continue
+		}
+		var cands []string
+		for _, v := range views {
+			if room[v.id] >= o.size {
+				cands = append(cands, v.id)
+			}
+		}
+		if len(cands) == 0 {
+			continue
+		}
+		room[cands[0]] -= o.size
+		jobs = append(jobs, copyJob{key: o.key, putID: o.putID, source: o.segments[0], candidates: cands, reason: pb.CopyReason_COPY_REASON_PROMOTE})
+	}
+	if _, _, err := s.startCopies(ctx, jobs); err != nil {
+		s.log.Warn("promote", "objects", len(jobs), "err", err)
+	}
+}
