@@ -28,7 +28,10 @@ type Config struct {
 	// (best effort); 0 means 1.
 	Replicas int
 	// Tier is the tier puts prefer: "dram" (default), "hbm" or "ssd".
-	Tier   string
+	Tier string
+	// Tenant is recorded with every put, so an operator can evict one
+	// tenant's objects (admin evict --tenant); may be empty.
+	Tenant string
 	Logger *slog.Logger
 }
 
@@ -36,6 +39,7 @@ type Config struct {
 type Client struct {
 	replicas  uint32
 	tier      pb.Tier
+	tenant    string
 	masters   *leaderconn.Conn
 	eng       *engine.Engine
 	ownEngine bool
@@ -61,7 +65,7 @@ func New(cfg Config) (*Client, error) {
 		masters.Close()
 		return nil, fmt.Errorf("client: %w: %d replicas", ErrInvalidArgument, cfg.Replicas)
 	}
-	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger, replicas: uint32(cfg.Replicas), tier: tier}
+	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger, replicas: uint32(cfg.Replicas), tier: tier, tenant: cfg.Tenant}
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
@@ -105,6 +109,23 @@ func (c *Client) Put(ctx context.Context, key string, value []byte) error {
 // BatchPut stores values[i] under keys[i] with one master round trip per
 // phase, and returns one error per key.
 func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) []error {
+	return c.batchPut(ctx, keys, values, func(int) string { return "" })
+}
+
+// BatchPutChain stores the blocks of a prefix chain: keys[0] continues
+// parent (empty: the chain's first block) and keys[i] continues keys[i-1].
+// The master records the links, so eviction takes a chain's leaves before
+// the blocks they continue.
+func (c *Client) BatchPutChain(ctx context.Context, parent string, keys []string, values [][]byte) []error {
+	return c.batchPut(ctx, keys, values, func(i int) string {
+		if i == 0 {
+			return parent
+		}
+		return keys[i-1]
+	})
+}
+
+func (c *Client) batchPut(ctx context.Context, keys []string, values [][]byte, parent func(i int) string) []error {
 	errs := make([]error, len(keys))
 	if len(keys) != len(values) {
 		for i := range errs {
@@ -120,7 +141,10 @@ func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) [
 			errs[i] = fmt.Errorf("%w: zero-length value for %q", ErrInvalidArgument, k)
 		}
 		if errs[i] == nil {
-			req.Items = append(req.Items, &pb.PutStartRequest{Key: k, Size: uint64(len(values[i])), Checksum: Checksum(values[i]), Tier: c.tier, Replicas: c.replicas})
+			req.Items = append(req.Items, &pb.PutStartRequest{
+				Key: k, Size: uint64(len(values[i])), Checksum: Checksum(values[i]), Tier: c.tier, Replicas: c.replicas,
+				Parent: parent(i), Tenant: c.tenant,
+			})
 			idx = append(idx, i)
 		}
 	}

@@ -13,27 +13,48 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
 // TestEvictPoolFill is the memory policy's acceptance test with real
-// processes: 1 GiB of puts into a 256 MiB DRAM segment all succeed, the
-// sweep brings the segment under its watermark afterwards, a hard-pinned
-// object survives it all byte for byte, and `admin evict --prefix P
-// --dry-run` lists exactly what `admin evict --prefix P` then removes.
+// processes: 4 GiB of puts into a store with 256 MiB of DRAM and 1 GiB of
+// SSD all succeed; after each GiB the sweep brings DRAM under its
+// watermark by demoting cold objects to SSD, so everything recent is still
+// readable, byte for byte, whichever tier it ended in; a hard-pinned
+// object survives it all; and `admin evict --prefix P --dry-run` lists
+// exactly what `admin evict --prefix P` then removes.
 func TestEvictPoolFill(t *testing.T) {
-	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
 	const (
-		capacity = 256 << 20
-		total    = 1 << 30
+		dramCap  = 256 << 20
+		ssdCap   = 1 << 30
+		round    = 1 << 30
+		rounds   = 4
 		leaseTTL = time.Second
 		prefix   = "fill/"
 	)
 	m := startMaster(t, ctx, t.TempDir(), "--lease-ttl", leaseTTL.String())
 	leaderSince := time.Now() // ready means leader: it took over before this
-	startStore(t, ctx, "s1", m.grpc, fmt.Sprintf("dram:%dMiB", capacity>>20))
+	startStoreArgs(t, ctx, "s1", m.grpc, "--tier", "dram:256MiB", "--tier", "ssd:"+t.TempDir()+":1GiB")
 	c := newClient(t, m.grpc)
 	src := newRand(t)
+	tierUsed := func() (dram, ssd uint64, err error) {
+		st, err := c.Status(ctx)
+		if err != nil {
+			return 0, 0, err
+		}
+		for _, s := range segmentsOf(st, "s1") {
+			switch s.Tier {
+			case pb.Tier_TIER_DRAM:
+				dram = s.Used
+			case pb.Tier_TIER_SSD:
+				ssd = s.Used
+			}
+		}
+		return dram, ssd, nil
+	}
 
 	// The hard-pinned object is the least recently used of all.
 	pinned := object{key: prefix + "pinned", value: randomBytes(src, 5<<20+3)}
@@ -42,8 +63,8 @@ func TestEvictPoolFill(t *testing.T) {
 	}
 	mustCLI(t, ctx, nil, "admin", "pin", pinned.key, "--hard", "--masters", m.grpc)
 
-	// A new leader evicts nothing for one lease TTL; the puts below need
-	// eviction from about a quarter of the way on, so give it that.
+	// A new leader evicts nothing for one lease TTL; the pool is full a
+	// quarter of the way into the first round, so give it that.
 	time.Sleep(time.Until(leaderSince.Add(leaseTTL + 200*time.Millisecond)))
 
 	// Values are slices of one random pool at random offsets.
@@ -53,69 +74,74 @@ func TestEvictPoolFill(t *testing.T) {
 		key       string
 		off, size int
 	}
+	value := func(p put) []byte { return pool[p.off : p.off+p.size] }
 	var puts []put
-	for n, i := 0, 0; n < total; i++ {
-		size := 1<<20 + rng.IntN(7<<20+1)
-		puts = append(puts, put{key: fmt.Sprintf("%sobj%04d", prefix, i), off: rng.IntN(len(pool) - size + 1), size: size})
-		n += size
-	}
 	start := time.Now()
-	var failed atomic.Int32
-	var mu sync.Mutex
-	var errs []string
-	next := make(chan put)
-	var wg sync.WaitGroup
-	for range 4 {
-		wg.Go(func() {
-			for p := range next {
-				if err := c.Put(ctx, p.key, pool[p.off:p.off+p.size]); err != nil {
-					failed.Add(1)
-					mu.Lock()
-					errs = append(errs, fmt.Sprintf("put %s (%d bytes): %v", p.key, p.size, err))
-					mu.Unlock()
+	for r := range rounds {
+		var batch []put
+		for n := 0; n < round; {
+			size := 1<<20 + rng.IntN(7<<20+1)
+			batch = append(batch, put{key: fmt.Sprintf("%sobj%05d", prefix, len(puts)+len(batch)), off: rng.IntN(len(pool) - size + 1), size: size})
+			n += size
+		}
+		puts = append(puts, batch...)
+		var failed atomic.Int32
+		var mu sync.Mutex
+		var errs []string
+		next := make(chan put)
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Go(func() {
+				for p := range next {
+					if err := c.Put(ctx, p.key, value(p)); err != nil {
+						failed.Add(1)
+						mu.Lock()
+						errs = append(errs, fmt.Sprintf("put %s (%d bytes): %v", p.key, p.size, err))
+						mu.Unlock()
+					}
 				}
+			})
+		}
+		for _, p := range batch {
+			next <- p
+		}
+		close(next)
+		wg.Wait()
+		for _, e := range errs {
+			t.Error(e)
+		}
+		if failed.Load() > 0 {
+			t.Fatalf("round %d: %d of %d puts failed", r, failed.Load(), len(batch))
+		}
+		// The sweep brings DRAM to at most high - ratio (0.85) of its
+		// capacity by demotion: well within 0.90 a few sweeps later.
+		waitFor(t, 30*time.Second, func() error {
+			dram, _, err := tierUsed()
+			if err == nil && float64(dram) > 0.90*dramCap {
+				err = fmt.Errorf("DRAM used %d of %d", dram, dramCap)
 			}
-		})
-	}
-	for _, p := range puts {
-		next <- p
-	}
-	close(next)
-	wg.Wait()
-	took := time.Since(start)
-	for _, e := range errs {
-		t.Error(e)
-	}
-	if failed.Load() > 0 {
-		t.Fatalf("%d of %d puts failed", failed.Load(), len(puts))
-	}
-	t.Logf("put %d objects, 1 GiB, into a 256 MiB segment in %v (%.0f MiB/s)", len(puts), took.Round(time.Millisecond), float64(total>>20)/took.Seconds())
-
-	n, err := counter(m.http, "tidepool_master_evictions_total", `reason="allocation"`)
-	if err != nil || n == 0 {
-		t.Fatalf("allocation evictions: %v, %v; want some", n, err)
-	}
-	t.Logf("%v objects evicted to make room", n)
-
-	// The sweep brings the segment to at most high - ratio (0.85) of its
-	// capacity: well within 0.90 a few sweeps later.
-	var used uint64
-	waitFor(t, 10*time.Second, func() error {
-		st, err := c.Status(ctx)
-		if err != nil {
 			return err
+		})
+		dram, ssd, _ := tierUsed()
+		t.Logf("round %d: %d puts; DRAM %.0f MiB, SSD %.0f MiB used", r, len(batch), float64(dram)/(1<<20), float64(ssd)/(1<<20))
+	}
+	took := time.Since(start)
+	// Let the sweeps settle: below the watermark nothing is demoted or
+	// evicted, so the object set stays put for the checks below.
+	waitFor(t, 30*time.Second, func() error {
+		dram, ssd, err := tierUsed()
+		if err == nil && (float64(dram) > 0.90*dramCap || float64(ssd) > 0.90*ssdCap) {
+			err = fmt.Errorf("DRAM used %d, SSD used %d", dram, ssd)
 		}
-		segs := segmentsOf(st, "s1")
-		if len(segs) != 1 || segs[0].Capacity != capacity {
-			return fmt.Errorf("segments of s1: %v", segs)
-		}
-		used = segs[0].Used
-		if float64(used) > 0.90*capacity {
-			return fmt.Errorf("used %d of %d", used, capacity)
-		}
-		return nil
+		return err
 	})
-	t.Logf("used %.1f MiB of 256 MiB after the sweeps", float64(used)/(1<<20))
+	t.Logf("put %d objects, %d GiB, into 256 MiB DRAM + 1 GiB SSD in %v (%.0f MiB/s)", len(puts), rounds*round>>30, took.Round(time.Millisecond), float64(rounds*round>>20)/took.Seconds())
+
+	demoted, err := counter(m.http, "tidepool_master_copies_total", `reason="demote"`, `result="ok"`)
+	if err != nil || demoted == 0 {
+		t.Fatalf("demotions: %v, %v; want some", demoted, err)
+	}
+	t.Logf("%v objects demoted from DRAM to SSD", demoted)
 
 	// The hard-pinned object is still there, byte for byte.
 	got, err := c.Get(ctx, pinned.key)
@@ -126,28 +152,44 @@ func TestEvictPoolFill(t *testing.T) {
 		t.Fatalf("get %s: %d bytes that differ from the %d put", pinned.key, len(got), len(pinned.value))
 	}
 
-	// The most recent puts survived; what is left are objects that were put.
+	// Eviction is LRU and DRAM only demotes, so the most recent puts
+	// survive: far more than DRAM alone holds, most of them demoted to
+	// SSD. Each reads back right.
 	objs, err := c.List(ctx, prefix)
 	if err != nil {
 		t.Fatal(err)
 	}
+	tierOf := map[string]pb.Tier{}
 	var listed []string
 	for _, o := range objs {
 		listed = append(listed, o.Key)
+		if len(o.Replicas) > 0 {
+			tierOf[o.Key] = o.Replicas[0].Tier
+		}
 	}
-	if !slices.Contains(listed, pinned.key) || len(listed) >= len(puts) || len(listed) < 10 {
-		t.Fatalf("after the fill %d of %d objects are left, pinned one included: %v", len(listed), len(puts)+1, slices.Contains(listed, pinned.key))
+	if !slices.Contains(listed, pinned.key) {
+		t.Fatalf("the pinned object is gone")
 	}
-	// A sample of the survivors reads back right.
-	for _, p := range puts[len(puts)-3:] {
-		if !slices.Contains(listed, p.key) {
-			continue
+	var recent, onSSD, recentBytes int
+	for i := len(puts) - 1; i >= 0 && recentBytes < 800<<20; i-- {
+		p := puts[i]
+		recent++
+		recentBytes += p.size
+		if _, ok := tierOf[p.key]; !ok {
+			t.Fatalf("%s, put %d MiB before the end, was evicted; only DRAM's share (256 MiB) should have left DRAM, to SSD", p.key, recentBytes>>20)
+		}
+		if tierOf[p.key] == pb.Tier_TIER_SSD {
+			onSSD++
 		}
 		got, err := c.Get(ctx, p.key)
-		if err != nil || !bytes.Equal(got, pool[p.off:p.off+p.size]) {
-			t.Fatalf("get %s: %d bytes, %v", p.key, len(got), err)
+		if err != nil || !bytes.Equal(got, value(p)) {
+			t.Fatalf("get %s (%v): %d bytes, %v", p.key, tierOf[p.key], len(got), err)
 		}
 	}
+	if onSSD*2 < recent {
+		t.Fatalf("of the %d most recent objects only %d are on SSD; want most of them demoted", recent, onSSD)
+	}
+	t.Logf("%d objects left; the %d most recent (%d MiB) all read back, %d of them from SSD", len(listed), recent, recentBytes>>20, onSSD)
 
 	// Dry run, then the real thing: the same keys in the same order.
 	evictCLI := func(dry bool) (keys []string, summary string) {
@@ -209,8 +251,14 @@ func TestEvictPoolFill(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		if u := segmentsOf(st, "s1")[0].Used; u != uint64(len(pinned.value)+63)/64*64 {
-			return fmt.Errorf("used %d", u)
+		for _, seg := range segmentsOf(st, "s1") {
+			want := uint64(0)
+			if seg.Tier == pb.Tier_TIER_DRAM {
+				want = uint64(len(pinned.value)+63) / 64 * 64
+			}
+			if seg.Used != want {
+				return fmt.Errorf("%s used %d, want %d", seg.Name, seg.Used, want)
+			}
 		}
 		return nil
 	})

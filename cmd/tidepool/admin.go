@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"text/tabwriter"
@@ -21,7 +22,7 @@ import (
 
 func runAdmin(ctx context.Context, e *env, args []string) error {
 	if len(args) == 0 {
-		return fmt.Errorf("%w: want a subcommand: rails, evict, pin or unpin", errUsage)
+		return fmt.Errorf("%w: want a subcommand: rails, evict, pin, unpin or drain", errUsage)
 	}
 	switch args[0] {
 	case "rails":
@@ -32,8 +33,10 @@ func runAdmin(ctx context.Context, e *env, args []string) error {
 		return runAdminPin(ctx, e, args[1:])
 	case "unpin":
 		return runAdminUnpin(ctx, e, args[1:])
+	case "drain":
+		return runAdminDrain(ctx, e, args[1:])
 	}
-	return fmt.Errorf("%w: unknown admin subcommand %q (want rails, evict, pin or unpin)", errUsage, args[0])
+	return fmt.Errorf("%w: unknown admin subcommand %q (want rails, evict, pin, unpin or drain)", errUsage, args[0])
 }
 
 // runAdminRails prints the rail table a daemon serves at /debug/rails.
@@ -83,11 +86,11 @@ func printRails(e *env, rails []engine.RailInfo) error {
 
 // adminCommand parses an admin command's flags and connects to the masters;
 // call runs one Admin RPC on the leader.
-func adminCommand(ctx context.Context, e *env, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet)) (
+func adminCommand(ctx context.Context, e *env, limit time.Duration, name, argsHelp, help string, args []string, minPos, maxPos int, extra func(*flag.FlagSet)) (
 	context.Context, func(func(context.Context, pb.AdminClient, ...grpc.CallOption) error) error, []string, func(), error) {
 	fs := newFlags("admin "+name, argsHelp, help, e.stderr)
 	m := mastersFlag(fs, e)
-	timeout := fs.Duration("timeout", time.Minute, "give up after this long")
+	timeout := fs.Duration("timeout", limit, "give up after this long")
 	if extra != nil {
 		extra(fs)
 	}
@@ -115,7 +118,7 @@ func adminCommand(ctx context.Context, e *env, name, argsHelp, help string, args
 func runAdminPin(ctx context.Context, e *env, args []string) error {
 	var hard bool
 	var ttl time.Duration
-	ctx, call, pos, done, err := adminCommand(ctx, e, "pin", "KEY [--hard | --ttl D]",
+	ctx, call, pos, done, err := adminCommand(ctx, e, time.Minute, "pin", "KEY [--hard | --ttl D]",
 		"Pin KEY against eviction: softly for --ttl (default 30m, at most 24h; evicted only if nothing\nelse frees enough), or --hard (never evicted; unpin to release).", args, 1, 1, func(fs *flag.FlagSet) {
 			fs.BoolVar(&hard, "hard", false, "pin until unpinned")
 			fs.DurationVar(&ttl, "ttl", 30*time.Minute, "how long a soft pin lasts")
@@ -134,7 +137,7 @@ func runAdminPin(ctx context.Context, e *env, args []string) error {
 }
 
 func runAdminUnpin(ctx context.Context, e *env, args []string) error {
-	ctx, call, pos, done, err := adminCommand(ctx, e, "unpin", "KEY", "Drop KEY's hard and soft pins.", args, 1, 1, nil)
+	ctx, call, pos, done, err := adminCommand(ctx, e, time.Minute, "unpin", "KEY", "Drop KEY's hard and soft pins.", args, 1, 1, nil)
 	if err != nil {
 		return err
 	}
@@ -162,12 +165,13 @@ func runAdminEvict(ctx context.Context, e *env, args []string) error {
 	var req pb.EvictRequest
 	var olderThan time.Duration
 	var tier string
-	ctx, call, _, done, err := adminCommand(ctx, e, "evict", "[--key K] [--prefix P] [--older-than D] [--to-watermark F] [--tier T] [--dry-run]",
-		`Evict objects now. --key, --prefix and --older-than evict every match (soft pins too, never
-hard pins); --to-watermark F evicts least recently used objects until every segment (of --tier)
-is at most F full, as the master's own eviction does. --dry-run lists what would go.`, args, 0, 0, func(fs *flag.FlagSet) {
+	ctx, call, _, done, err := adminCommand(ctx, e, time.Minute, "evict", "[--key K] [--prefix P] [--tenant T] [--older-than D] [--to-watermark F] [--tier T] [--dry-run]",
+		`Evict objects now. --key, --prefix, --tenant and --older-than evict every match (soft pins too,
+never hard pins); --to-watermark F evicts least recently used objects until every segment (of
+--tier) is at most F full, as the master's own eviction does. --dry-run lists what would go.`, args, 0, 0, func(fs *flag.FlagSet) {
 			fs.StringVar(&req.Key, "key", "", "evict this key")
 			fs.StringVar(&req.Prefix, "prefix", "", "evict keys with this prefix")
+			fs.StringVar(&req.Tenant, "tenant", "", "evict objects put with this tenant")
 			fs.DurationVar(&olderThan, "older-than", 0, "evict objects not read or written for this long")
 			fs.Float64Var(&req.ToWatermark, "to-watermark", 0, "evict until segments are at most this fraction full")
 			fs.StringVar(&tier, "tier", "", "only objects with a replica in this tier (hbm, dram or ssd); an evicted object loses every replica")
@@ -207,5 +211,57 @@ is at most F full, as the master's own eviction does. --dry-run lists what would
 		fmt.Fprintf(e.stdout, "; kept %d (hard pinned, or changed meanwhile)", resp.Skipped)
 	}
 	fmt.Fprintln(e.stdout)
+	return nil
+}
+
+func runAdminDrain(ctx context.Context, e *env, args []string) error {
+	var cancelDrain, quiet bool
+	ctx, call, pos, done, err := adminCommand(ctx, e, 24*time.Hour, "drain", "NODE [--cancel] [-q]",
+		`Move every object off store NODE, then take it out of the pool: replicas of objects that have
+another one elsewhere are dropped, the rest are copied to other nodes (same tier first). Placement
+skips NODE at once. Progress prints about once a second; interrupting the command does not stop the
+drain (the master finishes it; run the command again to watch). Once drained, the store process
+stays out of the pool until it is restarted. --cancel stops a drain.`, args, 1, 1, func(fs *flag.FlagSet) {
+			fs.BoolVar(&cancelDrain, "cancel", false, "stop draining NODE; it takes new objects again")
+			fs.BoolVar(&quiet, "q", false, "print only the final summary")
+		})
+	if err != nil {
+		return err
+	}
+	defer done()
+	var last *pb.DrainProgress
+	err = call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) error {
+		stream, err := a.Drain(ctx, &pb.DrainRequest{Node: pos[0], Cancel: cancelDrain}, o...)
+		if err != nil {
+			return err
+		}
+		for {
+			p, err := stream.Recv()
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			last = p
+			if !quiet && !p.Done && !cancelDrain {
+				fmt.Fprintf(e.stderr, "draining %s: %d objects (%s) left, %d moved, %d dropped, %d waiting for room\n",
+					pos[0], p.ObjectsLeft, human(p.BytesLeft), p.Moved, p.Dropped, p.Waiting)
+			}
+		}
+	})
+	if err != nil {
+		return err
+	}
+	switch {
+	case last == nil:
+		return errors.New("master ended the drain without a report")
+	case cancelDrain:
+		fmt.Fprintf(e.stdout, "drain of %s canceled; %d objects (%s) stay on it\n", pos[0], last.ObjectsLeft, human(last.BytesLeft))
+	case last.Done:
+		fmt.Fprintf(e.stdout, "drained %s: %d objects moved, %d dropped (another replica kept); it is out of the pool\n", pos[0], last.Moved, last.Dropped)
+	default:
+		return fmt.Errorf("drain of %s did not finish: %d objects left", pos[0], last.ObjectsLeft)
+	}
 	return nil
 }

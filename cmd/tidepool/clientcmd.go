@@ -203,8 +203,11 @@ func runStatus(ctx context.Context, e *env, args []string) error {
 	fmt.Fprintln(tw, "\nSEGMENT\tNODE\tTIER\tENDPOINT\tUSED\tCAPACITY\tOBJECTS\tSTATE")
 	for _, s := range st.Segments {
 		state := "alive"
-		if !s.Alive {
+		switch {
+		case !s.Alive:
 			state = "silent"
+		case s.Draining:
+			state = "draining"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Name, s.Node, segmentTier(s), s.Endpoint, human(s.Used), human(s.Capacity), s.Objects, state)
 	}
@@ -244,4 +247,5 @@ func segmentTier(s *pb.SegmentInfo) string {
 func putFlags(fs *flag.FlagSet, cfg *client.Config) {
 	fs.IntVar(&cfg.Replicas, "replicas", 1, "copies on distinct store nodes (best effort)")
 	fs.StringVar(&cfg.Tier, "tier", "dram", "preferred tier: dram, hbm or ssd (others are used when it is full)")
+	fs.StringVar(&cfg.Tenant, "tenant", "", "record this tenant with the objects (see admin evict --tenant)")
 }
