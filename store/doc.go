@@ -7,5 +7,11 @@
 // handed out before a restart addresses a segment that no longer exists and
 // fails with engine.ErrSegmentNotFound instead of reading the wrong bytes.
 // When the master no longer knows the node at its epoch (it was declared
-// dead, or a master's state was lost), the node registers again.
+// dead, or a master's state was lost), the node registers again; when it
+// was drained by an operator, it leaves the pool until restarted.
+//
+// Heartbeats are also the master's command channel: their answers carry
+// copies for the node to make (read a replica, check its checksum, write a
+// new replica), at most Config.CopyConcurrency at once, and the next
+// heartbeat, sent as soon as one ends, reports how they went.
 package store

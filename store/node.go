@@ -42,6 +42,10 @@ type Config struct {
 	Engine            engine.Config // Registerer and Logger are filled in
 	Registerer        prometheus.Registerer
 	Logger            *slog.Logger
+
+	// CopyConcurrency caps the copies the master's heartbeats hand this
+	// node that run at once; default 4.
+	CopyConcurrency int
 }
 
 // Node is a running store node.
@@ -57,10 +61,19 @@ type Node struct {
 		sync.Mutex
 		epoch uint64
 		names []string // engine names of the registered segments
+		// gen counts registrations: a copy's result is reported only
+		// within the one it was handed out in.
+		gen     uint64
+		copying map[uint64]struct{} // ids of the copies running
+		done    []*pb.CopyResult    // finished copies, not yet reported
 	}
-	indexedObjs *prometheus.GaugeVec // tier: objects in a persistent tier's index; nil without metrics
+	// Metrics; nil without a Registerer.
+	indexedObjs *prometheus.GaugeVec // tier: objects in a persistent tier's index
+	copies      *prometheus.CounterVec
+	copiedBytes prometheus.Counter
 
 	registered chan struct{}
+	wake       chan struct{} // a copy finished: heartbeat now to report it
 	stop       chan struct{}
 	runDone    chan struct{} // closed when run has returned
 	closeOnce  sync.Once
@@ -82,6 +95,9 @@ func New(cfg Config) (*Node, error) {
 	}
 	if cfg.IndexSyncInterval <= 0 {
 		cfg.IndexSyncInterval = 5 * time.Second
+	}
+	if cfg.CopyConcurrency <= 0 {
+		cfg.CopyConcurrency = 4
 	}
 	masters, err := leaderconn.Dial(cfg.Masters)
 	if err != nil {
@@ -109,7 +125,9 @@ func New(cfg Config) (*Node, error) {
 		registered: make(chan struct{}),
 		stop:       make(chan struct{}),
 		runDone:    make(chan struct{}),
+		wake:       make(chan struct{}, 1),
 	}
+	n.mu.copying = map[uint64]struct{}{}
 	if n.endpoint == "" {
 		n.endpoint = strings.Join(addrs, ",")
 	}
@@ -118,8 +136,18 @@ func New(cfg Config) (*Node, error) {
 			Name: "tidepool_store_indexed_objects",
 			Help: "Objects in the index of a persistent tier (SSD), as of the last sync with the master.",
 		}, []string{"tier"})
-		if err := cfg.Registerer.Register(n.indexedObjs); err != nil {
-			n.log.Warn("store metric not registered", "err", err)
+		n.copies = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tidepool_store_copies_total",
+			Help: "Copies the master asked this node to make, by result (ok, failed).",
+		}, []string{"result"})
+		n.copiedBytes = prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "tidepool_store_copied_bytes_total",
+			Help: "Bytes of the copies this node made.",
+		})
+		for _, c := range []prometheus.Collector{n.indexedObjs, n.copies, n.copiedBytes} {
+			if err := cfg.Registerer.Register(c); err != nil {
+				n.log.Warn("store metric not registered", "err", err)
+			}
 		}
 	}
 	for _, ln := range lns {
@@ -154,7 +182,7 @@ func (n *Node) Epoch() uint64 {
 }
 
 // run registers, then heartbeats; it registers again when the master has
-// forgotten this node's epoch.
+// forgotten this node's epoch, and goes idle when the node was drained.
 func (n *Node) run() {
 	defer n.wg.Done()
 	defer close(n.runDone)
@@ -169,6 +197,9 @@ func (n *Node) run() {
 		case <-ctx.Done():
 		}
 	}()
+	// Copies stop on Close, and when the node is drained.
+	copyCtx, stopCopies := context.WithCancel(ctx)
+	defer stopCopies()
 	tick := time.NewTicker(n.cfg.HeartbeatInterval)
 	defer tick.Stop()
 	lastSync := time.Now()
@@ -189,17 +220,27 @@ func (n *Node) run() {
 				}
 				n.log.Warn("register with master", "err", err)
 			}
-		} else if err := n.heartbeat(ctx); status.Code(err) == codes.NotFound {
-			n.log.Warn("master forgot this node; registering again", "err", err)
-			n.unregister()
-			continue
-		} else if err != nil && ctx.Err() == nil {
-			n.log.Warn("heartbeat", "err", err)
+		} else {
+			switch err := n.heartbeat(ctx, copyCtx); {
+			case status.Code(err) == codes.NotFound:
+				n.log.Warn("master forgot this node; registering again", "err", err)
+				n.unregister()
+				continue
+			case status.Code(err) == codes.FailedPrecondition:
+				n.log.Warn("drained by an operator; staying out of the pool until restarted", "node", n.cfg.ID, "err", err)
+				stopCopies()
+				n.unregister()
+				<-n.stop
+				return
+			case err != nil && ctx.Err() == nil:
+				n.log.Warn("heartbeat", "err", err)
+			}
 		}
 		select {
 		case <-n.stop:
 			return
 		case <-tick.C:
+		case <-n.wake:
 		}
 	}
 }
@@ -254,6 +295,8 @@ func (n *Node) register(ctx context.Context) error {
 		n.mu.names = append(n.mu.names, resp.SegmentIds[i])
 	}
 	n.mu.epoch = resp.Epoch
+	n.mu.gen++
+	n.mu.done = nil // the master forgot the copies of the previous epoch
 	n.log.Info("registered with master", "node", n.cfg.ID, "epoch", resp.Epoch, "segments", resp.SegmentIds,
 		"kept", len(req.Adopt), "adopted", resp.Adopted)
 	select {
@@ -310,14 +353,26 @@ func (n *Node) unregister() {
 	n.mu.names, n.mu.epoch = nil, 0
 }
 
-func (n *Node) heartbeat(ctx context.Context) error {
-	req := &pb.HeartbeatRequest{Node: n.cfg.ID, Epoch: n.Epoch()}
+// heartbeat reports finished copies and starts, under copyCtx, the copies
+// the master hands out in return.
+func (n *Node) heartbeat(ctx, copyCtx context.Context) error {
+	done, gen := n.takeResults()
+	req := &pb.HeartbeatRequest{Node: n.cfg.ID, Epoch: n.Epoch(), CopiesDone: done, CopySlots: n.copySlots()}
 	ctx, cancel := context.WithTimeout(ctx, 5*n.cfg.HeartbeatInterval)
 	defer cancel()
-	return n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error {
-		_, err := pb.NewRegistryClient(cc).Heartbeat(ctx, req, opts...)
+	var resp *pb.HeartbeatResponse
+	err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
+		resp, err = pb.NewRegistryClient(cc).Heartbeat(ctx, req, opts...)
 		return err
 	})
+	if err != nil {
+		n.putBack(done, gen) // sent again next time; the master ignores copies it has ended
+		return err
+	}
+	for _, t := range resp.Copies {
+		n.startCopy(copyCtx, t)
+	}
+	return nil
 }
 
 // leave brings the indexes of persistent tiers up to date and takes the
