@@ -419,7 +419,9 @@ func (r *registryService) Heartbeat(ctx context.Context, req *pb.HeartbeatReques
 		return nil, err
 	}
 	if err := r.s.endCopies(ctx, req.CopiesDone); err != nil {
-		return nil, err // the store reports them again
+		// The store reports them again. Never FAILED_PRECONDITION: to a
+		// store that means it was drained.
+		return nil, status.Errorf(codes.Unavailable, "end copies: %v", err)
 	}
 	return &pb.HeartbeatResponse{Copies: r.s.takeCopies(req.Node, int(req.CopySlots))}, nil
 }
