@@ -215,6 +215,9 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 				Status: itemStatus(r.Err), Exists: r.Exists, Replicas: reps, PutId: r.PutID,
 				WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds()),
 			}
+			if want := orDRAM(tiers[j]); len(reps) > 0 && reps[0].Tier != want {
+				m.s.spill()
+			}
 		}
 		m.s.fsm.mu.RUnlock()
 	}

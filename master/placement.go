@@ -30,9 +30,7 @@ const (
 // preferred tier first, then by the placement strategy. clientHost is the
 // putting client's address, for LocalFirst.
 func (s *Server) candidates(size uint64, tier pb.Tier, clientHost string) []string {
-	if tier == pb.Tier_TIER_UNSPECIFIED {
-		tier = pb.Tier_TIER_DRAM
-	}
+	tier = orDRAM(tier)
 	views := s.fsm.segmentViews()
 	// Segments that look full stay in: Apply first releases space whose
 	// leases have ended, which this view does not see yet.
@@ -109,4 +107,12 @@ func onHost(endpoint, host string) bool {
 // tierName is the short lower-case name of a tier, as in flags and metrics.
 func tierName(t pb.Tier) string {
 	return strings.ToLower(strings.TrimPrefix(t.String(), "TIER_"))
+}
+
+// orDRAM is a put's preferred tier: DRAM unless it names one.
+func orDRAM(t pb.Tier) pb.Tier {
+	if t == pb.Tier_TIER_UNSPECIFIED {
+		return pb.Tier_TIER_DRAM
+	}
+	return t
 }

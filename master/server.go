@@ -76,6 +76,10 @@ type Server struct {
 	logs    *logstore.Store
 	trans   raft.Transport
 	notify  chan bool
+	// spilled is signaled when a put landed outside its preferred tier
+	// because that tier was full: the leader demotes at once instead of
+	// at the next sweep, so the next puts find room where they want it.
+	spilled chan struct{}
 	metrics *metrics
 
 	grpc *grpc.Server
@@ -138,7 +142,7 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), stop: make(chan struct{})}
+	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{})}
 	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
 	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
 	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
@@ -323,12 +327,15 @@ func (s *Server) apply(ctx context.Context, cmd *pb.Command) (any, error) {
 	return f.Response(), nil
 }
 
-// leaderLoop tracks leadership and, while leader, revokes stale puts and
-// declares silent stores dead.
+// leaderLoop tracks leadership and, while leader, sweeps: it revokes
+// stale puts, declares silent stores dead, and evicts, demotes, promotes
+// and drains. It also demotes as soon as a put spills out of its tier, at
+// most every minSpillSweep.
 func (s *Server) leaderLoop() {
 	defer s.wg.Done()
 	tick := time.NewTicker(s.cfg.SweepInterval)
 	defer tick.Stop()
+	var lastSpill time.Time
 	for {
 		select {
 		case <-s.stop:
@@ -342,7 +349,25 @@ func (s *Server) leaderLoop() {
 			if s.IsLeader() {
 				s.sweep()
 			}
+		case <-s.spilled:
+			if s.IsLeader() && time.Since(lastSpill) >= minSpillSweep {
+				lastSpill = time.Now()
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				s.evictToWatermark(ctx, s.cfg.Now())
+				cancel()
+			}
 		}
+	}
+}
+
+// minSpillSweep bounds how often spilled puts start a demotion round.
+const minSpillSweep = 50 * time.Millisecond
+
+// spill notes that a put landed outside its preferred tier.
+func (s *Server) spill() {
+	select {
+	case s.spilled <- struct{}{}:
+	default:
 	}
 }
 
