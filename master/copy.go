@@ -171,7 +171,6 @@ func (s *Server) startCopies(ctx context.Context, jobs []copyJob) (started int, 
 		if !ok {
 			continue // the object or a segment went away; the sweep ends the copy
 		}
-		task.TimeoutMs = uint64(s.cfg.PutTimeout.Milliseconds())
 		s.mu.Lock()
 		s.mu.copyQueue[node] = append(s.mu.copyQueue[node], queuedCopy{task: task, deadline: deadline})
 		s.mu.Unlock()
@@ -195,8 +194,11 @@ func (f *FSM) copyTask(key string, c *pb.PendingCopy, deadline time.Time) (*pb.C
 			ext = r
 		}
 	}
+	if ext == nil { // dropped since the copy started (found corrupt)
+		return nil, "", false
+	}
 	reps := f.describe([]*pb.Extent{ext, c.Target})
-	if ext == nil || len(reps) != 2 {
+	if len(reps) != 2 {
 		return nil, "", false
 	}
 	source, target := reps[0], reps[1]
@@ -213,16 +215,24 @@ type queuedCopy struct {
 }
 
 // takeCopies hands a heartbeating store up to slots of its queued copies,
-// dropping those whose deadline has passed (the sweep ends them).
+// dropping those too close to their deadline to be made (the sweep ends
+// them). A task's timeout is what is left until its deadline, not the full
+// put timeout: the store stops writing by then, which is what the target's
+// late-write grace after the deadline assumes, however long the task queued.
 func (s *Server) takeCopies(node string, slots int) []*pb.CopyTask {
 	now := s.cfg.Now()
+	// Not worth starting with less left than this; with a short put
+	// timeout, a fixed second would hand out nothing at all.
+	margin := min(time.Second, s.cfg.PutTimeout/4)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	q := s.mu.copyQueue[node]
 	var out []*pb.CopyTask
 	for len(q) > 0 && len(out) < slots {
-		if q[0].deadline.After(now.Add(time.Second)) {
-			out = append(out, q[0].task)
+		if left := q[0].deadline.Sub(now); left > margin && left.Milliseconds() > 0 {
+			task := q[0].task
+			task.TimeoutMs = uint64(left.Milliseconds())
+			out = append(out, task)
 		}
 		q = q[1:]
 	}
@@ -258,9 +268,14 @@ func (s *Server) endCopies(ctx context.Context, results []*pb.CopyResult) error 
 	return nil
 }
 
-// copiesEnded counts ended copies in the metrics and drain progress.
+// copiesEnded counts ended copies in the metrics and drain progress. A
+// copy the FSM did not know (reported twice, or ended by the sweep first)
+// is not counted again.
 func (s *Server) copiesEnded(res []CopyEndResult) {
 	for _, r := range res {
+		if r.Reason == pb.CopyReason_COPY_REASON_UNSPECIFIED {
+			continue
+		}
 		result := "ok"
 		if !r.Done {
 			result = "failed"
@@ -285,7 +300,9 @@ func (s *Server) endExpiredCopies(ctx context.Context, now time.Time) {
 	}
 	s.log.Warn("copies expired before their store reported them", "copies", len(items))
 	for _, r := range out.([]CopyEndResult) {
-		s.metrics.copied(r.Reason, "expired", r.Size)
+		if r.Reason != pb.CopyReason_COPY_REASON_UNSPECIFIED { // else its store reported it meanwhile
+			s.metrics.copied(r.Reason, "expired", r.Size)
+		}
 	}
 }
 

@@ -83,6 +83,10 @@ func (s *Server) drainNodes(ctx context.Context) {
 				s.log.Warn("take a drained node out", "node", n.id, "err", err)
 				continue
 			}
+			s.mu.Lock()
+			delete(s.mu.lastSeen, n.id) // as for a node that left: its heartbeats are refused now
+			delete(s.mu.copyQueue, n.id)
+			s.mu.Unlock()
 			s.log.Info("node drained and taken out of the pool", "node", n.id, "epoch", n.epoch)
 			continue
 		}
@@ -171,6 +175,12 @@ func (a *adminService) drain(req *pb.DrainRequest, stream pb.Admin_DrainServer) 
 	}
 	if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_Drain{Drain: &pb.DrainCmd{Node: req.Node, Cancel: req.Cancel}}}); err != nil {
 		return err
+	}
+	if !req.Cancel && !n.draining {
+		// A new drain counts from zero, not on from an earlier epoch's.
+		s.mu.Lock()
+		delete(s.mu.drains, req.Node)
+		s.mu.Unlock()
 	}
 	if req.Cancel {
 		s.log.Info("drain canceled", "node", req.Node)

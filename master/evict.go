@@ -66,9 +66,12 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 	}
 	s.mu.Unlock()
 	slices.SortStableFunc(objs, func(a, b evictable) int {
-		// When recency ties (a chain put in one batch), a chain's leaves go
-		// before their parents: a prefix stays matchable.
-		return cmp.Or(uses[a.key].Compare(uses[b.key]), cmp.Compare(a.children, b.children), cmp.Compare(a.key, b.key))
+		// When recency ties (a chain put or read in one batch), deeper
+		// blocks go first, so no block goes before its descendants and
+		// what stays is a matchable prefix; at one depth, leaves first.
+		// (Children alone would order only the last leaf: the rest of a
+		// chain has one child each, and would go in key order.)
+		return cmp.Or(uses[a.key].Compare(uses[b.key]), cmp.Compare(b.depth, a.depth), cmp.Compare(a.children, b.children), cmp.Compare(a.key, b.key))
 	})
 	return leased
 }

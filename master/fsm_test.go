@@ -619,6 +619,52 @@ func sameState(t testing.TB, a, b *FSM) {
 			t.Fatalf("free lists of %s differ:\n%v\n%v", v.id, sa.free, sb.free)
 		}
 	}
+	sameHidden(t, a, b)
+}
+
+// sameHidden compares what no query shows: nodes that are down, draining
+// or drained, copies in flight, parent counts and pending frees.
+func sameHidden(t testing.TB, a, b *FSM) {
+	t.Helper()
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	b.mu.RLock()
+	defer b.mu.RUnlock()
+	if ka, kb := sortedKeys(a.nodes), sortedKeys(b.nodes); !slices.Equal(ka, kb) {
+		t.Fatalf("nodes %v vs %v", ka, kb)
+	}
+	for id, na := range a.nodes {
+		nb := b.nodes[id]
+		if na.epoch != nb.epoch || na.endpoint != nb.endpoint || na.down != nb.down || na.draining != nb.draining ||
+			na.drained != nb.drained || !slices.Equal(na.segments, nb.segments) {
+			t.Fatalf("node %s:\n%+v\n%+v", id, *na, *nb)
+		}
+	}
+	for k, oa := range a.objects {
+		ob := b.objects[k]
+		if ob == nil {
+			t.Fatalf("object %q only in one FSM", k)
+		}
+		if oa.parent != ob.parent || oa.tenant != ob.tenant || len(oa.copies) != len(ob.copies) {
+			t.Fatalf("object %q: parent %q/%q tenant %q/%q copies %v/%v", k, oa.parent, ob.parent, oa.tenant, ob.tenant, oa.copies, ob.copies)
+		}
+		for i := range oa.copies {
+			if !proto.Equal(oa.copies[i], ob.copies[i]) {
+				t.Fatalf("copy %d of %q:\n%v\n%v", i, k, oa.copies[i], ob.copies[i])
+			}
+		}
+	}
+	if !maps.Equal(a.children, b.children) {
+		t.Fatalf("children %v vs %v", a.children, b.children)
+	}
+	if len(a.pending) != len(b.pending) {
+		t.Fatalf("%d vs %d pending frees", len(a.pending), len(b.pending))
+	}
+	for i := range a.pending {
+		if !proto.Equal(a.pending[i], b.pending[i]) {
+			t.Fatalf("pending free %d:\n%v\n%v", i, a.pending[i], b.pending[i])
+		}
+	}
 }
 
 func TestFSMSnapshotRestore(t *testing.T) {
@@ -725,6 +771,33 @@ func checkInvariants(t testing.TB, f *FSM) {
 			want[r.Segment] += s.alloc.rounded(r.Length)
 			count[r.Segment]++
 		}
+		// A copy in flight holds its target's room, on a segment without a
+		// replica of the object; there is at most one per object.
+		if len(o.copies) > 1 {
+			t.Fatalf("object %q has %d copies in flight", o.key, len(o.copies))
+		}
+		for _, c := range o.copies {
+			s := f.segments[c.Target.Segment]
+			if s == nil {
+				t.Fatalf("copy %d of %q to unknown segment %s", c.Id, o.key, c.Target.Segment)
+			}
+			if slices.ContainsFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == c.Target.Segment }) {
+				t.Fatalf("copy %d of %q targets %s, which holds a replica of it", c.Id, o.key, c.Target.Segment)
+			}
+			if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+				t.Fatalf("copy %d of %q, which is not complete", c.Id, o.key)
+			}
+			want[c.Target.Segment] += s.alloc.rounded(c.Target.Length)
+		}
+	}
+	children := map[string]int{}
+	for _, o := range f.objects {
+		if o.parent != "" {
+			children[o.parent]++
+		}
+	}
+	if !maps.Equal(children, f.children) {
+		t.Fatalf("children %v, objects name parents %v", f.children, children)
 	}
 	for _, p := range f.pending {
 		s := f.segments[p.Extent.Segment]

@@ -184,6 +184,7 @@ type evictable struct {
 	putID    uint64
 	copying  bool // a copy of it is in progress
 	children int  // objects that name it as their parent
+	depth    int  // its ancestors in the table, by parent keys: 0 for a chain's root
 	tenant   string
 }
 
@@ -191,6 +192,7 @@ type evictable struct {
 // It sorts after releasing the lock, so Apply waits only for the scan.
 func (f *FSM) completeObjects(match func(key string) bool) []evictable {
 	var out []evictable
+	depths := map[string]int{}
 	f.mu.RLock()
 	for k, o := range f.objects {
 		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || !match(k) {
@@ -199,6 +201,7 @@ func (f *FSM) completeObjects(match func(key string) bool) []evictable {
 		e := evictable{
 			key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin, checksum: o.checksum,
 			putID: o.putID, copying: len(o.copies) > 0, children: f.children[k], tenant: o.tenant,
+			depth: f.depth(k, depths),
 		}
 		for _, r := range o.replicas {
 			e.segments = append(e.segments, r.Segment)
@@ -211,6 +214,38 @@ func (f *FSM) completeObjects(match func(key string) bool) []evictable {
 	f.mu.RUnlock()
 	slices.SortFunc(out, func(a, b evictable) int { return cmp.Compare(a.key, b.key) })
 	return out
+}
+
+// depth counts key's ancestors in the table, following parent keys up to
+// the first one missing; memo keeps the depths found, so a scan of the
+// table walks each chain once. A parent cycle (clients name parents) ends
+// the walk. f.mu must be held.
+func (f *FSM) depth(key string, memo map[string]int) int {
+	if d, ok := memo[key]; ok {
+		return d
+	}
+	var path []string
+	base := -1 // depth of the ancestor the walk stopped at; -1: none
+	for k := key; ; {
+		if d, ok := memo[k]; ok {
+			base = d
+			break
+		}
+		o := f.objects[k]
+		if o == nil || len(path) > len(f.objects) { // longer than the table: a cycle
+			break
+		}
+		path = append(path, k)
+		if o.parent == "" {
+			break
+		}
+		k = o.parent
+	}
+	for i := len(path) - 1; i >= 0; i-- {
+		base++
+		memo[path[i]] = base
+	}
+	return memo[key]
 }
 
 // infos describes the named objects that exist.

@@ -69,13 +69,13 @@ type Config struct {
 
 // Server is one master: a raft node with the FSM and the gRPC services.
 type Server struct {
-	cfg     Config
-	log     *slog.Logger
-	fsm     *FSM
-	raft    *raft.Raft
-	logs    *logstore.Store
-	trans   raft.Transport
-	notify  chan bool
+	cfg    Config
+	log    *slog.Logger
+	fsm    *FSM
+	raft   *raft.Raft
+	logs   *logstore.Store
+	trans  raft.Transport
+	notify chan bool
 	// spilled is signaled when a put landed outside its preferred tier
 	// because that tier was full: the leader demotes at once instead of
 	// at the next sweep, so the next puts find room where they want it.
@@ -91,10 +91,10 @@ type Server struct {
 		leader      bool
 		leaderTerm  uint64 // the term in which this node caught up
 		leaderSince time.Time
-		lastSeen    map[string]time.Time // node -> last heartbeat, leader only
-		leases      map[string]time.Time // key -> read lease expiry, leader only
-		removing    map[string]int       // keys with a Remove in flight: no new leases
-		access      map[string]time.Time // key -> last get or put, leader only: eviction recency
+		lastSeen    map[string]time.Time    // node -> last heartbeat, leader only
+		leases      map[string]time.Time    // key -> read lease expiry, leader only
+		removing    map[string]int          // keys with a Remove in flight: no new leases
+		access      map[string]time.Time    // key -> last get or put, leader only: eviction recency
 		copyQueue   map[string][]queuedCopy // node -> copies for its next heartbeat
 		slowReads   map[string]int          // key -> reads served from a slow tier only: promotion
 		promote     map[string]bool         // keys read often enough to promote

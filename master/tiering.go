@@ -27,27 +27,34 @@ const PromoteAfter = 2
 
 // Bounds on the leader's promotion bookkeeping and work per sweep.
 const (
-	maxSlowReads    = 1 << 17
+	maxSlowReads       = 1 << 17
 	maxPromotePerSweep = 256
 )
 
-// hasSlowerTier reports whether the pool has a segment of a slower tier
+// colder reports whether tier u takes the cold objects of tier t: SSD
+// takes those of DRAM and HBM. A host reads HBM slower than DRAM
+// (readRank), but GPU memory is no place for cold objects.
+func colder(u, t pb.Tier) bool {
+	return readRank(u) > readRank(t) && u != pb.Tier_TIER_HBM
+}
+
+// hasSlowerTier reports whether the pool has a segment of a tier colder
 // than t that placement may use.
 func (s *Server) hasSlowerTier(t pb.Tier) bool {
 	for _, v := range s.fsm.segmentViews() {
-		if readRank(v.tier) > readRank(t) && !v.draining && s.alive(v.node) {
+		if colder(v.tier, t) && !v.draining && s.alive(v.node) {
 			return true
 		}
 	}
 	return false
 }
 
-// slowerSegments orders the live segments of tiers slower than t that
+// slowerSegments orders the live segments of tiers colder than t that
 // have a free range of size bytes: the same node as near first (a local
 // file write), then the freer.
 func (s *Server) slowerSegments(t pb.Tier, size uint64, near string) []string {
 	views := slices.DeleteFunc(s.fsm.segmentViews(), func(v segmentView) bool {
-		return readRank(v.tier) <= readRank(t) || v.draining || !s.alive(v.node) || v.largestFree < size
+		return !colder(v.tier, t) || v.draining || !s.alive(v.node) || v.largestFree < size
 	})
 	slices.SortStableFunc(views, func(a, b segmentView) int {
 		if (a.node == near) != (b.node == near) {
@@ -75,7 +82,7 @@ func (s *Server) demote(ctx context.Context, from segmentView, victims []evictab
 	var jobs []copyJob
 	byKey := map[string]evictable{}
 	for _, o := range victims {
-		slower := slices.ContainsFunc(o.segments, func(id string) bool { return readRank(tiers[id]) > readRank(from.tier) })
+		slower := slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], from.tier) })
 		if slower {
 			if s.dropReplica(ctx, o, from.id, "demote") {
 				continue
