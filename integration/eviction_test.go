@@ -141,7 +141,12 @@ func TestEvictPoolFill(t *testing.T) {
 	if err != nil || demoted == 0 {
 		t.Fatalf("demotions: %v, %v; want some", demoted, err)
 	}
-	t.Logf("%v objects demoted from DRAM to SSD", demoted)
+	// Only the coldest tier forgets: DRAM demoted everything it gave up.
+	if n, err := counter(m.http, "tidepool_master_evictions_total", `tier="dram"`); err != nil || n != 0 {
+		t.Fatalf("objects evicted from DRAM instead of demoted: %v, %v", n, err)
+	}
+	forgotten, _ := counter(m.http, "tidepool_master_evictions_total", `tier="ssd"`)
+	t.Logf("%v objects demoted from DRAM to SSD, %v evicted from SSD", demoted, forgotten)
 
 	// The hard-pinned object is still there, byte for byte.
 	got, err := c.Get(ctx, pinned.key)

@@ -77,7 +77,7 @@ func (a *adminService) Evict(ctx context.Context, req *pb.EvictRequest) (*pb.Evi
 		}
 		return resp, nil
 	}
-	n, bytes, err := a.s.evictObjects(ctx, victims, allowSoft, "admin")
+	n, bytes, err := a.s.evictObjects(ctx, victims, allowSoft, "admin", "any")
 	if err != nil {
 		return nil, err
 	}

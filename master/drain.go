@@ -96,11 +96,15 @@ func (s *Server) drainNodes(ctx context.Context) {
 
 // drainStep moves a batch of one draining node's replicas.
 func (s *Server) drainStep(ctx context.Context, n nodeState) {
-	tiers := map[string]pb.Tier{}
+	tiers, nodeOf := map[string]pb.Tier{}, map[string]string{}
 	for _, v := range s.fsm.segmentViews() {
 		tiers[v.id] = v.tier
+		nodeOf[v.id] = v.node
 	}
 	mine := func(id string) bool { return slices.Contains(n.segments, id) }
+	// Another replica counts only on a node that heartbeats: one on a
+	// silent node may be gone with it.
+	elsewhere := func(id string) bool { return !mine(id) && s.alive(nodeOf[id]) }
 	var jobs []copyJob
 	dropped := 0
 	for _, o := range s.fsm.completeObjects(func(string) bool { return true }) {
@@ -108,7 +112,7 @@ func (s *Server) drainStep(ctx context.Context, n nodeState) {
 		if i < 0 || o.copying {
 			continue
 		}
-		if slices.ContainsFunc(o.segments, func(id string) bool { return !mine(id) }) {
+		if slices.ContainsFunc(o.segments, elsewhere) {
 			if s.dropReplica(ctx, o, o.segments[i], "drain") {
 				dropped++
 			}

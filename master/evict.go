@@ -113,7 +113,9 @@ func (s *Server) pickVictims(objs []evictable, need uint64, now time.Time) (vict
 // evictObjects removes victims through raft, in batches, and returns how
 // many objects and bytes went. Their space is reused once the last lease
 // on them has ended.
-func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSoft bool, reason string) (n int, bytes uint64, err error) {
+// tier labels the metrics: the tier whose room was wanted ("any" for an
+// operator's eviction).
+func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSoft bool, reason, tier string) (n int, bytes uint64, err error) {
 	sizes := map[string]evictable{}
 	for _, v := range victims {
 		sizes[v.key] = v
@@ -139,7 +141,7 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 			v := sizes[keys[i]]
 			n++
 			bytes += v.size
-			s.metrics.evicted(reason, v.size, now.Sub(s.lastUse(v)))
+			s.metrics.evicted(reason, tier, v.size, now.Sub(s.lastUse(v)))
 			s.forget(v.key)
 		}
 	}
@@ -218,7 +220,7 @@ func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 		if len(victims) == 0 {
 			continue
 		}
-		n, bytes, err := s.evictObjects(ctx, victims, p.allowSoft, "watermark")
+		n, bytes, err := s.evictObjects(ctx, victims, p.allowSoft, "watermark", tierName(p.view.tier))
 		if err != nil {
 			s.log.Warn("evict to the watermark", "segment", p.view.id, "err", err)
 			return
@@ -251,27 +253,36 @@ func (s *Server) makeRoom(ctx context.Context, size uint64, tier pb.Tier, host s
 	}
 	slices.SortStableFunc(ids, func(a, b string) int { return cmp.Compare(rank[b], rank[a]) })
 	for _, id := range ids {
-		for round := 0; round < 4; round++ {
-			view, ok := s.segmentView(id)
-			if !ok {
-				break
-			}
-			if view.largestFree >= size {
-				return true
-			}
-			objs := filterObjects(s.fsm.completeObjects(func(string) bool { return true }), onSegment(id))
-			need := size - view.largestFree
-			if round > 0 {
-				need = size << round // fragmentation: free more each round
-			}
-			victims, soft := s.pickVictims(objs, need, now)
-			if len(victims) == 0 {
-				break
-			}
-			if _, _, err := s.evictObjects(ctx, victims, soft, "allocation"); err != nil {
-				s.log.Warn("evict to make room", "err", err)
-				return false
-			}
+		if s.roomIn(ctx, id, size, now, "allocation") {
+			return true
+		}
+	}
+	return false
+}
+
+// roomIn evicts from one segment, least recently used first, until it has
+// a free range of size bytes. It reports whether it has.
+func (s *Server) roomIn(ctx context.Context, id string, size uint64, now time.Time, reason string) bool {
+	for round := 0; round < 4; round++ {
+		view, ok := s.segmentView(id)
+		if !ok {
+			return false
+		}
+		if view.largestFree >= size {
+			return true
+		}
+		objs := filterObjects(s.fsm.completeObjects(func(string) bool { return true }), onSegment(id))
+		need := size - view.largestFree
+		if round > 0 {
+			need = size << round // fragmentation: free more each round
+		}
+		victims, soft := s.pickVictims(objs, need, now)
+		if len(victims) == 0 {
+			return false
+		}
+		if _, _, err := s.evictObjects(ctx, victims, soft, reason, tierName(view.tier)); err != nil {
+			s.log.Warn("evict to make room", "segment", id, "err", err)
+			return false
 		}
 	}
 	return false

@@ -62,26 +62,10 @@ func (e *evictEnv) waitEvictable(t *testing.T) {
 
 func (e *evictEnv) used(t *testing.T) uint64 { return segmentUsed(t, e.m, evictSeg) }
 
-// evictions reads tidepool_master_evictions_total for one reason.
+// evictions sums tidepool_master_evictions_total for one reason.
 func (e *evictEnv) evictions(t *testing.T, reason string) float64 {
 	t.Helper()
-	families, err := e.reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != "tidepool_master_evictions_total" {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "reason" && l.GetValue() == reason {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	return 0
+	return countLabeled(t, e.reg, "tidepool_master_evictions_total", "reason", reason)
 }
 
 // tryPut runs a whole put without touching t, so goroutines may call it.

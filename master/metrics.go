@@ -52,12 +52,12 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	})
 	m.evicts = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tidepool_master_evictions_total",
-		Help: "Objects evicted, by reason (watermark, allocation, admin).",
-	}, []string{"reason"})
+		Help: "Objects evicted (forgotten, not demoted), by reason (watermark, allocation, demotion: room for a demotion, admin) and the tier whose room was wanted (any for admin).",
+	}, []string{"reason", "tier"})
 	m.evBytes = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tidepool_master_evicted_bytes_total",
-		Help: "Bytes evicted, by reason.",
-	}, []string{"reason"})
+		Help: "Bytes evicted, by reason and tier.",
+	}, []string{"reason", "tier"})
 	m.evAge = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Name:    "tidepool_master_eviction_age_seconds",
 		Help:    "Time since an evicted object was last read or written.",
@@ -91,12 +91,12 @@ func (m *metrics) request(method string, c codes.Code, d time.Duration) {
 	m.latency.WithLabelValues(method).Observe(d.Seconds())
 }
 
-func (m *metrics) evicted(reason string, bytes uint64, age time.Duration) {
+func (m *metrics) evicted(reason, tier string, bytes uint64, age time.Duration) {
 	if m == nil {
 		return
 	}
-	m.evicts.WithLabelValues(reason).Inc()
-	m.evBytes.WithLabelValues(reason).Add(float64(bytes))
+	m.evicts.WithLabelValues(reason, tier).Inc()
+	m.evBytes.WithLabelValues(reason, tier).Add(float64(bytes))
 	m.evAge.Observe(age.Seconds())
 }
 

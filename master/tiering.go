@@ -91,6 +91,9 @@ func (s *Server) demote(ctx context.Context, from segmentView, victims []evictab
 			continue
 		}
 		cands := s.slowerSegments(from.tier, o.size, from.node)
+		if len(cands) == 0 && s.roomForDemotion(ctx, from, o.size) {
+			cands = s.slowerSegments(from.tier, o.size, from.node)
+		}
 		if len(cands) == 0 {
 			unplaced = append(unplaced, o)
 			continue
@@ -110,6 +113,32 @@ func (s *Server) demote(ctx context.Context, from segmentView, victims []evictab
 		s.log.Debug("demoting", "segment", from.id, "objects", started)
 	}
 	return unplaced
+}
+
+// roomForDemotion evicts from a colder segment (the same node first) until
+// it can take an object of size bytes: only the coldest tier forgets, so a
+// demotion makes room there rather than evict the object it demotes.
+func (s *Server) roomForDemotion(ctx context.Context, from segmentView, size uint64) bool {
+	views := slices.DeleteFunc(s.fsm.segmentViews(), func(v segmentView) bool {
+		return !colder(v.tier, from.tier) || v.draining || !s.alive(v.node) || v.capacity < size
+	})
+	slices.SortStableFunc(views, func(a, b segmentView) int {
+		return cmp.Compare(btoi(a.node != from.node), btoi(b.node != from.node))
+	})
+	now := s.cfg.Now()
+	for _, v := range views {
+		if s.roomIn(ctx, v.id, size, now, "demotion") {
+			return true
+		}
+	}
+	return false
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // dropReplica drops o's replica on segment, which is not its last, and

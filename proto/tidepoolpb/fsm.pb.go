@@ -359,7 +359,7 @@ type CopyStartItem struct {
 	// Segment id of the replica to read.
 	Source string `protobuf:"bytes,3,opt,name=source,proto3" json:"source,omitempty"`
 	// Destination segments in the leader's order; Apply allocates in the
-	// first one with room on a node holding no replica of the object.
+	// first one with room that holds no replica of the object.
 	Candidates       []string   `protobuf:"bytes,4,rep,name=candidates,proto3" json:"candidates,omitempty"`
 	DeadlineUnixNano int64      `protobuf:"varint,5,opt,name=deadline_unix_nano,json=deadlineUnixNano,proto3" json:"deadline_unix_nano,omitempty"`
 	Reason           CopyReason `protobuf:"varint,6,opt,name=reason,proto3,enum=tidepool.v1.CopyReason" json:"reason,omitempty"`
