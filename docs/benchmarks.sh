@@ -41,7 +41,8 @@ redis_set=$(redis_rate SET)
 redis_get=$(redis_rate GET)
 
 echo "tidepool up + bench (each row $DURATION)" >&2
-"$work/tidepool" up --dir "$work/data" --dram 4GiB --listen 127.0.0.1:55203 --raft 127.0.0.1:55204 \
+# --promote-after 0: the SSD rows below read SSD, not a DRAM copy promoted by the repeated gets.
+"$work/tidepool" up --dir "$work/data" --dram 4GiB --promote-after 0 --listen 127.0.0.1:55203 --raft 127.0.0.1:55204 \
 	--engine 127.0.0.1:55205 --http 127.0.0.1:55206 --log-level warn & pids+=($!)
 for _ in $(seq 100); do "$work/tidepool" status --masters 127.0.0.1:55203 2>/dev/null | grep -q alive && break; sleep 0.1; done
 # --no-shm: the client is on the store's host, and this table is about the network path.

@@ -61,6 +61,10 @@ type Config struct {
 	// HighWatermark is the fraction of a segment above which the leader
 	// evicts, EvictRatio how far below it it goes; defaults 0.90 and 0.05.
 	HighWatermark, EvictRatio float64
+	// PromoteAfter is how many reads served from SSD alone make an object
+	// hot enough to gain a DRAM replica; default DefaultPromoteAfter,
+	// negative: never promote.
+	PromoteAfter int
 
 	Registerer prometheus.Registerer // nil: no metrics
 	Logger     *slog.Logger          // nil: discard
@@ -135,6 +139,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.EvictRatio <= 0 || cfg.EvictRatio >= cfg.HighWatermark {
 		cfg.EvictRatio = DefaultEvictRatio
+	}
+	if cfg.PromoteAfter == 0 {
+		cfg.PromoteAfter = DefaultPromoteAfter
 	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now

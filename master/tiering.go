@@ -17,13 +17,13 @@ import (
 // loses its fast one. Only without room in a slower tier is an object of a
 // fast tier evicted outright.
 //
-// Promotion: an object read from a slow tier only, PromoteAfter times,
+// Promotion: an object read from a slow tier only, Config.PromoteAfter times,
 // gains a DRAM replica, if DRAM has room below the high watermark; its SSD
 // replica stays, so demoting it again costs nothing.
 
-// PromoteAfter is how many reads served from a slow tier only make an
-// object hot enough to promote (admission by frequency).
-const PromoteAfter = 2
+// DefaultPromoteAfter is how many reads served from a slow tier only make
+// an object hot enough to promote (admission by frequency).
+const DefaultPromoteAfter = 2
 
 // Bounds on the leader's promotion bookkeeping and work per sweep.
 const (
@@ -156,19 +156,22 @@ func (s *Server) dropReplica(ctx context.Context, o evictable, segment, reason s
 }
 
 // noteReads counts reads of objects whose fastest replica is in a slow
-// tier; those read PromoteAfter times are queued for promotion.
+// tier; those read Config.PromoteAfter times are queued for promotion.
 func (s *Server) noteReads(keys []string, res []*pb.ObjectReplicas) {
+	if s.cfg.PromoteAfter < 0 {
+		return
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i, r := range res {
-		if len(r.Replicas) == 0 || readRank(r.Replicas[0].Tier) <= readRank(pb.Tier_TIER_DRAM) {
+		if len(r.Replicas) == 0 || r.Replicas[0].Tier != pb.Tier_TIER_SSD {
 			continue
 		}
 		if len(s.mu.slowReads) >= maxSlowReads {
 			clear(s.mu.slowReads) // forget old counts rather than grow without bound
 		}
 		s.mu.slowReads[keys[i]]++
-		if s.mu.slowReads[keys[i]] >= PromoteAfter && len(s.mu.promote) < maxSlowReads {
+		if s.mu.slowReads[keys[i]] >= s.cfg.PromoteAfter && len(s.mu.promote) < maxSlowReads {
 			s.mu.promote[keys[i]] = true
 			delete(s.mu.slowReads, keys[i])
 		}

@@ -404,7 +404,7 @@ func TestTieringDemoteDropsFastReplica(t *testing.T) {
 	}
 }
 
-// TestTieringPromotes: an object read PromoteAfter times from SSD only
+// TestTieringPromotes: an object read DefaultPromoteAfter times from SSD only
 // gains a DRAM replica, which readers then get first; its SSD one stays.
 func TestTieringPromotes(t *testing.T) {
 	t.Parallel()
@@ -424,7 +424,7 @@ func TestTieringPromotes(t *testing.T) {
 		}
 		return resp.Results[0].Replicas
 	}
-	for range PromoteAfter {
+	for range DefaultPromoteAfter {
 		get("hot")
 	}
 	get("cold") // once: not hot enough
@@ -444,7 +444,7 @@ func TestTieringPromotes(t *testing.T) {
 		t.Fatalf("promotions %v, want 1", n)
 	}
 	// Reads served from DRAM promote nothing more.
-	for range 2 * PromoteAfter {
+	for range 2 * DefaultPromoteAfter {
 		get("hot")
 	}
 	beats := fs.beats()
@@ -701,5 +701,39 @@ func TestAdminEvictTenant(t *testing.T) {
 	list, err := m.master().List(rpcCtx(t), &pb.ListRequest{Prefix: "z/"})
 	if err != nil || len(list.Objects) != 1 || list.Objects[0].Tenant != "zeta" {
 		t.Fatalf("list z/ = %v, %v", list, err)
+	}
+}
+
+// TestNoteReads: only reads served from SSD alone count towards promotion,
+// and a negative PromoteAfter turns promotion off.
+func TestNoteReads(t *testing.T) {
+	ssdOnly := &pb.ObjectReplicas{Replicas: []*pb.Replica{{Tier: pb.Tier_TIER_SSD}}}
+	dramFirst := &pb.ObjectReplicas{Replicas: []*pb.Replica{{Tier: pb.Tier_TIER_DRAM}, {Tier: pb.Tier_TIER_SSD}}}
+	hbmOnly := &pb.ObjectReplicas{Replicas: []*pb.Replica{{Tier: pb.Tier_TIER_HBM}}}
+	missing := &pb.ObjectReplicas{}
+	for _, tc := range []struct {
+		name  string
+		after int
+		reads []*pb.ObjectReplicas
+		hot   bool
+	}{
+		{"ssd, twice", 2, []*pb.ObjectReplicas{ssdOnly, ssdOnly}, true},
+		{"ssd, once", 2, []*pb.ObjectReplicas{ssdOnly}, false},
+		{"ssd, once, threshold 1", 1, []*pb.ObjectReplicas{ssdOnly}, true},
+		{"ssd, promotion off", -1, []*pb.ObjectReplicas{ssdOnly, ssdOnly, ssdOnly}, false},
+		{"dram replica first", 2, []*pb.ObjectReplicas{dramFirst, dramFirst, dramFirst}, false},
+		{"hbm only", 2, []*pb.ObjectReplicas{hbmOnly, hbmOnly, hbmOnly}, false},
+		{"not found", 2, []*pb.ObjectReplicas{missing, missing}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := &Server{cfg: Config{PromoteAfter: tc.after}}
+			s.mu.slowReads, s.mu.promote = map[string]int{}, map[string]bool{}
+			for _, r := range tc.reads {
+				s.noteReads([]string{"k"}, []*pb.ObjectReplicas{r})
+			}
+			if s.mu.promote["k"] != tc.hot {
+				t.Fatalf("queued for promotion: %v, want %v", s.mu.promote["k"], tc.hot)
+			}
+		})
 	}
 }

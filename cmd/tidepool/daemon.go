@@ -115,6 +115,7 @@ type masterFlags struct {
 	leaseTTL, putTimeout, nodeTTL               time.Duration
 	highWatermark, evictRatio                   float64
 	placement                                   string
+	promoteAfter                                int
 }
 
 func (m *masterFlags) register(fs *flag.FlagSet) {
@@ -130,6 +131,12 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&m.placement, "placement", master.FreeRatioFirst, "order of segments within a tier: free-ratio (most free first), random (best of two random) or local (the client's host first)")
 	fs.Float64Var(&m.highWatermark, "high-watermark", master.DefaultHighWatermark, "evict from a segment fuller than this fraction")
 	fs.Float64Var(&m.evictRatio, "evict-ratio", master.DefaultEvictRatio, "how far below the high watermark eviction goes")
+	promoteFlag(fs, &m.promoteAfter)
+}
+
+// promoteFlag is --promote-after, of master and up.
+func promoteFlag(fs *flag.FlagSet, n *int) {
+	fs.IntVar(n, "promote-after", master.DefaultPromoteAfter, "give an object a DRAM replica after this many reads served from SSD alone (0: never)")
 }
 
 func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (master.Config, error) {
@@ -137,7 +144,14 @@ func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (maste
 		ID: m.id, Dir: m.dir, RaftAddr: m.raftAddr, Advertise: m.advertise,
 		LeaseTTL: m.leaseTTL, PutTimeout: m.putTimeout, NodeTTL: m.nodeTTL,
 		HighWatermark: m.highWatermark, EvictRatio: m.evictRatio, Placement: m.placement,
+		PromoteAfter: m.promoteAfter,
 		Registerer: reg, Logger: log.With("component", "master"),
+	}
+	switch {
+	case m.promoteAfter < 0:
+		return cfg, fmt.Errorf("%w: --promote-after must not be negative", errUsage)
+	case m.promoteAfter == 0:
+		cfg.PromoteAfter = -1 // never
 	}
 	if cfg.Advertise == "" {
 		cfg.Advertise = m.listen
@@ -231,6 +245,7 @@ type storeFlags struct {
 	id, listen, advertise string
 	tiers                 listFlag
 	indexSync             time.Duration
+	copies                int
 }
 
 func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
@@ -239,6 +254,7 @@ func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
 	fs.StringVar(&s.listen, "listen", defaultEngine, "transfer engine address, or several separated by commas: one rail each")
 	fs.StringVar(&s.advertise, "advertise", "", "transfer engine address peers dial (default --listen)")
 	fs.DurationVar(&s.indexSync, "index-sync", 5*time.Second, "how often an SSD tier's index of its objects is synced with the master")
+	fs.IntVar(&s.copies, "copies", 4, "copies (demotion, promotion, drain) the master may have this node make at once")
 	fs.Var(&s.tiers, "tier", "a tier to serve, repeatable: dram:SIZE (e.g. dram:8GiB); ssd:DIR:SIZE (a preallocated file in DIR whose objects survive a restart); hbm:SIZE[:DEVICE] (GPU memory of CUDA device DEVICE, default 0); "+
 		"hbm-emulated:SIZE (host memory standing in for HBM on hosts without a GPU, shown as emulated) (default "+defaultTier+")")
 }
@@ -324,7 +340,7 @@ func startStore(s *storeFlags, masters []string, reg prometheus.Registerer, log 
 	}
 	n, err := store.New(store.Config{
 		ID: s.id, Masters: masters, Listen: s.listen, Advertise: s.advertise,
-		Tiers: ts, IndexSyncInterval: s.indexSync, Registerer: reg, Logger: log.With("component", "store"),
+		Tiers: ts, IndexSyncInterval: s.indexSync, CopyConcurrency: s.copies, Registerer: reg, Logger: log.With("component", "store"),
 	})
 	if err != nil {
 		for _, t := range ts {
@@ -379,6 +395,8 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	dram := fs.String("dram", "1GiB", "size of the store's DRAM tier")
 	ssd := fs.String("ssd", "1GiB", "size of the store's SSD tier, a file under --dir (0: none)")
 	leaseTTL := fs.Duration("lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get; the master evicts nothing for this long after it starts")
+	var promoteAfter int
+	promoteFlag(fs, &promoteAfter)
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
 		return err
@@ -386,7 +404,7 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	log, reg := d.log, d.reg
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
 		leaseTTL: *leaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL,
-		highWatermark: master.DefaultHighWatermark, evictRatio: master.DefaultEvictRatio}
+		highWatermark: master.DefaultHighWatermark, evictRatio: master.DefaultEvictRatio, promoteAfter: promoteAfter}
 	srv, served, stopMaster, err := startMaster(&m, reg, log)
 	if err != nil {
 		return err
