@@ -143,7 +143,9 @@ func TestEvictPoolFill(t *testing.T) {
 	}
 	// Only the coldest tier forgets: DRAM demoted everything it gave up.
 	if n, err := counter(m.http, "tidepool_master_evictions_total", `tier="dram"`); err != nil || n != 0 {
-		t.Fatalf("objects evicted from DRAM instead of demoted: %v, %v", n, err)
+		w, _ := counter(m.http, "tidepool_master_evictions_total", `tier="dram"`, `reason="watermark"`)
+		a, _ := counter(m.http, "tidepool_master_evictions_total", `tier="dram"`, `reason="allocation"`)
+		t.Fatalf("objects evicted from DRAM instead of demoted: %v (watermark %v, allocation %v), %v", n, w, a, err)
 	}
 	forgotten, _ := counter(m.http, "tidepool_master_evictions_total", `tier="ssd"`)
 	t.Logf("%v objects demoted from DRAM to SSD, %v evicted from SSD", demoted, forgotten)

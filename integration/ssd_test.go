@@ -13,7 +13,7 @@ import (
 
 // TestStoreRestartKeepsSSDObjects: a store process killed and started again
 // on the same SSD directory offers its objects back, and every one reads
-// back byte for byte.
+// back byte for byte; a hard pinned one is still hard pinned.
 func TestStoreRestartKeepsSSDObjects(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
@@ -29,6 +29,7 @@ func TestStoreRestartKeepsSSDObjects(t *testing.T) {
 	t.Cleanup(func() { c.Close() })
 	src := newRand(t)
 	values := map[string][]byte{}
+	const pinned = "ssd/00"
 	for i := range 20 {
 		v := randomBytes(src, 1+int(src.Uint64()%(4<<20)))
 		k := fmt.Sprintf("ssd/%02d", i)
@@ -36,6 +37,11 @@ func TestStoreRestartKeepsSSDObjects(t *testing.T) {
 			t.Fatalf("put %s: %v", k, err)
 		}
 		values[k] = v
+		if k == pinned {
+			// Pinned before the other puts, so the sync that indexes them
+			// all reads the pin too.
+			mustCLI(t, ctx, nil, "admin", "pin", k, "--hard", "--masters", m.grpc)
+		}
 	}
 	waitFor(t, 30*time.Second, func() error {
 		n, err := counter(s.http, "tidepool_store_indexed_objects")
@@ -55,6 +61,18 @@ func TestStoreRestartKeepsSSDObjects(t *testing.T) {
 		})
 		if !bytes.Equal(got, want) {
 			t.Fatalf("%s after the restart: %d bytes that differ from the %d put", k, len(got), len(want))
+		}
+	}
+	objs, err := c.List(ctx, "ssd/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(objs) != len(values) {
+		t.Fatalf("List after the restart: %d objects, want %d", len(objs), len(values))
+	}
+	for _, o := range objs {
+		if o.HardPinned != (o.Key == pinned) {
+			t.Errorf("%s after the restart: hard pinned %v", o.Key, o.HardPinned)
 		}
 	}
 	_ = s

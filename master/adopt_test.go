@@ -1,6 +1,9 @@
 package master
 
 import (
+	"errors"
+	"maps"
+	"strings"
 	"testing"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -50,5 +53,202 @@ func TestFSMAdopt(t *testing.T) {
 	r = register(&pb.AdoptedObject{Key: "k2", Segment: "ssd0", Offset: 0, Size: 300, Checksum: 300})
 	if r.Adopted != 1 || len(d.f.replicas([]string{"k2"})[0].Replicas) != 2 {
 		t.Fatalf("a matching copy did not become a replica: %+v", r)
+	}
+}
+
+// meta is the part of an object that adoption must carry over.
+type meta struct {
+	hard           bool
+	softPin        int64
+	parent, tenant string
+}
+
+func objectMeta(t testing.TB, f *FSM, key string) meta {
+	t.Helper()
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	o := f.objects[key]
+	if o == nil {
+		t.Fatalf("no object %q", key)
+	}
+	return meta{o.hard, o.softPin, o.parent, o.tenant}
+}
+
+// putWith runs a whole put of a parented, tenanted object on one segment.
+func (d *fsmDriver) putWith(now int64, key string, size uint64, parent, tenant, segment string) *pb.Extent {
+	d.t.Helper()
+	out := d.apply(now, &pb.Command{Op: &pb.Command_PutStart{PutStart: &pb.PutStartCmd{Items: []*pb.PutStartItem{{
+		Key: key, Size: size, Checksum: uint32(size), Candidates: []string{segment}, DeadlineUnixNano: now + 1e9,
+		Parent: parent, Tenant: tenant,
+	}}}}})
+	res, ok := out.([]PutStartResult)
+	if !ok || len(res) != 1 || res[0].Err != nil || len(res[0].Replicas) != 1 {
+		d.t.Fatalf("put start %q: Apply returned %T %v", key, out, out)
+	}
+	if err := d.putEnd(now, key); err != nil {
+		d.t.Fatalf("put end %q: %v", key, err)
+	}
+	return res[0].Replicas[0]
+}
+
+func (d *fsmDriver) reregister(now int64, node string, spec *pb.SegmentSpec, adopt []*pb.AdoptedObject) RegisterResult {
+	d.t.Helper()
+	out := d.apply(now, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{
+		Node: node, Endpoint: "ep-" + node, Segments: []*pb.SegmentSpec{spec}, Adopt: adopt,
+	}}})
+	r, ok := out.(RegisterResult)
+	if !ok {
+		d.t.Fatalf("register %s: Apply returned %T %v", node, out, out)
+	}
+	return r
+}
+
+// TestFSMAdoptKeepsPins: a restarted node that offers back what the master
+// listed for its SSD segment (as the store's index keeps it) gets its
+// objects back with their hard and soft pins, parent keys and tenants, and
+// the parents' child counts are rebuilt; the pins still refuse eviction.
+func TestFSMAdoptKeepsPins(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep-n1", ssd("ssd0", 1<<20)).SegmentIDs[0]
+	d.put(t0, "root", 100, seg)
+	d.putWith(t0, "hard", 200, "root", "acme", seg)
+	d.putWith(t0, "soft", 300, "root", "acme", seg)
+	d.putWith(t0, "leaf", 400, "hard", "", seg)
+	if err := d.pin(t0, &pb.PinCmd{Key: "hard", Hard: true}); err != nil {
+		t.Fatal(err)
+	}
+	soft := t0 + 3600e9
+	if err := d.pin(t0, &pb.PinCmd{Key: "soft", SoftUntilUnixNano: soft}); err != nil {
+		t.Fatal(err)
+	}
+	keys := []string{"hard", "leaf", "root", "soft"}
+	want := map[string]meta{}
+	for _, k := range keys {
+		want[k] = objectMeta(t, d.f, k)
+	}
+	if want["hard"] != (meta{true, 0, "root", "acme"}) || want["soft"] != (meta{false, soft, "root", "acme"}) {
+		t.Fatalf("setup: %v", want)
+	}
+	wantChildren := maps.Clone(d.f.children)
+	if !maps.Equal(wantChildren, map[string]int{"root": 2, "hard": 1}) {
+		t.Fatalf("setup: children %v", wantChildren)
+	}
+
+	kept := d.f.segmentObjects(seg, "ssd0")
+	if len(kept) != len(keys) {
+		t.Fatalf("segmentObjects = %v", kept)
+	}
+	for i, a := range kept {
+		m := want[a.Key]
+		if a.Key != keys[i] || a.HardPinned != m.hard || a.SoftPinUntilUnixNano != m.softPin || a.Parent != m.parent || a.Tenant != m.tenant {
+			t.Errorf("segmentObjects[%d] = %v, want %q with %+v", i, a, keys[i], m)
+		}
+	}
+
+	r := d.reregister(t0+10, "n1", ssd("ssd0", 1<<20), kept)
+	if r.Epoch != 2 || r.Adopted != len(keys) {
+		t.Fatalf("register = %+v, want epoch 2 and %d adopted", r, len(keys))
+	}
+	for _, k := range keys {
+		if got := objectMeta(t, d.f, k); got != want[k] {
+			t.Errorf("%q after adoption: %+v, want %+v", k, got, want[k])
+		}
+	}
+	if !maps.Equal(d.f.children, wantChildren) {
+		t.Errorf("children after adoption %v, want %v", d.f.children, wantChildren)
+	}
+	checkInvariants(t, d.f)
+	if err := d.evict(t0+11, "hard", 0, true); !errors.Is(err, ErrPinned) {
+		t.Errorf("evict of the re-adopted hard pinned object: %v, want ErrPinned", err)
+	}
+	if err := d.evict(t0+11, "soft", 0, false); !errors.Is(err, ErrPinned) {
+		t.Errorf("evict of the re-adopted soft pinned object: %v, want ErrPinned", err)
+	}
+
+	// The same through a snapshot: a follower restored from it agrees.
+	g := restored(t, snapshotBytes(t, d.f))
+	for _, k := range keys {
+		if got := objectMeta(t, g, k); got != want[k] {
+			t.Errorf("%q after snapshot and restore: %+v, want %+v", k, got, want[k])
+		}
+	}
+	if !maps.Equal(g.children, wantChildren) {
+		t.Errorf("children after snapshot and restore %v, want %v", g.children, wantChildren)
+	}
+}
+
+// TestFSMAdoptLongMetadata: a parent key or tenant longer than any valid
+// one is left out, and the object is adopted without it.
+func TestFSMAdoptLongMetadata(t *testing.T) {
+	d := newDriver(t)
+	d.register(t0, "n1", "ep-n1", ssd("ssd0", 1<<20))
+	edge, long := strings.Repeat("e", MaxKeyLen), strings.Repeat("l", MaxKeyLen+1)
+	r := d.reregister(t0+1, "n1", ssd("ssd0", 1<<20), []*pb.AdoptedObject{
+		{Key: "a", Segment: "ssd0", Offset: 0, Size: 10, Checksum: 1, HardPinned: true, Parent: long, Tenant: edge},
+		{Key: "b", Segment: "ssd0", Offset: 4096, Size: 10, Checksum: 2, SoftPinUntilUnixNano: t0 + 5, Parent: edge, Tenant: long},
+		{Key: "c", Segment: "ssd0", Offset: 8192, Size: 10, Checksum: 3, Parent: "a", Tenant: "t"},
+	})
+	if r.Adopted != 3 {
+		t.Fatalf("register = %+v, want 3 adopted", r)
+	}
+	for k, want := range map[string]meta{
+		"a": {hard: true, tenant: edge},
+		"b": {softPin: t0 + 5, parent: edge},
+		"c": {parent: "a", tenant: "t"},
+	} {
+		if got := objectMeta(t, d.f, k); got != want {
+			t.Errorf("%q: %.60v, want %.60v", k, got, want)
+		}
+	}
+	if !maps.Equal(d.f.children, map[string]int{"a": 1, edge: 1}) {
+		t.Errorf("children %d entries, want 2", len(d.f.children))
+	}
+	checkInvariants(t, d.f)
+}
+
+// TestFSMAdoptMergesPins: bytes adopted as a second replica of an object
+// that lives elsewhere leave its parent key and tenant as they are, but
+// the object takes the stronger of the two hard pins and the later soft pin.
+func TestFSMAdoptMergesPins(t *testing.T) {
+	tests := []struct {
+		name        string
+		have, offer meta
+		want        meta
+	}{
+		{"no pins", meta{parent: "p", tenant: "t"}, meta{parent: "q", tenant: "u"}, meta{parent: "p", tenant: "t"}},
+		{"offered hard pin", meta{}, meta{hard: true}, meta{hard: true}},
+		{"kept hard pin", meta{hard: true}, meta{}, meta{hard: true}},
+		{"later offered soft pin", meta{softPin: t0 + 5}, meta{softPin: t0 + 9}, meta{softPin: t0 + 9}},
+		{"earlier offered soft pin", meta{softPin: t0 + 9}, meta{softPin: t0 + 5, hard: true}, meta{hard: true, softPin: t0 + 9}},
+		{"metadata offered, none kept", meta{}, meta{parent: "q", tenant: "u"}, meta{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			d := newDriver(t)
+			d.register(t0, "n1", "ep-n1", ssd("ssd0", 1<<20))
+			seg2 := d.register(t0, "n2", "ep-n2", ssd("ssd0", 1<<20)).SegmentIDs[0]
+			d.putWith(t0, "k", 300, tc.have.parent, tc.have.tenant, seg2)
+			if tc.have.hard {
+				if err := d.pin(t0, &pb.PinCmd{Key: "k", Hard: true}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if tc.have.softPin != 0 {
+				if err := d.pin(t0, &pb.PinCmd{Key: "k", SoftUntilUnixNano: tc.have.softPin}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			r := d.reregister(t0+1, "n1", ssd("ssd0", 1<<20), []*pb.AdoptedObject{{
+				Key: "k", Segment: "ssd0", Offset: 0, Size: 300, Checksum: 300,
+				HardPinned: tc.offer.hard, SoftPinUntilUnixNano: tc.offer.softPin, Parent: tc.offer.parent, Tenant: tc.offer.tenant,
+			}})
+			if r.Adopted != 1 || len(d.f.replicas([]string{"k"})[0].Replicas) != 2 {
+				t.Fatalf("a matching copy did not become a replica: %+v", r)
+			}
+			if got := objectMeta(t, d.f, "k"); got != tc.want {
+				t.Errorf("after adoption: %+v, want %+v", got, tc.want)
+			}
+			checkInvariants(t, d.f)
+		})
 	}
 }

@@ -63,6 +63,9 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 		i = slices.IndexFunc(o.copies, func(c *pb.PendingCopy) bool { return c.Id == it.CopyId })
 	}
 	if i < 0 {
+		if !it.OnlyExpired {
+			f.copyReported(it.CopyId)
+		}
 		return CopyEndResult{Err: fmt.Errorf("%w: copy %d of %q", ErrNotInProgress, it.CopyId, it.Key)}
 	}
 	c := o.copies[i]
@@ -86,7 +89,7 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 		if s := f.segments[c.Target.Segment]; s != nil {
 			s.objects++
 		}
-		if c.Reason != pb.CopyReason_COPY_REASON_PROMOTE {
+		if moves(c.Reason) {
 			if j := slices.IndexFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == c.Source }); j >= 0 {
 				f.dropExtent(o, j, freeAfter, now)
 			}
@@ -94,6 +97,20 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 		res.Done = true
 	}
 	return res
+}
+
+// copyReported frees at once the target of a copy whose object went
+// while it ran: its store has reported, so no more bytes will land.
+func (f *FSM) copyReported(id uint64) {
+	for i, p := range f.pending {
+		if p.CopyId == id {
+			if s := f.segments[p.Extent.Segment]; s != nil {
+				s.alloc.release(p.Extent.Offset, p.Extent.Length)
+			}
+			f.pending = slices.Delete(f.pending, i, i+1)
+			return
+		}
+	}
 }
 
 // holds reports whether any of a node's segments holds a replica or the
@@ -321,4 +338,10 @@ func (s *Server) leaseEnd(keys []string) time.Time {
 		}
 	}
 	return t
+}
+
+// moves reports whether a copy for reason replaces its source (demotion,
+// drain) rather than adding a replica (promotion, write-back).
+func moves(r pb.CopyReason) bool {
+	return r == pb.CopyReason_COPY_REASON_DEMOTE || r == pb.CopyReason_COPY_REASON_DRAIN
 }

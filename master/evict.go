@@ -148,6 +148,21 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 	return n, bytes, nil
 }
 
+// free gives up victims' room on one segment: an object with a replica
+// elsewhere loses only this one (an SSD copy of a DRAM object, a second
+// replica), the rest are evicted. It returns what was evicted.
+func (s *Server) free(ctx context.Context, seg segmentView, victims []evictable, allowSoft bool, reason string) (n int, bytes uint64, err error) {
+	only := victims[:0:0]
+	for _, o := range victims {
+		if len(o.segments) > 1 {
+			s.dropReplica(ctx, o, seg.id, reason)
+			continue
+		}
+		only = append(only, o)
+	}
+	return s.evictObjects(ctx, only, allowSoft, reason, tierName(seg.tier))
+}
+
 // onSegment matches objects with a replica on the segment.
 func onSegment(id string) func(evictable) bool {
 	return func(o evictable) bool { return slices.Contains(o.segments, id) }
@@ -220,7 +235,7 @@ func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 		if len(victims) == 0 {
 			continue
 		}
-		n, bytes, err := s.evictObjects(ctx, victims, p.allowSoft, "watermark", tierName(p.view.tier))
+		n, bytes, err := s.free(ctx, p.view, victims, p.allowSoft, "watermark")
 		if err != nil {
 			s.log.Warn("evict to the watermark", "segment", p.view.id, "err", err)
 			return
@@ -280,7 +295,7 @@ func (s *Server) roomIn(ctx context.Context, id string, size uint64, now time.Ti
 		if len(victims) == 0 {
 			return false
 		}
-		if _, _, err := s.evictObjects(ctx, victims, soft, reason, tierName(view.tier)); err != nil {
+		if _, _, err := s.free(ctx, view, victims, soft, reason); err != nil {
 			s.log.Warn("evict to make room", "segment", id, "err", err)
 			return false
 		}

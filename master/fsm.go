@@ -101,6 +101,8 @@ type PutStartResult struct {
 	Exists   bool
 	Replicas []*pb.Extent
 	PutID    uint64
+	// Written-back replicas dropped to make room for it.
+	Reclaimed int
 }
 
 // RegisterResult is what Apply returns for a RegisterCmd.
@@ -141,8 +143,14 @@ func (f *FSM) Apply(l *raft.Log) any {
 	switch op := cmd.Op.(type) {
 	case *pb.Command_PutStart:
 		res := make([]PutStartResult, len(op.PutStart.Items))
+		reclaim := op.PutStart.Reclaim
 		for i, it := range op.PutStart.Items {
-			res[i] = f.putStart(it, now, l.Index<<16|uint64(i))
+			if len(it.Candidates) > 0 {
+				res[i].Reclaimed, reclaim = f.reclaim(it.Candidates[0], it.Size, reclaim, now)
+			}
+			r := f.putStart(it, now, l.Index<<16|uint64(i))
+			r.Reclaimed = res[i].Reclaimed
+			res[i] = r
 		}
 		return res
 	case *pb.Command_PutEnd:
@@ -278,6 +286,38 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		return PutStartResult{Err: fmt.Errorf("%w: %d bytes, largest segment holds %d", ErrTooLarge, it.Size, largest)}
 	}
 	return PutStartResult{Err: fmt.Errorf("%w for %d bytes", ErrNoSpace, it.Size)}
+}
+
+// reclaim drops written-back replicas on segment, in the leader's order,
+// until it has a free range of size bytes, and returns how many it dropped
+// and the entries it did not use. A replica is dropped only if its object
+// keeps another one and is not being copied from it.
+func (f *FSM) reclaim(segment string, size uint64, cands []*pb.Reclaimable, now int64) (int, []*pb.Reclaimable) {
+	s := f.segments[segment]
+	if s == nil {
+		return 0, cands
+	}
+	n := 0
+	rest := cands[:0:0]
+	for i, c := range cands {
+		if s.alloc.largestFree() >= size {
+			return n, append(rest, cands[i:]...)
+		}
+		if c.Segment != segment {
+			rest = append(rest, c)
+			continue
+		}
+		o := f.objects[c.Key]
+		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || len(o.replicas) < 2 ||
+			slices.ContainsFunc(o.copies, func(p *pb.PendingCopy) bool { return p.Source == segment }) {
+			continue
+		}
+		if j := slices.IndexFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == segment }); j >= 0 {
+			f.dropExtent(o, j, 0, now)
+			n++
+		}
+	}
+	return n, rest
 }
 
 func (f *FSM) putEnd(key string, putID uint64, now int64) error {
@@ -436,8 +476,9 @@ func (f *FSM) retire(o *object, after int64) {
 		}
 	}
 	for _, c := range o.copies {
-		// A copier may still be writing: keep the room until it must stop.
-		f.free(c.Target, c.DeadlineUnixNano+lateWriteGrace)
+		// A copier may still be writing: keep the room until it reports,
+		// or else until it must have stopped.
+		f.pending = append(f.pending, &pb.PendingFree{Extent: c.Target, AfterUnixNano: c.DeadlineUnixNano + lateWriteGrace, CopyId: c.Id})
 	}
 }
 
@@ -491,9 +532,11 @@ func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 }
 
 // adopt takes back an object a restarted node kept, at the same place in
-// the new epoch's segment. A key that exists elsewhere with the same size
-// and checksum gains a replica; one that differs keeps its value and the
-// kept bytes are dropped.
+// the new epoch's segment, with the pins, parent key and tenant it had. A
+// key that exists elsewhere with the same size and checksum gains a replica
+// and keeps its own metadata, except that it takes the stronger of the two
+// pins; one that differs keeps its value and the kept bytes are dropped. A
+// parent key or tenant too long to be valid is left out, not the object.
 func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 	id := SegmentID(n.id, a.Segment, n.epoch)
 	s := f.segments[id]
@@ -520,14 +563,24 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 	s.objects++
 	ext := &pb.Extent{Segment: id, Offset: a.Offset, Length: a.Size}
 	if o == nil {
-		f.add(&object{
+		obj := &object{
 			key: a.Key, size: a.Size, checksum: a.Checksum,
 			state: pb.ObjectState_OBJECT_STATE_COMPLETE, created: now,
 			replicas: []*pb.Extent{ext},
-		})
+			hard:     a.HardPinned, softPin: a.SoftPinUntilUnixNano,
+		}
+		if len(a.Parent) <= MaxKeyLen {
+			obj.parent = a.Parent
+		}
+		if len(a.Tenant) <= MaxKeyLen {
+			obj.tenant = a.Tenant
+		}
+		f.add(obj) // counts the parent's children
 		return true
 	}
 	o.replicas = append(o.replicas, ext)
+	o.hard = o.hard || a.HardPinned
+	o.softPin = max(o.softPin, a.SoftPinUntilUnixNano)
 	return true
 }
 

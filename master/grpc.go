@@ -195,6 +195,7 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		idx = append(idx, i)
 	}
 	if len(cmd.Items) > 0 {
+		cmd.Reclaim = m.s.reclaimFor(cmd.Items)
 		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: cmd}})
 		if err != nil {
 			return nil, err
@@ -205,6 +206,9 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		}
 		m.s.fsm.mu.RLock()
 		for j, r := range started {
+			for range r.Reclaimed {
+				m.s.metrics.dropped("reclaim")
+			}
 			reps := m.s.fsm.describe(r.Replicas)
 			if r.Err == nil && len(reps) < len(r.Replicas) {
 				// A segment went away between the apply and now; the put

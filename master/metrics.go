@@ -65,7 +65,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	})
 	m.copies = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tidepool_master_copies_total",
-		Help: "Replica copies made by stores for the leader, by reason (demote: DRAM or HBM to SSD, promote: SSD to DRAM, drain) and result (ok, failed, expired).",
+		Help: "Replica copies made by stores for the leader, by reason (demote: DRAM or HBM to SSD, promote: SSD to DRAM, drain, writeback: an SSD copy ahead of need) and result (ok, failed, expired).",
 	}, []string{"reason", "result"})
 	m.cpBytes = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tidepool_master_copied_bytes_total",
@@ -73,7 +73,7 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 	}, []string{"reason"})
 	m.drops = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "tidepool_master_replica_drops_total",
-		Help: "Replicas dropped while the object kept another, by reason (demote: it already had a slower replica; drain; corrupt).",
+		Help: "Replicas dropped while the object kept another, by reason (demote, drain, reclaim, and the eviction reasons for a replica evicted from one tier while another tier keeps the object).",
 	}, []string{"reason"})
 	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, m.copies, m.cpBytes, m.drops, stateCollector{s}} {
 		if err := reg.Register(c); err != nil {

@@ -262,7 +262,8 @@ func (f *FSM) infos(keys []string) []*pb.ObjectInfo {
 }
 
 // segmentObjects lists the complete objects with a replica on segment id,
-// in key order, as the node sees them (its segment name).
+// in key order, as the node sees them (its segment name), with their pins
+// and metadata, which a re-adopted object takes back.
 func (f *FSM) segmentObjects(id, name string) []*pb.AdoptedObject {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
@@ -274,7 +275,10 @@ func (f *FSM) segmentObjects(id, name string) []*pb.AdoptedObject {
 		}
 		for _, r := range o.replicas {
 			if r.Segment == id {
-				out = append(out, &pb.AdoptedObject{Key: k, Segment: name, Offset: r.Offset, Size: o.size, Checksum: o.checksum})
+				out = append(out, &pb.AdoptedObject{
+					Key: k, Segment: name, Offset: r.Offset, Size: o.size, Checksum: o.checksum,
+					HardPinned: o.hard, SoftPinUntilUnixNano: o.softPin, Parent: o.parent, Tenant: o.tenant,
+				})
 			}
 		}
 	}
@@ -289,7 +293,7 @@ func (f *FSM) movingBytes() map[string]uint64 {
 	out := map[string]uint64{}
 	for _, o := range f.objects {
 		for _, c := range o.copies {
-			if c.Reason != pb.CopyReason_COPY_REASON_PROMOTE {
+			if moves(c.Reason) {
 				out[c.Source] += o.size
 			}
 		}

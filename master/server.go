@@ -65,6 +65,11 @@ type Config struct {
 	// hot enough to gain a DRAM replica; default DefaultPromoteAfter,
 	// negative: never promote.
 	PromoteAfter int
+	// NoWriteBack turns off write-back: cold DRAM objects then gain an SSD
+	// replica only when demoted, and a put that finds DRAM full lands in
+	// SSD until the next demotion round. Write-back costs SSD writes for
+	// objects that may never be demoted.
+	NoWriteBack bool
 
 	Registerer prometheus.Registerer // nil: no metrics
 	Logger     *slog.Logger          // nil: discard
@@ -361,6 +366,7 @@ func (s *Server) leaderLoop() {
 				lastSpill = time.Now()
 				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 				s.evictToWatermark(ctx, s.cfg.Now())
+				s.writeBack(ctx, s.cfg.Now())
 				cancel()
 			}
 		}
@@ -466,6 +472,7 @@ func (s *Server) sweep() {
 	s.endExpiredCopies(ctx, now)
 	defer s.drainNodes(ctx)
 	defer s.promote(ctx)
+	defer s.writeBack(ctx, now)
 	defer s.evictToWatermark(ctx, now)
 	for _, id := range dead {
 		s.log.Warn("store node silent, declaring it dead", "node", id, "ttl", s.cfg.NodeTTL)

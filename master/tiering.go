@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"slices"
+	"time"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -75,19 +76,14 @@ func (s *Server) slowerSegments(t pb.Tier, size uint64, near string) []string {
 // demote moves victims off the fast segment from, and returns those it
 // could not place in a slower tier: the caller evicts them.
 func (s *Server) demote(ctx context.Context, from segmentView, victims []evictable) (unplaced []evictable) {
-	tiers := map[string]pb.Tier{}
-	for _, v := range s.fsm.segmentViews() {
-		tiers[v.id] = v.tier
-	}
+	tiers := s.segmentTiers()
 	var jobs []copyJob
 	byKey := map[string]evictable{}
 	for _, o := range victims {
 		slower := slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], from.tier) })
 		if slower {
-			if s.dropReplica(ctx, o, from.id, "demote") {
-				continue
-			}
-			unplaced = append(unplaced, o)
+			// If the colder replica went meanwhile, the next sweep copies.
+			s.dropReplica(ctx, o, from.id, "demote")
 			continue
 		}
 		cands := s.slowerSegments(from.tier, o.size, from.node)
@@ -199,10 +195,7 @@ func (s *Server) promote(ctx context.Context) {
 		return v.tier != pb.Tier_TIER_DRAM || v.draining || !s.alive(v.node)
 	})
 	slices.SortStableFunc(views, freerFirst)
-	tiers := map[string]pb.Tier{}
-	for _, v := range s.fsm.segmentViews() {
-		tiers[v.id] = v.tier
-	}
+	tiers := s.segmentTiers()
 	room := map[string]uint64{} // what each DRAM segment may still take
 	for _, v := range views {
 		if limit := uint64(s.cfg.HighWatermark * float64(v.capacity)); v.used < limit {
@@ -229,4 +222,112 @@ func (s *Server) promote(ctx context.Context) {
 	if _, _, err := s.startCopies(ctx, jobs); err != nil {
 		s.log.Warn("promote", "objects", len(jobs), "err", err)
 	}
+}
+
+// Write-back keeps cold DRAM objects on SSD ahead of need: above
+// writeBackMark (the high watermark less twice the evict ratio), the least
+// recently used objects of a DRAM segment, as many bytes as it is above
+// the mark, get an SSD replica and keep their DRAM one. A put that finds
+// its DRAM segment full then reclaims those replicas in the same raft
+// command (PutStartCmd.reclaim), instead of spilling to SSD while DRAM
+// holds colder objects; and demoting them later is a drop.
+
+// maxReclaim bounds the reclaimable replicas one PutStart command carries.
+const maxReclaim = 256
+
+// writeBack starts write-back copies for the DRAM segments above the mark.
+func (s *Server) writeBack(ctx context.Context, now time.Time) {
+	if s.cfg.NoWriteBack {
+		return
+	}
+	mark := s.cfg.HighWatermark - 2*s.cfg.EvictRatio
+	var all []evictable
+	var tiers map[string]pb.Tier
+	for _, v := range s.fsm.segmentViews() {
+		if v.tier != pb.Tier_TIER_DRAM || v.draining || !s.alive(v.node) || float64(v.used) <= mark*float64(v.capacity) || !s.hasSlowerTier(v.tier) {
+			continue
+		}
+		if all == nil {
+			all = s.fsm.completeObjects(func(string) bool { return true })
+			tiers = s.segmentTiers()
+		}
+		want := v.used - uint64(mark*float64(v.capacity))
+		objs := filterObjects(slices.Clone(all), onSegment(v.id))
+		s.byRecency(objs, now)
+		var jobs []copyJob
+		var covered uint64
+		for _, o := range objs {
+			if covered >= want {
+				break
+			}
+			if o.hard || o.softPin > now.UnixNano() {
+				continue
+			}
+			covered += o.freed
+			if o.copying || slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], v.tier) }) {
+				continue
+			}
+			cands := s.slowerSegments(v.tier, o.size, v.node)
+			if len(cands) == 0 {
+				break // no room below: the watermark sweep makes it
+			}
+			jobs = append(jobs, copyJob{key: o.key, putID: o.putID, source: v.id, candidates: cands, reason: pb.CopyReason_COPY_REASON_WRITEBACK})
+		}
+		if _, _, err := s.startCopies(ctx, jobs); err != nil {
+			s.log.Warn("write back", "segment", v.id, "err", err)
+			return
+		}
+	}
+}
+
+// reclaimFor lists, for the puts of cmd whose first candidate lacks room,
+// the written-back replicas on that segment that Apply may drop: unleased,
+// unpinned, least recently used first.
+func (s *Server) reclaimFor(items []*pb.PutStartItem) []*pb.Reclaimable {
+	need := map[string]uint64{}
+	for _, it := range items {
+		if len(it.Candidates) > 0 {
+			need[it.Candidates[0]] += it.Size
+		}
+	}
+	var short []segmentView
+	for _, v := range s.fsm.segmentViews() {
+		if n, ok := need[v.id]; ok && v.largestFree < n && s.hasSlowerTier(v.tier) {
+			short = append(short, v)
+		}
+	}
+	if len(short) == 0 {
+		return nil
+	}
+	now := s.cfg.Now()
+	all := s.fsm.completeObjects(func(string) bool { return true })
+	tiers := s.segmentTiers()
+	var out []*pb.Reclaimable
+	for _, v := range short {
+		objs := filterObjects(slices.Clone(all), func(o evictable) bool {
+			return onSegment(v.id)(o) && !o.copying && !o.hard && o.softPin <= now.UnixNano() &&
+				slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], v.tier) })
+		})
+		leased := s.byRecency(objs, now)
+		var freed uint64
+		for _, o := range objs {
+			if freed >= 2*need[v.id] || len(out) == maxReclaim { // twice: free ranges are not contiguous
+				break
+			}
+			if !leased[o.key] {
+				out = append(out, &pb.Reclaimable{Key: o.key, Segment: v.id})
+				freed += o.freed
+			}
+		}
+	}
+	return out
+}
+
+// segmentTiers maps segment ids to their tiers.
+func (s *Server) segmentTiers() map[string]pb.Tier {
+	tiers := map[string]pb.Tier{}
+	for _, v := range s.fsm.segmentViews() {
+		tiers[v.id] = v.tier
+	}
+	return tiers
 }

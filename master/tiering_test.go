@@ -185,6 +185,10 @@ func newTierEnv(t *testing.T, tweak func(*Config)) *tierEnv {
 	return e
 }
 
+// noWriteBack keeps DRAM objects from gaining SSD copies ahead of need, so
+// a test sees demotion alone.
+func noWriteBack(cfg *Config) { cfg.NoWriteBack = true }
+
 func (e *tierEnv) admin() pb.AdminClient { return pb.NewAdminClient(e.m.conn) }
 
 func (e *tierEnv) waitEvictable(t *testing.T) {
@@ -317,7 +321,7 @@ const (
 // DRAM replicas dropped; nothing is evicted.
 func TestTieringDemotes(t *testing.T) {
 	t.Parallel()
-	e := newTierEnv(t, nil)
+	e := newTierEnv(t, noWriteBack)
 	m := e.m
 	hbm := &pb.SegmentSpec{Name: "h", Tier: pb.Tier_TIER_HBM, Capacity: 8 * segCap}
 	fs := startFakeStore(t, m, "s", reportOK, dram("a", segCap), hbm, ssd("b", 8*segCap))
@@ -464,7 +468,7 @@ func TestTieringPromotes(t *testing.T) {
 // the SSD holds exactly the demoted objects.
 func TestTieringFailedCopies(t *testing.T) {
 	t.Parallel()
-	e := newTierEnv(t, nil)
+	e := newTierEnv(t, noWriteBack)
 	m := e.m
 	fs := startFakeStore(t, m, "s", reportFailed, dram("a", segCap), ssd("b", 8*segCap))
 	e.waitEvictable(t)
@@ -506,7 +510,7 @@ func TestTieringFailedCopies(t *testing.T) {
 func TestTieringExpiredCopies(t *testing.T) {
 	t.Parallel()
 	const putTimeout = 1500 * time.Millisecond
-	e := newTierEnv(t, func(cfg *Config) { cfg.PutTimeout = putTimeout })
+	e := newTierEnv(t, func(cfg *Config) { cfg.PutTimeout = putTimeout; cfg.NoWriteBack = true })
 	m := e.m
 	fs := startFakeStore(t, m, "s", holdCopies, dram("a", segCap), ssd("b", 8*segCap))
 	e.waitEvictable(t)
@@ -735,5 +739,55 @@ func TestNoteReads(t *testing.T) {
 				t.Fatalf("queued for promotion: %v, want %v", s.mu.promote["k"], tc.hot)
 			}
 		})
+	}
+}
+
+// TestTieringWriteBackReclaim: above 0.80 of a DRAM segment its least
+// recently used objects get an SSD copy ahead of need and keep their DRAM
+// one; a put that then finds DRAM full reclaims such a replica in its own
+// raft command and lands in DRAM instead of spilling to SSD.
+func TestTieringWriteBackReclaim(t *testing.T) {
+	t.Parallel()
+	e := newTierEnv(t, nil)
+	m := e.m
+	startFakeStore(t, m, "s", reportOK, dram("a", segCap), ssd("b", 8*segCap))
+	e.waitEvictable(t)
+	keys := keyNames("k", 14) // 0.875 of DRAM: above the 0.80 mark, below 0.90
+	putBatch(t, m, sized(64*kib, nil, keys...)...)
+	waitFor(t, 10*time.Second, "the two coldest written back", func() error {
+		got := placement(t, m, keys...)
+		for i, k := range keys {
+			want := []string{sDRAM}
+			if i < 2 {
+				want = []string{sDRAM, sSSD}
+			}
+			if !slices.Equal(got[k], want) {
+				return fmt.Errorf("%s on %v, want %v", k, got[k], want)
+			}
+		}
+		if n := copiesInFlight(m.srv.FSM()); n != 0 {
+			return fmt.Errorf("%d copies in flight", n)
+		}
+		return nil
+	})
+	if n := e.count(t, "tidepool_master_copies_total", "reason", "writeback", "result", "ok"); n != 2 {
+		t.Fatalf("write-backs %v, want 2", n)
+	}
+
+	// Room for two more; the third reclaims the coldest written-back replica.
+	more := keyNames("m", 3)
+	for i, r := range putBatch(t, m, sized(64*kib, nil, more...)...) {
+		if len(r.Replicas) != 1 || r.Replicas[0].Segment != sDRAM {
+			t.Fatalf("%s placed on %v, want DRAM", more[i], r.Replicas)
+		}
+	}
+	if got := placement(t, m, keys[0])[keys[0]]; !slices.Equal(got, []string{sSSD}) {
+		t.Fatalf("%s on %v after the reclaim, want its SSD copy only", keys[0], got)
+	}
+	if n := e.count(t, "tidepool_master_replica_drops_total", "reason", "reclaim"); n != 1 {
+		t.Fatalf("reclaimed replicas %v, want 1", n)
+	}
+	if n := e.count(t, "tidepool_master_evictions_total"); n != 0 {
+		t.Fatalf("%v evictions; write-back and reclaim should have made the room", n)
 	}
 }

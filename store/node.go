@@ -268,7 +268,10 @@ func (n *Node) register(ctx context.Context) error {
 			continue
 		}
 		for _, o := range kept {
-			req.Adopt = append(req.Adopt, &pb.AdoptedObject{Key: o.Key, Segment: t.Name(), Offset: o.Offset, Size: o.Size, Checksum: o.Checksum})
+			req.Adopt = append(req.Adopt, &pb.AdoptedObject{
+				Key: o.Key, Segment: t.Name(), Offset: o.Offset, Size: o.Size, Checksum: o.Checksum,
+				HardPinned: o.HardPinned, SoftPinUntilUnixNano: o.SoftPinUntil, Parent: o.Parent, Tenant: o.Tenant,
+			})
 		}
 	}
 	var resp *pb.RegisterResponse
@@ -308,7 +311,8 @@ func (n *Node) register(ctx context.Context) error {
 }
 
 // syncIndexes makes each persistent tier's index what the master says the
-// tier holds: objects put since the last sync are added, removed ones go.
+// tier holds: objects put since the last sync are added, removed ones go,
+// and pins, parent keys and tenants that changed are rewritten.
 func (n *Node) syncIndexes(ctx context.Context) error {
 	epoch := n.Epoch()
 	for _, t := range n.cfg.Tiers {
@@ -332,7 +336,10 @@ func (n *Node) syncIndexes(ctx context.Context) error {
 		}
 		objs := make([]tiers.SSDObject, len(resp.Objects))
 		for i, o := range resp.Objects {
-			objs[i] = tiers.SSDObject{Key: o.Key, Offset: o.Offset, Size: o.Size, Checksum: o.Checksum}
+			objs[i] = tiers.SSDObject{
+				Key: o.Key, Offset: o.Offset, Size: o.Size, Checksum: o.Checksum,
+				HardPinned: o.HardPinned, SoftPinUntil: o.SoftPinUntilUnixNano, Parent: o.Parent, Tenant: o.Tenant,
+			}
 		}
 		if err := it.Index().Replace(objs); err != nil {
 			return fmt.Errorf("tier %s: %w", t.Name(), err)

@@ -2,8 +2,10 @@ package tiers
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"slices"
@@ -333,6 +335,10 @@ func TestSSDIndex(t *testing.T) {
 	o := func(key string, off, size uint64, sum uint32) SSDObject {
 		return SSDObject{Key: key, Offset: off, Size: size, Checksum: sum}
 	}
+	meta := func(o SSDObject, hard bool, soft int64, parent, tenant string) SSDObject {
+		o.HardPinned, o.SoftPinUntil, o.Parent, o.Tenant = hard, soft, parent, tenant
+		return o
+	}
 	big := strings.Repeat("k", MaxSSDIndexKey)
 	type step struct {
 		put     []SSDObject
@@ -371,6 +377,15 @@ func TestSSDIndex(t *testing.T) {
 			{put: []SSDObject{o("a", 1, 1, 1), o("b", 2, 2, 2)}},
 			{isRepl: true, replace: []SSDObject{o("b", 2, 2, 2), o("a", 1, 1, 1)},
 				want: []SSDObject{o("a", 1, 1, 1), o("b", 2, 2, 2)}}}},
+		{"metadata round trips", []step{
+			{put: []SSDObject{meta(o("a", 1, 1, 1), true, 5, "p", "t"), o("b", 2, 2, 2)},
+				want: []SSDObject{meta(o("a", 1, 1, 1), true, 5, "p", "t"), o("b", 2, 2, 2)}}}},
+		{"replace changes metadata only", []step{
+			{put: []SSDObject{meta(o("a", 1, 1, 1), true, 0, "", ""), o("b", 2, 2, 2), meta(o("c", 3, 3, 3), false, 9, "p", "t"), o("d", 4, 4, 4)}},
+			{isRepl: true, replace: []SSDObject{o("a", 1, 1, 1), meta(o("b", 2, 2, 2), false, 7, "", ""),
+				meta(o("c", 3, 3, 3), false, 9, "q", "t"), meta(o("d", 4, 4, 4), false, 0, "", "u")},
+				want: []SSDObject{o("a", 1, 1, 1), meta(o("b", 2, 2, 2), false, 7, "", ""),
+					meta(o("c", 3, 3, 3), false, 9, "q", "t"), meta(o("d", 4, 4, 4), false, 0, "", "u")}}}},
 		{"replace then put and delete", []step{
 			{isRepl: true, replace: []SSDObject{o("a", 1, 1, 1), o("b", 2, 2, 2)}},
 			{put: []SSDObject{o("c", 3, 3, 3)}},
@@ -420,6 +435,8 @@ func TestSSDIndexInvalid(t *testing.T) {
 		{Key: "past the end", Offset: ssdTestCapacity - 1, Size: 2},
 		{Key: "offset past the end", Offset: ssdTestCapacity + 1},
 		{Key: "overflow", Offset: ^uint64(0), Size: 2},
+		{Key: "long parent", Parent: strings.Repeat("p", MaxSSDIndexKey+1)},
+		{Key: "long tenant", Tenant: strings.Repeat("t", MaxSSDIndexKey+1)},
 	}
 	for _, o := range bad {
 		if err := x.Put(SSDObject{Key: "fine"}, o); err == nil {
@@ -447,13 +464,16 @@ func TestSSDIndexGarbage(t *testing.T) {
 	good := SSDObject{Key: "good", Offset: 4096, Size: 300, Checksum: 7}
 	for _, v := range [][]byte{
 		nil,
-		{2, 1, 1, 0, 0, 0, 0},   // unknown version
+		{3, 1, 1, 0, 0, 0, 0},   // unknown version
+		{0, 1, 1, 0, 0, 0, 0},   // unknown version
 		{ssdValueVersion},       // no offset
 		{ssdValueVersion, 0x80}, // truncated varint
 		{ssdValueVersion, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01}, // varint overflow
-		{ssdValueVersion, 1},                   // no size
-		{ssdValueVersion, 1, 2, 3, 4, 5},       // short checksum
-		{ssdValueVersion, 1, 2, 3, 4, 5, 6, 7}, // trailing byte
+		{ssdValueVersion, 1},                      // no size
+		{ssdValueVersion, 1, 2, 3, 4, 5},          // short checksum
+		{ssdValueV1, 1, 2, 3, 4, 5, 6, 7},         // trailing byte
+		{ssdValueVersion, 1, 2, 3, 4, 5, 6},       // no flags
+		{ssdValueVersion, 1, 2, 3, 4, 5, 6, 1, 0}, // no parent
 		bytes.Repeat([]byte{0xff}, 100),
 	} {
 		if _, err := decodeObjectValue(v); !errors.Is(err, errBadValue) {
@@ -477,16 +497,143 @@ func TestSSDIndexGarbage(t *testing.T) {
 			t.Errorf("All() after Replace = %v, %v", all, err)
 		}
 	}
-	// Round trip through the encoding.
-	for _, o := range []SSDObject{{}, good, {Offset: ^uint64(0), Size: ^uint64(0), Checksum: ^uint32(0)}} {
+}
+
+// TestSSDIndexValue checks the value encoding: version 2 round trips,
+// version 1 values (written by the previous release) still decode, and
+// malformed values are refused.
+func TestSSDIndexValue(t *testing.T) {
+	long := strings.Repeat("p", MaxSSDIndexKey)
+	for _, o := range []SSDObject{
+		{},
+		{Offset: 4096, Size: 300, Checksum: 7},
+		{Offset: ^uint64(0), Size: ^uint64(0), Checksum: ^uint32(0)},
+		{HardPinned: true},
+		{SoftPinUntil: 1_700_000_000_000_000_000},
+		{SoftPinUntil: -1},
+		{SoftPinUntil: math.MinInt64},
+		{SoftPinUntil: math.MaxInt64},
+		{Parent: "parent", Tenant: "tenant"},
+		{Parent: "\x00\xff", Tenant: "ü"},
+		{Offset: ^uint64(0), Size: ^uint64(0), Checksum: ^uint32(0), HardPinned: true, SoftPinUntil: math.MinInt64, Parent: long, Tenant: long},
+	} {
 		v := appendObjectValue(nil, o)
-		got, err := decodeObjectValue(v)
-		got.Key = o.Key
-		if err != nil || got != o {
-			t.Errorf("decode(encode(%v)) = %v, %v", o, got, err)
+		if v[0] != ssdValueVersion {
+			t.Errorf("encode(%.40v) has version %d, want %d", o, v[0], ssdValueVersion)
+		}
+		if got, err := decodeObjectValue(v); err != nil || got != o {
+			t.Errorf("decode(encode(%.40v)) = %.40v, %v", o, got, err)
 		}
 	}
-	t.Logf("largest value: %d bytes", len(appendObjectValue(nil, SSDObject{Offset: ^uint64(0), Size: ^uint64(0)})))
+	t.Logf("largest value without parent and tenant: %d bytes",
+		len(appendObjectValue(nil, SSDObject{Offset: ^uint64(0), Size: ^uint64(0), HardPinned: true, SoftPinUntil: math.MinInt64})))
+
+	v1 := []struct {
+		name string
+		v    []byte
+		want SSDObject
+	}{
+		{"zeros", []byte{ssdValueV1, 0, 0, 0, 0, 0, 0}, SSDObject{}},
+		{"small", []byte{ssdValueV1, 0x80, 0x20, 0xac, 0x02, 7, 0, 0, 0}, SSDObject{Offset: 4096, Size: 300, Checksum: 7}},
+		{"largest", []byte{ssdValueV1,
+			0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01,
+			0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01,
+			0x78, 0x56, 0x34, 0x12},
+			SSDObject{Offset: ^uint64(0), Size: ^uint64(0), Checksum: 0x12345678}},
+	}
+	for _, tc := range v1 {
+		t.Run("v1 "+tc.name, func(t *testing.T) {
+			got, err := decodeObjectValue(tc.v)
+			if err != nil || got != tc.want {
+				t.Fatalf("decode(%x) = %v, %v; want %v", tc.v, got, err, tc.want)
+			}
+			if got, err := decodeObjectValue(appendObjectValue(nil, got)); err != nil || got != tc.want {
+				t.Errorf("re-encoded as version %d: %v, %v", ssdValueVersion, got, err)
+			}
+		})
+	}
+
+	// v2 is a valid version 2 value up to and including its checksum.
+	v2 := func(tail ...byte) []byte { return append([]byte{ssdValueVersion, 1, 2, 3, 4, 5, 6}, tail...) }
+	maxUvarint := []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01} // 1<<64 - 1
+	overflow := bytes.Repeat([]byte{0xff}, 11)                                       // more than 64 bits
+	tooLong := binary.AppendUvarint(nil, MaxSSDIndexKey+1)
+	tooLong = append(tooLong, bytes.Repeat([]byte{'p'}, MaxSSDIndexKey+1)...)
+	malformed := []struct {
+		name string
+		v    []byte
+	}{
+		{"v1 with v2 fields", []byte{ssdValueV1, 1, 2, 3, 4, 5, 6, 1, 0, 0, 0}},
+		{"short checksum", []byte{ssdValueVersion, 1, 2, 3, 4, 5}},
+		{"no flags", v2()},
+		{"truncated flags", v2(0x80)},
+		{"unknown flag", v2(2, 0, 0, 0)},
+		{"no soft pin", v2(1)},
+		{"truncated soft pin", v2(1, 0x80)},
+		{"soft pin overflows", v2(append(append([]byte{1}, overflow...), 0, 0)...)},
+		{"no parent length", v2(1, 0)},
+		{"truncated parent length", v2(1, 0, 0x80)},
+		{"parent past the end", v2(1, 0, 5, 'p', 'a')},
+		{"parent length overflows", v2(append(append([]byte{1, 0}, overflow...), 0)...)},
+		{"parent length huge", v2(append([]byte{1, 0}, maxUvarint...)...)},
+		{"parent too long", v2(append(append([]byte{1, 0}, tooLong...), 0)...)},
+		{"no tenant length", v2(1, 0, 1, 'p')},
+		{"truncated tenant length", v2(1, 0, 1, 'p', 0x80)},
+		{"tenant past the end", v2(1, 0, 1, 'p', 3, 't')},
+		{"tenant length past the end by one", v2(1, 0, 0, 2, 't')},
+		{"tenant length overflows", v2(append([]byte{1, 0, 0}, overflow...)...)},
+		{"tenant length huge", v2(append([]byte{1, 0, 0}, maxUvarint...)...)},
+		{"tenant too long", v2(append([]byte{1, 0, 0}, tooLong...)...)},
+		{"trailing byte", v2(1, 0, 1, 'p', 1, 't', 9)},
+	}
+	if _, err := decodeObjectValue(v2(1, 0, 1, 'p', 1, 't')); err != nil {
+		t.Fatalf("the base of the malformed values does not decode: %v", err)
+	}
+	for _, tc := range malformed {
+		t.Run("malformed "+tc.name, func(t *testing.T) {
+			if got, err := decodeObjectValue(tc.v); !errors.Is(err, errBadValue) {
+				t.Errorf("decode(%.40x) = %.40v, %v; want errBadValue", tc.v, got, err)
+			}
+		})
+	}
+}
+
+// TestSSDIndexReadsV1 checks that an index written by the previous release
+// (version 1 values) is read, and that Replace rewrites its entries in the
+// current version once.
+func TestSSDIndexReadsV1(t *testing.T) {
+	tier := newTestSSD(t, t.TempDir(), ssdTestCapacity)
+	x := tier.Index()
+	old := SSDObject{Key: "old", Offset: 4096, Size: 300, Checksum: 7}
+	if err := x.db.Set(appendObjectKey(nil, old.Key), []byte{ssdValueV1, 0x80, 0x20, 0xac, 0x02, 7, 0, 0, 0}, pebble.Sync); err != nil {
+		t.Fatal(err)
+	}
+	if all, err := x.All(); err != nil || !slices.Equal(all, []SSDObject{old}) {
+		t.Fatalf("All() over a version 1 entry = %v, %v", all, err)
+	}
+	walIn := func() uint64 { return x.db.Metrics().WAL.BytesIn }
+	before := walIn()
+	if err := x.Replace([]SSDObject{old}); err != nil {
+		t.Fatal(err)
+	}
+	if walIn() == before {
+		t.Error("Replace left a version 1 entry as it was")
+	}
+	v, closer, err := x.db.Get(appendObjectKey(nil, old.Key))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v[0] != ssdValueVersion {
+		t.Errorf("entry after Replace has version %d, want %d", v[0], ssdValueVersion)
+	}
+	_ = closer.Close()
+	before = walIn()
+	if err := x.Replace([]SSDObject{old}); err != nil {
+		t.Fatal(err)
+	}
+	if walIn() != before {
+		t.Error("a second Replace with the same object wrote")
+	}
 }
 
 // TestSSDIndexReplaceWritesChangesOnly checks that a Replace with the index's
@@ -520,6 +667,18 @@ func TestSSDIndexReplaceWritesChangesOnly(t *testing.T) {
 	}
 	if all, err := x.All(); err != nil || !slices.Equal(all, objs[1:]) {
 		t.Errorf("All() = %d objects, %v", len(all), err)
+	}
+	// A change of a pin alone is a change.
+	objs[60].HardPinned = true
+	before = walIn()
+	if err := x.Replace(objs[1:]); err != nil {
+		t.Fatal(err)
+	}
+	if walIn() == before {
+		t.Error("Replace of an object pinned since wrote nothing")
+	}
+	if all, err := x.All(); err != nil || !all[59].HardPinned {
+		t.Errorf("All() after pinning = %v", err)
 	}
 }
 

@@ -15,14 +15,21 @@ import (
 )
 
 // SSDObject is one object stored on an SSD tier: Size bytes at Offset in the
-// tier's data file, whose checksum is Checksum.
+// tier's data file, whose checksum is Checksum. The rest is the master's
+// metadata of the object, kept so that a re-adopted object keeps its pins,
+// its parent key and its tenant.
 type SSDObject struct {
 	Key          string
 	Offset, Size uint64
 	Checksum     uint32
+	HardPinned   bool
+	SoftPinUntil int64 // unix nanos; 0 for none
+	Parent       string
+	Tenant       string
 }
 
-// MaxSSDIndexKey is the longest object key the SSD index stores.
+// MaxSSDIndexKey is the longest object key, parent key or tenant the SSD
+// index stores.
 const MaxSSDIndexKey = 4096
 
 // SSDIndex records the objects on an SSD tier, so that a restarted store
@@ -47,8 +54,25 @@ type SSDIndex struct {
 // versions, tier metadata) can live beside the objects later.
 const objectPrefix = 'o'
 
-// Values are ssdValueVersion, uvarint offset, uvarint size, uint32 LE checksum.
-const ssdValueVersion = 1
+// Values are a version byte, then
+//
+//	version 1: uvarint offset, uvarint size, uint32 LE checksum;
+//	version 2: version 1's fields, then uvarint flags (flagHardPinned),
+//	           varint soft pin (unix nanos), uvarint length and bytes of the
+//	           parent key, uvarint length and bytes of the tenant.
+//
+// Writes use ssdValueVersion; reads accept both, so that an index written by
+// an older release is re-adopted (its objects without pins or metadata).
+const (
+	ssdValueV1      = 1
+	ssdValueVersion = 2
+)
+
+// Flags of a version 2 value. Other bits make the value malformed.
+const (
+	flagHardPinned = 1 << 0
+	knownFlags     = flagHardPinned
+)
 
 var (
 	objectLower = []byte{objectPrefix}
@@ -169,9 +193,10 @@ func (x *SSDIndex) All() ([]SSDObject, error) {
 }
 
 // Replace makes the index exactly objs: it deletes the entries of keys not in
-// objs and writes those that are missing or differ (an entry that does not
-// decode differs), all in one synced batch; if nothing differs it writes
-// nothing. Two objects of one key are an error.
+// objs and writes those that are missing or differ in any field (an entry
+// that does not decode, or is of an older encoding version, differs), all in
+// one synced batch; if nothing differs it writes nothing. Two objects of one
+// key are an error.
 func (x *SSDIndex) Replace(objs []SSDObject) error {
 	want := slices.Clone(objs)
 	slices.SortFunc(want, func(a, b SSDObject) int { return strings.Compare(a.Key, b.Key) })
@@ -270,6 +295,9 @@ func (x *SSDIndex) validObject(o SSDObject) error {
 		return fmt.Errorf("ssd index %q: object %q: %w: %d bytes at %d in %d",
 			x.name, o.Key, ErrOutOfRange, o.Size, o.Offset, x.capacity)
 	}
+	if len(o.Parent) > MaxSSDIndexKey || len(o.Tenant) > MaxSSDIndexKey {
+		return fmt.Errorf("ssd index %q: object %q: parent key or tenant longer than %d bytes", x.name, o.Key, MaxSSDIndexKey)
+	}
 	return nil
 }
 
@@ -288,21 +316,32 @@ func appendObjectValue(b []byte, o SSDObject) []byte {
 	b = append(b, ssdValueVersion)
 	b = binary.AppendUvarint(b, o.Offset)
 	b = binary.AppendUvarint(b, o.Size)
-	return binary.LittleEndian.AppendUint32(b, o.Checksum)
+	b = binary.LittleEndian.AppendUint32(b, o.Checksum)
+	var flags uint64
+	if o.HardPinned {
+		flags |= flagHardPinned
+	}
+	b = binary.AppendUvarint(b, flags)
+	b = binary.AppendVarint(b, o.SoftPinUntil)
+	b = binary.AppendUvarint(b, uint64(len(o.Parent)))
+	b = append(b, o.Parent...)
+	b = binary.AppendUvarint(b, uint64(len(o.Tenant)))
+	return append(b, o.Tenant...)
 }
 
 // errBadValue reports an index entry that does not decode.
 var errBadValue = errors.New("malformed value")
 
-// decodeObjectValue decodes a value written by appendObjectValue; the
-// returned object has no Key.
+// decodeObjectValue decodes a value written by appendObjectValue, of this
+// version or version 1; the returned object has no Key.
 func decodeObjectValue(v []byte) (SSDObject, error) {
 	var o SSDObject
 	if len(v) == 0 {
 		return o, fmt.Errorf("%w: empty", errBadValue)
 	}
-	if v[0] != ssdValueVersion {
-		return o, fmt.Errorf("%w: version %d, want %d", errBadValue, v[0], ssdValueVersion)
+	version := v[0]
+	if version != ssdValueV1 && version != ssdValueVersion {
+		return o, fmt.Errorf("%w: version %d, want %d or %d", errBadValue, version, ssdValueV1, ssdValueVersion)
 	}
 	v = v[1:]
 	var n int
@@ -314,11 +353,52 @@ func decodeObjectValue(v []byte) (SSDObject, error) {
 		return o, fmt.Errorf("%w: bad size", errBadValue)
 	}
 	v = v[n:]
-	if len(v) != 4 {
+	if len(v) < 4 {
 		return o, fmt.Errorf("%w: %d bytes of checksum, want 4", errBadValue, len(v))
 	}
 	o.Checksum = binary.LittleEndian.Uint32(v)
+	v = v[4:]
+	if version == ssdValueV1 {
+		if len(v) != 0 {
+			return o, fmt.Errorf("%w: %d trailing bytes", errBadValue, len(v))
+		}
+		return o, nil
+	}
+	flags, n := binary.Uvarint(v)
+	if n <= 0 || flags&^knownFlags != 0 {
+		return o, fmt.Errorf("%w: bad flags", errBadValue)
+	}
+	o.HardPinned = flags&flagHardPinned != 0
+	v = v[n:]
+	if o.SoftPinUntil, n = binary.Varint(v); n <= 0 {
+		return o, fmt.Errorf("%w: bad soft pin", errBadValue)
+	}
+	v = v[n:]
+	var err error
+	if o.Parent, v, err = decodeString(v, "parent"); err != nil {
+		return o, err
+	}
+	if o.Tenant, v, err = decodeString(v, "tenant"); err != nil {
+		return o, err
+	}
+	if len(v) != 0 {
+		return o, fmt.Errorf("%w: %d trailing bytes", errBadValue, len(v))
+	}
 	return o, nil
+}
+
+// decodeString decodes a uvarint length and that many bytes, at most
+// MaxSSDIndexKey, and returns the rest of v.
+func decodeString(v []byte, what string) (string, []byte, error) {
+	l, n := binary.Uvarint(v)
+	if n <= 0 {
+		return "", nil, fmt.Errorf("%w: bad %s length", errBadValue, what)
+	}
+	v = v[n:]
+	if l > MaxSSDIndexKey || l > uint64(len(v)) {
+		return "", nil, fmt.Errorf("%w: %s of %d bytes, %d left (at most %d)", errBadValue, what, l, len(v), MaxSSDIndexKey)
+	}
+	return string(v[:l]), v[l:], nil
 }
 
 // quietPebbleLogger drops pebble's informational messages but keeps errors

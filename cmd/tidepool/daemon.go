@@ -116,6 +116,7 @@ type masterFlags struct {
 	highWatermark, evictRatio                   float64
 	placement                                   string
 	promoteAfter                                int
+	noWriteBack                                 bool
 }
 
 func (m *masterFlags) register(fs *flag.FlagSet) {
@@ -132,6 +133,7 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.Float64Var(&m.highWatermark, "high-watermark", master.DefaultHighWatermark, "evict from a segment fuller than this fraction")
 	fs.Float64Var(&m.evictRatio, "evict-ratio", master.DefaultEvictRatio, "how far below the high watermark eviction goes")
 	promoteFlag(fs, &m.promoteAfter)
+	fs.BoolVar(&m.noWriteBack, "no-write-back", false, "copy cold DRAM objects to SSD only when demoting them, not ahead of need (fewer SSD writes; puts spill to SSD while DRAM is full)")
 }
 
 // promoteFlag is --promote-after, of master and up.
@@ -144,7 +146,7 @@ func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (maste
 		ID: m.id, Dir: m.dir, RaftAddr: m.raftAddr, Advertise: m.advertise,
 		LeaseTTL: m.leaseTTL, PutTimeout: m.putTimeout, NodeTTL: m.nodeTTL,
 		HighWatermark: m.highWatermark, EvictRatio: m.evictRatio, Placement: m.placement,
-		PromoteAfter: m.promoteAfter,
+		PromoteAfter: m.promoteAfter, NoWriteBack: m.noWriteBack,
 		Registerer: reg, Logger: log.With("component", "master"),
 	}
 	switch {

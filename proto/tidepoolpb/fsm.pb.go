@@ -37,6 +37,9 @@ const (
 	CopyReason_COPY_REASON_PROMOTE CopyReason = 2
 	// A draining node's replica moves to another node.
 	CopyReason_COPY_REASON_DRAIN CopyReason = 3
+	// A cold DRAM object gets an SSD replica ahead of need and keeps its
+	// DRAM one, so a put short of room can reclaim it at once.
+	CopyReason_COPY_REASON_WRITEBACK CopyReason = 4
 )
 
 // Enum value maps for CopyReason.
@@ -46,12 +49,14 @@ var (
 		1: "COPY_REASON_DEMOTE",
 		2: "COPY_REASON_PROMOTE",
 		3: "COPY_REASON_DRAIN",
+		4: "COPY_REASON_WRITEBACK",
 	}
 	CopyReason_value = map[string]int32{
 		"COPY_REASON_UNSPECIFIED": 0,
 		"COPY_REASON_DEMOTE":      1,
 		"COPY_REASON_PROMOTE":     2,
 		"COPY_REASON_DRAIN":       3,
+		"COPY_REASON_WRITEBACK":   4,
 	}
 )
 
@@ -1056,8 +1061,12 @@ func (x *PutStartItem) GetTenant() string {
 }
 
 type PutStartCmd struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Items         []*PutStartItem        `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Items []*PutStartItem        `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	// Replicas Apply may drop, in this order, when an item's first candidate
+	// lacks room: unleased DRAM replicas of objects that also have a replica
+	// in a colder tier (written back), so dropping them loses nothing.
+	Reclaim       []*Reclaimable `protobuf:"bytes,2,rep,name=reclaim,proto3" json:"reclaim,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1099,6 +1108,65 @@ func (x *PutStartCmd) GetItems() []*PutStartItem {
 	return nil
 }
 
+func (x *PutStartCmd) GetReclaim() []*Reclaimable {
+	if x != nil {
+		return x.Reclaim
+	}
+	return nil
+}
+
+type Reclaimable struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Segment       string                 `protobuf:"bytes,2,opt,name=segment,proto3" json:"segment,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Reclaimable) Reset() {
+	*x = Reclaimable{}
+	mi := &file_fsm_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Reclaimable) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Reclaimable) ProtoMessage() {}
+
+func (x *Reclaimable) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Reclaimable.ProtoReflect.Descriptor instead.
+func (*Reclaimable) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *Reclaimable) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *Reclaimable) GetSegment() string {
+	if x != nil {
+		return x.Segment
+	}
+	return ""
+}
+
 type KeysCmd struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Keys  []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
@@ -1114,7 +1182,7 @@ type KeysCmd struct {
 
 func (x *KeysCmd) Reset() {
 	*x = KeysCmd{}
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1126,7 +1194,7 @@ func (x *KeysCmd) String() string {
 func (*KeysCmd) ProtoMessage() {}
 
 func (x *KeysCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1139,7 +1207,7 @@ func (x *KeysCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysCmd.ProtoReflect.Descriptor instead.
 func (*KeysCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{12}
+	return file_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *KeysCmd) GetKeys() []string {
@@ -1175,7 +1243,7 @@ type RemoveCmd struct {
 
 func (x *RemoveCmd) Reset() {
 	*x = RemoveCmd{}
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1187,7 +1255,7 @@ func (x *RemoveCmd) String() string {
 func (*RemoveCmd) ProtoMessage() {}
 
 func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1200,7 +1268,7 @@ func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveCmd.ProtoReflect.Descriptor instead.
 func (*RemoveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{13}
+	return file_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RemoveCmd) GetKeys() []string {
@@ -1229,7 +1297,7 @@ type RegisterCmd struct {
 
 func (x *RegisterCmd) Reset() {
 	*x = RegisterCmd{}
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1241,7 +1309,7 @@ func (x *RegisterCmd) String() string {
 func (*RegisterCmd) ProtoMessage() {}
 
 func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1254,7 +1322,7 @@ func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterCmd.ProtoReflect.Descriptor instead.
 func (*RegisterCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{14}
+	return file_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RegisterCmd) GetNode() string {
@@ -1297,7 +1365,7 @@ type NodeDownCmd struct {
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1309,7 +1377,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1322,7 +1390,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{15}
+	return file_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -1356,7 +1424,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1368,7 +1436,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1381,7 +1449,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{16}
+	return file_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -1409,7 +1477,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1421,7 +1489,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1434,7 +1502,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{17}
+	return file_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Extent) GetSegment() string {
@@ -1481,7 +1549,7 @@ type Object struct {
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1493,7 +1561,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1506,7 +1574,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{18}
+	return file_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Object) GetKey() string {
@@ -1619,7 +1687,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1631,7 +1699,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1644,7 +1712,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{19}
+	return file_fsm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Node) GetId() string {
@@ -1700,13 +1768,16 @@ type PendingFree struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Extent        *Extent                `protobuf:"bytes,1,opt,name=extent,proto3" json:"extent,omitempty"`
 	AfterUnixNano int64                  `protobuf:"varint,2,opt,name=after_unix_nano,json=afterUnixNano,proto3" json:"after_unix_nano,omitempty"`
+	// The target of a copy whose object went while it ran: freed as soon as
+	// its store reports the copy ended, without waiting for the deadline.
+	CopyId        uint64 `protobuf:"varint,3,opt,name=copy_id,json=copyId,proto3" json:"copy_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1718,7 +1789,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1731,7 +1802,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{20}
+	return file_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -1748,6 +1819,13 @@ func (x *PendingFree) GetAfterUnixNano() int64 {
 	return 0
 }
 
+func (x *PendingFree) GetCopyId() uint64 {
+	if x != nil {
+		return x.CopyId
+	}
+	return 0
+}
+
 type Snapshot struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Objects       []*Object              `protobuf:"bytes,1,rep,name=objects,proto3" json:"objects,omitempty"`
@@ -1760,7 +1838,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1772,7 +1850,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1785,7 +1863,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{21}
+	return file_fsm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -1894,9 +1972,13 @@ const file_fsm_proto_rawDesc = "" +
 	"\x12deadline_unix_nano\x18\x05 \x01(\x03R\x10deadlineUnixNano\x12\x1a\n" +
 	"\breplicas\x18\x06 \x01(\rR\breplicas\x12\x16\n" +
 	"\x06parent\x18\a \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\b \x01(\tR\x06tenant\">\n" +
+	"\x06tenant\x18\b \x01(\tR\x06tenant\"r\n" +
 	"\vPutStartCmd\x12/\n" +
-	"\x05items\x18\x01 \x03(\v2\x19.tidepool.v1.PutStartItemR\x05items\"Y\n" +
+	"\x05items\x18\x01 \x03(\v2\x19.tidepool.v1.PutStartItemR\x05items\x122\n" +
+	"\areclaim\x18\x02 \x03(\v2\x18.tidepool.v1.ReclaimableR\areclaim\"9\n" +
+	"\vReclaimable\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x18\n" +
+	"\asegment\x18\x02 \x01(\tR\asegment\"Y\n" +
 	"\aKeysCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12!\n" +
 	"\fonly_expired\x18\x02 \x01(\bR\vonlyExpired\x12\x17\n" +
@@ -1943,21 +2025,23 @@ const file_fsm_proto_rawDesc = "" +
 	"\bsegments\x18\x04 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x12\x12\n" +
 	"\x04down\x18\x05 \x01(\bR\x04down\x12\x1a\n" +
 	"\bdraining\x18\x06 \x01(\bR\bdraining\x12\x18\n" +
-	"\adrained\x18\a \x01(\bR\adrained\"b\n" +
+	"\adrained\x18\a \x01(\bR\adrained\"{\n" +
 	"\vPendingFree\x12+\n" +
 	"\x06extent\x18\x01 \x01(\v2\x13.tidepool.v1.ExtentR\x06extent\x12&\n" +
-	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\"\xd3\x01\n" +
+	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\x12\x17\n" +
+	"\acopy_id\x18\x03 \x01(\x04R\x06copyId\"\xd3\x01\n" +
 	"\bSnapshot\x12-\n" +
 	"\aobjects\x18\x01 \x03(\v2\x13.tidepool.v1.ObjectR\aobjects\x12'\n" +
 	"\x05nodes\x18\x02 \x03(\v2\x11.tidepool.v1.NodeR\x05nodes\x120\n" +
 	"\amembers\x18\x03 \x03(\v2\x16.tidepool.v1.MemberCmdR\amembers\x12=\n" +
-	"\rpending_frees\x18\x04 \x03(\v2\x18.tidepool.v1.PendingFreeR\fpendingFrees*q\n" +
+	"\rpending_frees\x18\x04 \x03(\v2\x18.tidepool.v1.PendingFreeR\fpendingFrees*\x8c\x01\n" +
 	"\n" +
 	"CopyReason\x12\x1b\n" +
 	"\x17COPY_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12COPY_REASON_DEMOTE\x10\x01\x12\x17\n" +
 	"\x13COPY_REASON_PROMOTE\x10\x02\x12\x15\n" +
-	"\x11COPY_REASON_DRAIN\x10\x03B2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
+	"\x11COPY_REASON_DRAIN\x10\x03\x12\x19\n" +
+	"\x15COPY_REASON_WRITEBACK\x10\x04B2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
 
 var (
 	file_fsm_proto_rawDescOnce sync.Once
@@ -1972,7 +2056,7 @@ func file_fsm_proto_rawDescGZIP() []byte {
 }
 
 var file_fsm_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_fsm_proto_goTypes = []any{
 	(CopyReason)(0),        // 0: tidepool.v1.CopyReason
 	(*Command)(nil),        // 1: tidepool.v1.Command
@@ -1987,28 +2071,29 @@ var file_fsm_proto_goTypes = []any{
 	(*EvictCmd)(nil),       // 10: tidepool.v1.EvictCmd
 	(*PutStartItem)(nil),   // 11: tidepool.v1.PutStartItem
 	(*PutStartCmd)(nil),    // 12: tidepool.v1.PutStartCmd
-	(*KeysCmd)(nil),        // 13: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),      // 14: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),    // 15: tidepool.v1.RegisterCmd
-	(*NodeDownCmd)(nil),    // 16: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),      // 17: tidepool.v1.MemberCmd
-	(*Extent)(nil),         // 18: tidepool.v1.Extent
-	(*Object)(nil),         // 19: tidepool.v1.Object
-	(*Node)(nil),           // 20: tidepool.v1.Node
-	(*PendingFree)(nil),    // 21: tidepool.v1.PendingFree
-	(*Snapshot)(nil),       // 22: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),    // 23: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),  // 24: tidepool.v1.AdoptedObject
-	(ObjectState)(0),       // 25: tidepool.v1.ObjectState
+	(*Reclaimable)(nil),    // 13: tidepool.v1.Reclaimable
+	(*KeysCmd)(nil),        // 14: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),      // 15: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),    // 16: tidepool.v1.RegisterCmd
+	(*NodeDownCmd)(nil),    // 17: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),      // 18: tidepool.v1.MemberCmd
+	(*Extent)(nil),         // 19: tidepool.v1.Extent
+	(*Object)(nil),         // 20: tidepool.v1.Object
+	(*Node)(nil),           // 21: tidepool.v1.Node
+	(*PendingFree)(nil),    // 22: tidepool.v1.PendingFree
+	(*Snapshot)(nil),       // 23: tidepool.v1.Snapshot
+	(*SegmentSpec)(nil),    // 24: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),  // 25: tidepool.v1.AdoptedObject
+	(ObjectState)(0),       // 26: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
 	12, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
-	13, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
-	13, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
-	14, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
-	15, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	16, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	17, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	14, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
+	14, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
+	15, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
+	16, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
+	17, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	18, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
 	9,  // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
 	10, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
 	8,  // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
@@ -2018,25 +2103,26 @@ var file_fsm_proto_depIdxs = []int32{
 	0,  // 13: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
 	2,  // 14: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
 	4,  // 15: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
-	18, // 16: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
+	19, // 16: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
 	0,  // 17: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
 	11, // 18: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	23, // 19: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	24, // 20: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	25, // 21: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	18, // 22: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	7,  // 23: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
-	23, // 24: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	18, // 25: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	19, // 26: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	20, // 27: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	17, // 28: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	21, // 29: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	30, // [30:30] is the sub-list for method output_type
-	30, // [30:30] is the sub-list for method input_type
-	30, // [30:30] is the sub-list for extension type_name
-	30, // [30:30] is the sub-list for extension extendee
-	0,  // [0:30] is the sub-list for field type_name
+	13, // 19: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	24, // 20: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	25, // 21: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	26, // 22: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	19, // 23: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	7,  // 24: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
+	24, // 25: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	19, // 26: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	20, // 27: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	21, // 28: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	18, // 29: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	22, // 30: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	31, // [31:31] is the sub-list for method output_type
+	31, // [31:31] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -2066,7 +2152,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   22,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

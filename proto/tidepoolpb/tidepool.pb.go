@@ -1526,12 +1526,18 @@ type AdoptedObject struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
 	// The segment's name on the node (SegmentSpec.name), not its id.
-	Segment       string `protobuf:"bytes,2,opt,name=segment,proto3" json:"segment,omitempty"`
-	Offset        uint64 `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
-	Size          uint64 `protobuf:"varint,4,opt,name=size,proto3" json:"size,omitempty"`
-	Checksum      uint32 `protobuf:"varint,5,opt,name=checksum,proto3" json:"checksum,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Segment  string `protobuf:"bytes,2,opt,name=segment,proto3" json:"segment,omitempty"`
+	Offset   uint64 `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
+	Size     uint64 `protobuf:"varint,4,opt,name=size,proto3" json:"size,omitempty"`
+	Checksum uint32 `protobuf:"varint,5,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	// The object's pins and metadata, so that a re-adopted object keeps
+	// them. A store started by an older release offers none of them.
+	HardPinned           bool   `protobuf:"varint,6,opt,name=hard_pinned,json=hardPinned,proto3" json:"hard_pinned,omitempty"`
+	SoftPinUntilUnixNano int64  `protobuf:"varint,7,opt,name=soft_pin_until_unix_nano,json=softPinUntilUnixNano,proto3" json:"soft_pin_until_unix_nano,omitempty"`
+	Parent               string `protobuf:"bytes,8,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant               string `protobuf:"bytes,9,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *AdoptedObject) Reset() {
@@ -1597,6 +1603,34 @@ func (x *AdoptedObject) GetChecksum() uint32 {
 		return x.Checksum
 	}
 	return 0
+}
+
+func (x *AdoptedObject) GetHardPinned() bool {
+	if x != nil {
+		return x.HardPinned
+	}
+	return false
+}
+
+func (x *AdoptedObject) GetSoftPinUntilUnixNano() int64 {
+	if x != nil {
+		return x.SoftPinUntilUnixNano
+	}
+	return 0
+}
+
+func (x *AdoptedObject) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+func (x *AdoptedObject) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
 }
 
 type RegisterRequest struct {
@@ -2586,13 +2620,18 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vSegmentSpec\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12%\n" +
 	"\x04tier\x18\x02 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x1a\n" +
-	"\bcapacity\x18\x03 \x01(\x04R\bcapacity\"\x83\x01\n" +
+	"\bcapacity\x18\x03 \x01(\x04R\bcapacity\"\x8c\x02\n" +
 	"\rAdoptedObject\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x18\n" +
 	"\asegment\x18\x02 \x01(\tR\asegment\x12\x16\n" +
 	"\x06offset\x18\x03 \x01(\x04R\x06offset\x12\x12\n" +
 	"\x04size\x18\x04 \x01(\x04R\x04size\x12\x1a\n" +
-	"\bchecksum\x18\x05 \x01(\rR\bchecksum\"\xa9\x01\n" +
+	"\bchecksum\x18\x05 \x01(\rR\bchecksum\x12\x1f\n" +
+	"\vhard_pinned\x18\x06 \x01(\bR\n" +
+	"hardPinned\x126\n" +
+	"\x18soft_pin_until_unix_nano\x18\a \x01(\x03R\x14softPinUntilUnixNano\x12\x16\n" +
+	"\x06parent\x18\b \x01(\tR\x06parent\x12\x16\n" +
+	"\x06tenant\x18\t \x01(\tR\x06tenant\"\xa9\x01\n" +
 	"\x0fRegisterRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
