@@ -1459,6 +1459,223 @@ func (x *StatusResponse) GetRaftTerm() uint64 {
 	return 0
 }
 
+type LookupRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The block keys of one chain, first block first.
+	Keys []string `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	// Count the leading complete blocks only: no locations and no lease
+	// (the "batch exists" of SGLang's storage backends).
+	CountOnly     bool `protobuf:"varint,2,opt,name=count_only,json=countOnly,proto3" json:"count_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LookupRequest) Reset() {
+	*x = LookupRequest{}
+	mi := &file_tidepool_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LookupRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LookupRequest) ProtoMessage() {}
+
+func (x *LookupRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
+func (*LookupRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *LookupRequest) GetKeys() []string {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *LookupRequest) GetCountOnly() bool {
+	if x != nil {
+		return x.CountOnly
+	}
+	return false
+}
+
+// LookupResponse describes the matched prefix column by column, so a chain
+// of thousands of blocks costs a few packed arrays, not a message per block.
+type LookupResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Blocks 0 .. matched-1 of the request are complete; block matched is not.
+	Matched uint32 `protobuf:"varint,1,opt,name=matched,proto3" json:"matched,omitempty"`
+	// The segments the matched blocks' replicas are on, referred to by index
+	// below (offset and length unset).
+	Segments []*Replica `protobuf:"bytes,2,rep,name=segments,proto3" json:"segments,omitempty"`
+	// Per matched block, in chain order.
+	Sizes         []uint64 `protobuf:"varint,3,rep,packed,name=sizes,proto3" json:"sizes,omitempty"`
+	Checksums     []uint32 `protobuf:"varint,4,rep,packed,name=checksums,proto3" json:"checksums,omitempty"`
+	ReplicaCounts []uint32 `protobuf:"varint,5,rep,packed,name=replica_counts,json=replicaCounts,proto3" json:"replica_counts,omitempty"`
+	// Per replica, block by block, fastest tier first within a block.
+	ReplicaSegments []uint32 `protobuf:"varint,6,rep,packed,name=replica_segments,json=replicaSegments,proto3" json:"replica_segments,omitempty"`
+	ReplicaOffsets  []uint64 `protobuf:"varint,7,rep,packed,name=replica_offsets,json=replicaOffsets,proto3" json:"replica_offsets,omitempty"`
+	// The matched blocks are leased for this long from when the master
+	// answered; a read that ends later must be discarded.
+	LeaseTtlMs    uint64 `protobuf:"varint,8,opt,name=lease_ttl_ms,json=leaseTtlMs,proto3" json:"lease_ttl_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LookupResponse) Reset() {
+	*x = LookupResponse{}
+	mi := &file_tidepool_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LookupResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LookupResponse) ProtoMessage() {}
+
+func (x *LookupResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
+func (*LookupResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *LookupResponse) GetMatched() uint32 {
+	if x != nil {
+		return x.Matched
+	}
+	return 0
+}
+
+func (x *LookupResponse) GetSegments() []*Replica {
+	if x != nil {
+		return x.Segments
+	}
+	return nil
+}
+
+func (x *LookupResponse) GetSizes() []uint64 {
+	if x != nil {
+		return x.Sizes
+	}
+	return nil
+}
+
+func (x *LookupResponse) GetChecksums() []uint32 {
+	if x != nil {
+		return x.Checksums
+	}
+	return nil
+}
+
+func (x *LookupResponse) GetReplicaCounts() []uint32 {
+	if x != nil {
+		return x.ReplicaCounts
+	}
+	return nil
+}
+
+func (x *LookupResponse) GetReplicaSegments() []uint32 {
+	if x != nil {
+		return x.ReplicaSegments
+	}
+	return nil
+}
+
+func (x *LookupResponse) GetReplicaOffsets() []uint64 {
+	if x != nil {
+		return x.ReplicaOffsets
+	}
+	return nil
+}
+
+func (x *LookupResponse) GetLeaseTtlMs() uint64 {
+	if x != nil {
+		return x.LeaseTtlMs
+	}
+	return 0
+}
+
+type ChildrenRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Key   string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	// At most this many; 0 means the server's default (1000).
+	Limit         uint32 `protobuf:"varint,2,opt,name=limit,proto3" json:"limit,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChildrenRequest) Reset() {
+	*x = ChildrenRequest{}
+	mi := &file_tidepool_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChildrenRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChildrenRequest) ProtoMessage() {}
+
+func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChildrenRequest.ProtoReflect.Descriptor instead.
+func (*ChildrenRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ChildrenRequest) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *ChildrenRequest) GetLimit() uint32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
 type SegmentSpec struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Unique on its node, e.g. "dram0".
@@ -1471,7 +1688,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1483,7 +1700,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1496,7 +1713,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -1542,7 +1759,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1554,7 +1771,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1567,7 +1784,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -1647,7 +1864,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1659,7 +1876,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1672,7 +1889,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -1717,7 +1934,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1729,7 +1946,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1742,7 +1959,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -1778,7 +1995,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1790,7 +2007,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1803,7 +2020,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -1836,7 +2053,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1848,7 +2065,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1861,7 +2078,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -1885,7 +2102,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1897,7 +2114,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1910,7 +2127,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -1960,7 +2177,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1972,7 +2189,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1985,7 +2202,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -2048,7 +2265,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2060,7 +2277,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2073,7 +2290,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -2107,7 +2324,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2119,7 +2336,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2132,7 +2349,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -2155,7 +2372,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2167,7 +2384,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2180,7 +2397,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -2226,7 +2443,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2238,7 +2455,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2251,7 +2468,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -2319,7 +2536,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2331,7 +2548,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2344,7 +2561,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -2379,7 +2596,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2391,7 +2608,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2404,7 +2621,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -2442,7 +2659,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2454,7 +2671,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2467,7 +2684,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -2616,7 +2833,24 @@ const file_tidepool_proto_rawDesc = "" +
 	"\aobjects\x18\x05 \x01(\x04R\aobjects\x12%\n" +
 	"\x0ecomplete_bytes\x18\x06 \x01(\x04R\rcompleteBytes\x12*\n" +
 	"\x11raft_commit_index\x18\a \x01(\x04R\x0fraftCommitIndex\x12\x1b\n" +
-	"\traft_term\x18\b \x01(\x04R\braftTerm\"d\n" +
+	"\traft_term\x18\b \x01(\x04R\braftTerm\"B\n" +
+	"\rLookupRequest\x12\x12\n" +
+	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x1d\n" +
+	"\n" +
+	"count_only\x18\x02 \x01(\bR\tcountOnly\"\xad\x02\n" +
+	"\x0eLookupResponse\x12\x18\n" +
+	"\amatched\x18\x01 \x01(\rR\amatched\x120\n" +
+	"\bsegments\x18\x02 \x03(\v2\x14.tidepool.v1.ReplicaR\bsegments\x12\x14\n" +
+	"\x05sizes\x18\x03 \x03(\x04R\x05sizes\x12\x1c\n" +
+	"\tchecksums\x18\x04 \x03(\rR\tchecksums\x12%\n" +
+	"\x0ereplica_counts\x18\x05 \x03(\rR\rreplicaCounts\x12)\n" +
+	"\x10replica_segments\x18\x06 \x03(\rR\x0freplicaSegments\x12'\n" +
+	"\x0freplica_offsets\x18\a \x03(\x04R\x0ereplicaOffsets\x12 \n" +
+	"\flease_ttl_ms\x18\b \x01(\x04R\n" +
+	"leaseTtlMs\"9\n" +
+	"\x0fChildrenRequest\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05limit\x18\x02 \x01(\rR\x05limit\"d\n" +
 	"\vSegmentSpec\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12%\n" +
 	"\x04tier\x18\x02 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x1a\n" +
@@ -2707,7 +2941,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vObjectState\x12\x1c\n" +
 	"\x18OBJECT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17OBJECT_STATE_PROCESSING\x10\x01\x12\x19\n" +
-	"\x15OBJECT_STATE_COMPLETE\x10\x022\xc9\x05\n" +
+	"\x15OBJECT_STATE_COMPLETE\x10\x022\xd1\x06\n" +
 	"\x06Master\x12E\n" +
 	"\bPutStart\x12\x1c.tidepool.v1.PutStartRequest\x1a\x1b.tidepool.v1.PutStartResult\x12>\n" +
 	"\x06PutEnd\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12A\n" +
@@ -2718,7 +2952,9 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06Remove\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12;\n" +
 	"\x04List\x12\x18.tidepool.v1.ListRequest\x1a\x19.tidepool.v1.ListResponse\x12A\n" +
 	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse\x12Q\n" +
-	"\rReportCorrupt\x12\x1b.tidepool.v1.CorruptReplica\x1a#.tidepool.v1.CorruptReplicaResponse2\xc2\x02\n" +
+	"\rReportCorrupt\x12\x1b.tidepool.v1.CorruptReplica\x1a#.tidepool.v1.CorruptReplicaResponse\x12A\n" +
+	"\x06Lookup\x12\x1a.tidepool.v1.LookupRequest\x1a\x1b.tidepool.v1.LookupResponse\x12C\n" +
+	"\bChildren\x12\x1c.tidepool.v1.ChildrenRequest\x1a\x19.tidepool.v1.ListResponse2\xc2\x02\n" +
 	"\bRegistry\x12G\n" +
 	"\bRegister\x12\x1c.tidepool.v1.RegisterRequest\x1a\x1d.tidepool.v1.RegisterResponse\x12J\n" +
 	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
@@ -2743,7 +2979,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 35)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 38)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -2767,21 +3003,24 @@ var file_tidepool_proto_goTypes = []any{
 	(*MemberInfo)(nil),             // 19: tidepool.v1.MemberInfo
 	(*SegmentInfo)(nil),            // 20: tidepool.v1.SegmentInfo
 	(*StatusResponse)(nil),         // 21: tidepool.v1.StatusResponse
-	(*SegmentSpec)(nil),            // 22: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 23: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 24: tidepool.v1.RegisterRequest
-	(*RegisterResponse)(nil),       // 25: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 26: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 27: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 28: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 29: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 30: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 31: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 32: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 33: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 34: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 35: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 36: tidepool.v1.DrainProgress
+	(*LookupRequest)(nil),          // 22: tidepool.v1.LookupRequest
+	(*LookupResponse)(nil),         // 23: tidepool.v1.LookupResponse
+	(*ChildrenRequest)(nil),        // 24: tidepool.v1.ChildrenRequest
+	(*SegmentSpec)(nil),            // 25: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 26: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 27: tidepool.v1.RegisterRequest
+	(*RegisterResponse)(nil),       // 28: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 29: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 30: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 31: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 32: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 33: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 34: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 35: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 36: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 37: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 38: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 39: tidepool.v1.DrainProgress
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -2800,58 +3039,63 @@ var file_tidepool_proto_depIdxs = []int32{
 	0,  // 13: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
 	19, // 14: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
 	20, // 15: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
-	0,  // 16: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	22, // 17: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	23, // 18: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	23, // 19: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	30, // 20: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
-	3,  // 21: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
-	3,  // 22: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
-	2,  // 23: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	29, // 24: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
-	0,  // 25: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	14, // 26: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 27: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	8,  // 28: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	8,  // 29: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 30: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	8,  // 31: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	8,  // 32: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	8,  // 33: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	13, // 34: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	18, // 35: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	16, // 36: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	24, // 37: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	28, // 38: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	26, // 39: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	28, // 40: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	32, // 41: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	8,  // 42: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	33, // 43: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	35, // 44: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	5,  // 45: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 46: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 47: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 48: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 49: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 50: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 51: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 52: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	21, // 53: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	17, // 54: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	25, // 55: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	31, // 56: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	27, // 57: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	31, // 58: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	9,  // 59: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	9,  // 60: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	34, // 61: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	36, // 62: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	45, // [45:63] is the sub-list for method output_type
-	27, // [27:45] is the sub-list for method input_type
-	27, // [27:27] is the sub-list for extension type_name
-	27, // [27:27] is the sub-list for extension extendee
-	0,  // [0:27] is the sub-list for field type_name
+	3,  // 16: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
+	0,  // 17: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
+	25, // 18: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	26, // 19: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	26, // 20: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	33, // 21: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 22: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 23: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 24: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	32, // 25: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 26: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	14, // 27: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 28: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	8,  // 29: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	8,  // 30: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 31: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	8,  // 32: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	8,  // 33: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	8,  // 34: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	13, // 35: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	18, // 36: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	16, // 37: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	22, // 38: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	24, // 39: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	27, // 40: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	31, // 41: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	29, // 42: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	31, // 43: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	35, // 44: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	8,  // 45: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	36, // 46: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	38, // 47: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	5,  // 48: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	9,  // 49: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	9,  // 50: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 51: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	11, // 52: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	12, // 53: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	9,  // 54: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	15, // 55: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	21, // 56: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	17, // 57: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	23, // 58: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	15, // 59: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	28, // 60: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	34, // 61: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	30, // 62: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	34, // 63: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	9,  // 64: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	9,  // 65: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	37, // 66: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	39, // 67: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	48, // [48:68] is the sub-list for method output_type
+	28, // [28:48] is the sub-list for method input_type
+	28, // [28:28] is the sub-list for extension type_name
+	28, // [28:28] is the sub-list for extension extendee
+	0,  // [0:28] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -2865,7 +3109,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   35,
+			NumMessages:   38,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -34,6 +34,8 @@ const (
 	Master_List_FullMethodName          = "/tidepool.v1.Master/List"
 	Master_Status_FullMethodName        = "/tidepool.v1.Master/Status"
 	Master_ReportCorrupt_FullMethodName = "/tidepool.v1.Master/ReportCorrupt"
+	Master_Lookup_FullMethodName        = "/tidepool.v1.Master/Lookup"
+	Master_Children_FullMethodName      = "/tidepool.v1.Master/Children"
 )
 
 // MasterClient is the client API for Master service.
@@ -61,6 +63,14 @@ type MasterClient interface {
 	// repaired (served from its other replicas) or, without one, forgotten
 	// instead of failing every get.
 	ReportCorrupt(ctx context.Context, in *CorruptReplica, opts ...grpc.CallOption) (*CorruptReplicaResponse, error)
+	// Lookup answers how long a prefix of a chain of block keys is cached
+	// and leases exactly those blocks, in one round trip from the leader's
+	// memory, so a block promised to a reader is not evicted before the
+	// lease ends.
+	Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error)
+	// Children lists the complete objects put with key as their parent: the
+	// chains that continue from it.
+	Children(ctx context.Context, in *ChildrenRequest, opts ...grpc.CallOption) (*ListResponse, error)
 }
 
 type masterClient struct {
@@ -171,6 +181,26 @@ func (c *masterClient) ReportCorrupt(ctx context.Context, in *CorruptReplica, op
 	return out, nil
 }
 
+func (c *masterClient) Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(LookupResponse)
+	err := c.cc.Invoke(ctx, Master_Lookup_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *masterClient) Children(ctx context.Context, in *ChildrenRequest, opts ...grpc.CallOption) (*ListResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListResponse)
+	err := c.cc.Invoke(ctx, Master_Children_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MasterServer is the server API for Master service.
 // All implementations must embed UnimplementedMasterServer
 // for forward compatibility.
@@ -196,6 +226,14 @@ type MasterServer interface {
 	// repaired (served from its other replicas) or, without one, forgotten
 	// instead of failing every get.
 	ReportCorrupt(context.Context, *CorruptReplica) (*CorruptReplicaResponse, error)
+	// Lookup answers how long a prefix of a chain of block keys is cached
+	// and leases exactly those blocks, in one round trip from the leader's
+	// memory, so a block promised to a reader is not evicted before the
+	// lease ends.
+	Lookup(context.Context, *LookupRequest) (*LookupResponse, error)
+	// Children lists the complete objects put with key as their parent: the
+	// chains that continue from it.
+	Children(context.Context, *ChildrenRequest) (*ListResponse, error)
 	mustEmbedUnimplementedMasterServer()
 }
 
@@ -235,6 +273,12 @@ func (UnimplementedMasterServer) Status(context.Context, *StatusRequest) (*Statu
 }
 func (UnimplementedMasterServer) ReportCorrupt(context.Context, *CorruptReplica) (*CorruptReplicaResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ReportCorrupt not implemented")
+}
+func (UnimplementedMasterServer) Lookup(context.Context, *LookupRequest) (*LookupResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Lookup not implemented")
+}
+func (UnimplementedMasterServer) Children(context.Context, *ChildrenRequest) (*ListResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Children not implemented")
 }
 func (UnimplementedMasterServer) mustEmbedUnimplementedMasterServer() {}
 func (UnimplementedMasterServer) testEmbeddedByValue()                {}
@@ -437,6 +481,42 @@ func _Master_ReportCorrupt_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Master_Lookup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LookupRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MasterServer).Lookup(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Master_Lookup_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MasterServer).Lookup(ctx, req.(*LookupRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Master_Children_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ChildrenRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MasterServer).Children(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Master_Children_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MasterServer).Children(ctx, req.(*ChildrenRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Master_ServiceDesc is the grpc.ServiceDesc for Master service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -483,6 +563,14 @@ var Master_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ReportCorrupt",
 			Handler:    _Master_ReportCorrupt_Handler,
+		},
+		{
+			MethodName: "Lookup",
+			Handler:    _Master_Lookup_Handler,
+		},
+		{
+			MethodName: "Children",
+			Handler:    _Master_Children_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
