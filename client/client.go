@@ -7,6 +7,7 @@ import (
 	"hash/crc32"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -32,7 +33,10 @@ type Config struct {
 	// Tenant is recorded with every put, so an operator can evict one
 	// tenant's objects (admin evict --tenant); may be empty.
 	Tenant string
-	Logger *slog.Logger
+	// LookupCache is how many block descriptors Lookup keeps while their
+	// leases last; 0 means 65536, negative none.
+	LookupCache int
+	Logger      *slog.Logger
 }
 
 // Client talks to one Tidepool cluster. It is safe for concurrent use.
@@ -44,6 +48,8 @@ type Client struct {
 	eng       *engine.Engine
 	ownEngine bool
 	log       *slog.Logger
+	descs     *descCache   // nil: no lookup cache
+	lease     atomic.Int64 // the master's lease TTL in ns, as last answered
 }
 
 // New returns a client of the cluster; it connects lazily.
@@ -69,6 +75,17 @@ func New(cfg Config) (*Client, error) {
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
+	c.lease.Store(int64(10 * time.Second))
+	if cfg.LookupCache >= 0 {
+		n := cfg.LookupCache
+		if n == 0 {
+			n = 1 << 16
+		}
+		if c.descs, err = newDescCache(n); err != nil {
+			masters.Close()
+			return nil, fmt.Errorf("client: lookup cache: %w", err)
+		}
+	}
 	if c.eng == nil {
 		ecfg := cfg.EngineConfig
 		if ecfg.Logger == nil {
@@ -86,8 +103,12 @@ func (c *Client) Close() error {
 		errs = append(errs, c.eng.Close())
 	}
 	errs = append(errs, c.masters.Close())
+	c.descs.Close()
 	return errors.Join(errs...)
 }
+
+func (c *Client) leaseTTL() time.Duration     { return time.Duration(c.lease.Load()) }
+func (c *Client) setLeaseTTL(d time.Duration) { c.lease.Store(int64(d)) }
 
 func (c *Client) master(ctx context.Context, fn func(pb.MasterClient, ...grpc.CallOption) error) error {
 	return rpcError(c.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error {

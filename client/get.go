@@ -89,7 +89,19 @@ func (c *Client) batchRead(ctx context.Context, keys []string, buffer func(i int
 	// The lease runs from when the master answered, which is no earlier than
 	// when we asked: measuring from our side is conservative.
 	leaseEnd := asked.Add(time.Duration(resp.LeaseTtlMs) * time.Millisecond)
+	qvals := make([][]byte, len(query))
+	qerrs := make([]error, len(query))
+	c.readReplicas(ctx, query, resp.Results, leaseEnd, qvals, qerrs, func(j int, size uint64) ([]byte, error) { return buffer(idx[j], size) })
+	for j, i := range idx {
+		vals[i], errs[i] = qvals[j], qerrs[j]
+	}
+	return vals, errs
+}
 
+// readReplicas reads each found object of objs (keys[i]'s) from its first
+// replica in one engine batch, falls back to the other replicas one by
+// one, and fills vals and errs.
+func (c *Client) readReplicas(ctx context.Context, keys []string, objs []*pb.ObjectReplicas, leaseEnd time.Time, vals [][]byte, errs []error, buffer func(i int, size uint64) ([]byte, error)) {
 	type read struct {
 		i    int
 		obj  *pb.ObjectReplicas
@@ -97,8 +109,7 @@ func (c *Client) batchRead(ctx context.Context, keys []string, buffer func(i int
 	}
 	var reads []read
 	batch := c.eng.NewBatch()
-	for j, obj := range resp.Results {
-		i := idx[j]
+	for i, obj := range objs {
 		if errs[i] = itemError(obj.Status); errs[i] != nil {
 			continue
 		}
@@ -134,7 +145,6 @@ func (c *Client) batchRead(ctx context.Context, keys []string, buffer func(i int
 			vals[r.i], errs[r.i] = nil, fmt.Errorf("get %q: %w", keys[r.i], err)
 		}
 	}
-	return vals, errs
 }
 
 func (c *Client) readOne(ctx context.Context, dst []byte, rep *pb.Replica, deadline time.Time) error {

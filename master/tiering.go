@@ -151,25 +151,34 @@ func (s *Server) dropReplica(ctx context.Context, o evictable, segment, reason s
 	return true
 }
 
-// noteReads counts reads of objects whose fastest replica is in a slow
-// tier; those read Config.PromoteAfter times are queued for promotion.
+// noteReads counts the reads of a GetReplicas answer served from SSD
+// alone towards promotion.
 func (s *Server) noteReads(keys []string, res []*pb.ObjectReplicas) {
-	if s.cfg.PromoteAfter < 0 {
+	var slow []string
+	for i, r := range res {
+		if len(r.Replicas) > 0 && r.Replicas[0].Tier == pb.Tier_TIER_SSD {
+			slow = append(slow, keys[i])
+		}
+	}
+	s.slowReads(slow)
+}
+
+// slowReads counts reads of objects whose fastest replica is on SSD; those
+// read Config.PromoteAfter times are queued for promotion.
+func (s *Server) slowReads(keys []string) {
+	if s.cfg.PromoteAfter < 0 || len(keys) == 0 {
 		return
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for i, r := range res {
-		if len(r.Replicas) == 0 || r.Replicas[0].Tier != pb.Tier_TIER_SSD {
-			continue
-		}
+	for _, k := range keys {
 		if len(s.mu.slowReads) >= maxSlowReads {
 			clear(s.mu.slowReads) // forget old counts rather than grow without bound
 		}
-		s.mu.slowReads[keys[i]]++
-		if s.mu.slowReads[keys[i]] >= s.cfg.PromoteAfter && len(s.mu.promote) < maxSlowReads {
-			s.mu.promote[keys[i]] = true
-			delete(s.mu.slowReads, keys[i])
+		s.mu.slowReads[k]++
+		if s.mu.slowReads[k] >= s.cfg.PromoteAfter && len(s.mu.promote) < maxSlowReads {
+			s.mu.promote[k] = true
+			delete(s.mu.slowReads, k)
 		}
 	}
 }

@@ -1,0 +1,205 @@
+package client
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/dgraph-io/ristretto/v2"
+	"google.golang.org/grpc"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Block is one cached block of a chain: where its bytes are and what they
+// hash to.
+type Block struct {
+	Key      string
+	Size     uint64
+	Checksum uint32
+	// Replicas are the block's copies, fastest tier first.
+	Replicas []*pb.Replica
+	leaseEnd time.Time
+}
+
+// Match is the answer to a Lookup: the longest prefix of the chain whose
+// blocks are all cached, each leased until at least LeaseEnd. Read them
+// with GetMatched before then; the pool does not evict a leased block.
+type Match struct {
+	Blocks   []Block
+	LeaseEnd time.Time
+}
+
+// Len is the number of matched blocks.
+func (m Match) Len() int { return len(m.Blocks) }
+
+// Keys are the matched blocks' keys, in chain order.
+func (m Match) Keys() []string {
+	keys := make([]string, len(m.Blocks))
+	for i, b := range m.Blocks {
+		keys[i] = b.Key
+	}
+	return keys
+}
+
+// Lookup answers how many leading blocks of chain (the block keys of one
+// prompt, first block first) the pool holds, and leases them in the same
+// master round trip. Blocks a recent lookup leased are answered from the
+// client's descriptor cache while at least half their lease is left, so
+// repeated lookups of a hot prefix ask the master only for the rest.
+func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
+	if err := validChain(chain); err != nil {
+		return Match{}, err
+	}
+	m := Match{}
+	now := time.Now()
+	for _, k := range chain {
+		b, ok := c.descs.Get(k)
+		if !ok || b.leaseEnd.Sub(now) < c.leaseTTL()/2 {
+			break
+		}
+		m.add(*b)
+	}
+	if m.Len() == len(chain) {
+		return m, nil
+	}
+	rest := chain[m.Len():]
+	var resp *pb.LookupResponse
+	var asked time.Time
+	err := c.master(ctx, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
+		asked = time.Now() // per attempt: a retry after a failover gets a fresh lease
+		resp, err = mc.Lookup(ctx, &pb.LookupRequest{Keys: rest}, o...)
+		return err
+	})
+	if err != nil {
+		return Match{}, err
+	}
+	if err := checkLookup(resp, len(rest)); err != nil {
+		return Match{}, err
+	}
+	ttl := time.Duration(resp.LeaseTtlMs) * time.Millisecond
+	c.setLeaseTTL(ttl)
+	leaseEnd := asked.Add(ttl) // measured from our side: conservative
+	at := 0
+	for i := range int(resp.Matched) {
+		n := int(resp.ReplicaCounts[i])
+		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: leaseEnd, Replicas: make([]*pb.Replica, n)}
+		for j := range n {
+			seg := resp.Segments[resp.ReplicaSegments[at+j]]
+			b.Replicas[j] = &pb.Replica{
+				Segment: seg.Segment, Node: seg.Node, Endpoint: seg.Endpoint, Tier: seg.Tier,
+				Offset: resp.ReplicaOffsets[at+j], Length: b.Size,
+			}
+		}
+		at += n
+		m.add(b)
+		if ttl := time.Until(leaseEnd); ttl > 0 { // ristretto reads 0 as forever
+			c.descs.SetWithTTL(b.Key, &b, 1, ttl)
+		}
+	}
+	return m, nil
+}
+
+func (m *Match) add(b Block) {
+	if len(m.Blocks) == 0 || b.leaseEnd.Before(m.LeaseEnd) {
+		m.LeaseEnd = b.leaseEnd
+	}
+	m.Blocks = append(m.Blocks, b)
+}
+
+// BatchExists counts the leading keys of chain that are present, without
+// leasing them (SGLang's storage-backend contract).
+func (c *Client) BatchExists(ctx context.Context, chain []string) (int, error) {
+	if err := validChain(chain); err != nil {
+		return 0, err
+	}
+	var resp *pb.LookupResponse
+	err := c.master(ctx, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
+		resp, err = mc.Lookup(ctx, &pb.LookupRequest{Keys: chain, CountOnly: true}, o...)
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	if int(resp.Matched) > len(chain) {
+		return 0, fmt.Errorf("%w: %d of %d keys present", ErrProtocol, resp.Matched, len(chain))
+	}
+	return int(resp.Matched), nil
+}
+
+// GetMatched reads the matched blocks into bufs[i] (at least Blocks[i].Size
+// long) under the lookup's lease, without asking the master again, and
+// returns the lengths.
+func (c *Client) GetMatched(ctx context.Context, m Match, bufs [][]byte) ([]int, []error) {
+	ns := make([]int, m.Len())
+	errs := make([]error, m.Len())
+	if len(bufs) != m.Len() {
+		for i := range errs {
+			errs[i] = fmt.Errorf("%w: %d blocks but %d buffers", ErrInvalidArgument, m.Len(), len(bufs))
+		}
+		return ns, errs
+	}
+	objs := make([]*pb.ObjectReplicas, m.Len())
+	for i, b := range m.Blocks {
+		objs[i] = &pb.ObjectReplicas{Status: &pb.ItemStatus{}, Size: b.Size, Checksum: b.Checksum, Replicas: b.Replicas}
+	}
+	vals := make([][]byte, m.Len())
+	c.readReplicas(ctx, m.Keys(), objs, m.LeaseEnd, vals, errs, func(i int, size uint64) ([]byte, error) {
+		if uint64(len(bufs[i])) < size {
+			return nil, fmt.Errorf("%w: buffer of %d bytes for a block of %d", ErrInvalidArgument, len(bufs[i]), size)
+		}
+		return bufs[i][:size], nil
+	})
+	for i, v := range vals {
+		ns[i] = len(v)
+	}
+	return ns, errs
+}
+
+// checkLookup makes sure every index in a LookupResponse is in range
+// before the client trusts it.
+func checkLookup(r *pb.LookupResponse, asked int) error {
+	n := int(r.Matched)
+	if n > asked || len(r.Sizes) != n || len(r.Checksums) != n || len(r.ReplicaCounts) != n {
+		return fmt.Errorf("%w: lookup of %d keys matched %d with %d sizes, %d checksums, %d replica counts",
+			ErrProtocol, asked, n, len(r.Sizes), len(r.Checksums), len(r.ReplicaCounts))
+	}
+	total := 0
+	for _, c := range r.ReplicaCounts {
+		if c == 0 {
+			return fmt.Errorf("%w: lookup answered a block without replicas", ErrProtocol)
+		}
+		total += int(c)
+	}
+	if len(r.ReplicaSegments) != total || len(r.ReplicaOffsets) != total {
+		return fmt.Errorf("%w: lookup answered %d replicas with %d segments and %d offsets", ErrProtocol, total, len(r.ReplicaSegments), len(r.ReplicaOffsets))
+	}
+	for _, i := range r.ReplicaSegments {
+		if int(i) >= len(r.Segments) {
+			return fmt.Errorf("%w: lookup answered segment %d of %d", ErrProtocol, i, len(r.Segments))
+		}
+	}
+	return nil
+}
+
+func validChain(chain []string) error {
+	if len(chain) == 0 {
+		return fmt.Errorf("%w: empty chain", ErrInvalidArgument)
+	}
+	for _, k := range chain {
+		if err := validKey(k); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// descCache holds the blocks recent lookups leased, each until its lease
+// ends (ristretto drops it then).
+type descCache = ristretto.Cache[string, *Block]
+
+func newDescCache(blocks int) (*descCache, error) {
+	return ristretto.NewCache(&ristretto.Config[string, *Block]{
+		NumCounters: int64(10 * blocks), MaxCost: int64(blocks), BufferItems: 64,
+	})
+}
