@@ -291,6 +291,12 @@ func (s *Server) roomIn(ctx context.Context, id string, size uint64, now time.Ti
 		if round > 0 {
 			need = size << round // fragmentation: free more each round
 		}
+		// A full segment stays full under a stream of puts: free down to
+		// the sweep's target at once, so the next puts find room without a
+		// scan of the object table each.
+		if target := uint64((s.cfg.HighWatermark - s.cfg.EvictRatio) * float64(view.capacity)); view.used > target {
+			need = max(need, view.used-target)
+		}
 		victims, soft := s.pickVictims(objs, need, now)
 		if len(victims) == 0 {
 			return false
