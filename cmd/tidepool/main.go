@@ -38,6 +38,7 @@ func commands() []command {
 		{"rm", "KEY", "remove KEY", runRm},
 		{"ls", "[PREFIX]", "list objects whose key starts with PREFIX", runLs},
 		{"status", "", "show the cluster's masters and segments", runStatus},
+		{"hash", "--scheme S ...", "print the block hashes of a token list, as an engine computes them", runHash},
 		{"admin", "SUBCOMMAND", "operator commands: evict, pin, unpin, rails", runAdmin},
 		{"bench", "[engine] [flags]", "measure put and get, or the transfer engine alone", runBench},
 	}
