@@ -51,14 +51,14 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 	if err := validChain(chain); err != nil {
 		return Match{}, err
 	}
-	m := Match{}
+	m := Match{Blocks: make([]Block, 0, len(chain))}
 	now := time.Now()
 	for _, k := range chain {
 		b, ok := c.descs.Get(k)
 		if !ok || b.leaseEnd.Sub(now) < c.leaseTTL()/2 {
 			break
 		}
-		m.add(*b)
+		m.add(b)
 	}
 	if m.Len() == len(chain) {
 		return m, nil
@@ -80,21 +80,26 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 	ttl := time.Duration(resp.LeaseTtlMs) * time.Millisecond
 	c.setLeaseTTL(ttl)
 	leaseEnd := asked.Add(ttl) // measured from our side: conservative
+	// Two allocations for every replica of the answer, not two per replica:
+	// a chain has thousands of blocks.
+	ttl = time.Until(leaseEnd) // ristretto reads 0 as forever: only a positive one caches
+	reps := make([]pb.Replica, len(resp.ReplicaSegments))
+	ptrs := make([]*pb.Replica, len(reps))
 	at := 0
 	for i := range int(resp.Matched) {
 		n := int(resp.ReplicaCounts[i])
-		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: leaseEnd, Replicas: make([]*pb.Replica, n)}
-		for j := range n {
-			seg := resp.Segments[resp.ReplicaSegments[at+j]]
-			b.Replicas[j] = &pb.Replica{
-				Segment: seg.Segment, Node: seg.Node, Endpoint: seg.Endpoint, Tier: seg.Tier,
-				Offset: resp.ReplicaOffsets[at+j], Length: b.Size,
-			}
+		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: leaseEnd, Replicas: ptrs[at : at+n : at+n]}
+		for j := at; j < at+n; j++ {
+			seg := resp.Segments[resp.ReplicaSegments[j]]
+			r := &reps[j]
+			r.Segment, r.Node, r.Endpoint, r.Tier = seg.Segment, seg.Node, seg.Endpoint, seg.Tier
+			r.Offset, r.Length = resp.ReplicaOffsets[j], b.Size
+			ptrs[j] = r
 		}
 		at += n
 		m.add(b)
-		if ttl := time.Until(leaseEnd); ttl > 0 { // ristretto reads 0 as forever
-			c.descs.SetWithTTL(b.Key, &b, 1, ttl)
+		if c.descs != nil && ttl > 0 {
+			c.descs.SetWithTTL(b.Key, b, 1, ttl)
 		}
 	}
 	return m, nil
@@ -196,10 +201,10 @@ func validChain(chain []string) error {
 
 // descCache holds the blocks recent lookups leased, each until its lease
 // ends (ristretto drops it then).
-type descCache = ristretto.Cache[string, *Block]
+type descCache = ristretto.Cache[string, Block]
 
 func newDescCache(blocks int) (*descCache, error) {
-	return ristretto.NewCache(&ristretto.Config[string, *Block]{
+	return ristretto.NewCache(&ristretto.Config[string, Block]{
 		NumCounters: int64(10 * blocks), MaxCost: int64(blocks), BufferItems: 64,
 	})
 }

@@ -31,20 +31,44 @@ func (c *Client) Exists(ctx context.Context, key string) (bool, error) {
 // Remove deletes the object. Its space is reused only after every read
 // lease on it has ended.
 func (c *Client) Remove(ctx context.Context, key string) error {
-	if err := validKey(key); err != nil {
-		return err
+	return c.BatchRemove(ctx, []string{key})[0]
+}
+
+// maxBatch is the most keys one request carries (the master's limit).
+const maxBatch = 16384
+
+// BatchRemove deletes objects with one master round trip per maxBatch
+// keys, and returns one error per key.
+func (c *Client) BatchRemove(ctx context.Context, keys []string) []error {
+	errs := make([]error, len(keys))
+	var query []string
+	var idx []int
+	for i, k := range keys {
+		if errs[i] = validKey(k); errs[i] == nil {
+			query = append(query, k)
+			idx = append(idx, i)
+		}
 	}
-	var resp *pb.ItemsResponse
-	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
-		resp, err = m.Remove(ctx, &pb.KeysRequest{Keys: []string{key}}, o...)
-		return err
-	}); err != nil {
-		return err
+	for start := 0; start < len(query); start += maxBatch {
+		part := query[start:min(start+maxBatch, len(query))]
+		var resp *pb.ItemsResponse
+		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+			resp, err = m.Remove(ctx, &pb.KeysRequest{Keys: part}, o...)
+			return err
+		})
+		if err == nil && len(resp.Results) != len(part) {
+			err = fmt.Errorf("%w: %d answers to %d removes", ErrProtocol, len(resp.Results), len(part))
+		}
+		for j := range part {
+			i := idx[start+j]
+			if err != nil {
+				errs[i] = err
+			} else {
+				errs[i] = itemError(resp.Results[j])
+			}
+		}
 	}
-	if len(resp.Results) != 1 {
-		return fmt.Errorf("%w: %d answers to one remove", ErrProtocol, len(resp.Results))
-	}
-	return itemError(resp.Results[0])
+	return errs
 }
 
 // List returns the objects whose key starts with prefix, in key order,

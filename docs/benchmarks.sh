@@ -56,10 +56,21 @@ rm -f "$work/fio.dat"
 fio_gbps=$($PY -c 'import json,sys; print("%.3f" % (json.load(open(sys.argv[1]))["jobs"][0]["read"]["bw_bytes"]/1e9))' "$work/fio.json")
 "$work/tidepool" bench --masters 127.0.0.1:55203 --tier ssd --ops get --sizes 4MiB --concurrency 1,4 --duration "$DURATION" --json >"$work/ssd.json"
 
+echo "prefix lookup: redis EXISTS of 1024 keys, then tidepool bench lookup" >&2
+keys=$($PY -c 'print(" ".join("kv/xxh3-64/m/t/%016x" % i for i in range(1024)))')
+# shellcheck disable=SC2086 # one argument per key
+redis-cli -p 55202 MSET $(for k in $keys; do echo "$k 1"; done) >/dev/null
+redis_exists() { redis-benchmark -p 55202 -n 5000 -c "$1" --csv EXISTS $keys 2>/dev/null | tail -1 | awk -F'","' '{print $2}'; }
+redis_exists1=$(redis_exists 1)
+redis_exists4=$(redis_exists 4)
+"$work/tidepool" bench lookup --masters 127.0.0.1:55203 --chain 1024,8192 --hit 1,0.5,0 --concurrency 1,4,16 \
+	--duration "$DURATION" --json >"$work/lookup.json"
+
 echo "tidepool bench engine (each run $DURATION)" >&2
 "$work/tidepool" bench engine --duration "$DURATION" --json >"$work/engine.json"
 
-$PY - "$work/bench.json" "$iperf4" "$redis_set" "$redis_get" "$iperf1" "$work/engine.json" "$work/shm.json" "$work/ssd.json" "$fio_gbps" <<'PYEOF'
+$PY - "$work/bench.json" "$iperf4" "$redis_set" "$redis_get" "$iperf1" "$work/engine.json" "$work/shm.json" "$work/ssd.json" "$fio_gbps" \
+	"$work/lookup.json" "$redis_exists1" "$redis_exists4" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 engine = [json.loads(l) for l in open(sys.argv[6]) if l.strip()]
@@ -91,6 +102,16 @@ print("| op | size | conc | ops | GB/s | vs fio | p50 ms | p99 ms |")
 print("|---|---|---|---|---|---|---|---|")
 for r in ssd:
     print(f"| {r['op']} | {size(r['size'])} | {r['concurrency']} | {r['ops']} | {r['gbps']:.3f} | {r['gbps']/fio:.0%} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
+
+lookups = [json.loads(l) for l in open(sys.argv[10]) if l.strip()]
+rex1, rex4 = float(sys.argv[11] or 0), float(sys.argv[12] or 0)
+print(f"\nThe same cluster, prefix lookups (`tidepool bench lookup`: chains of tiny blocks, every lookup to the master, each answer checked), "
+      f"against Redis EXISTS of 1024 keys in one command: {rex1*1024/1e6:.2f} M keys/s with one client, {rex4*1024/1e6:.2f} M with four:\n")
+print("| chain | hit | conc | lookups | lookups/s | M probes/s | vs Redis EXISTS | p50 ms | p99 ms |")
+print("|---|---|---|---|---|---|---|---|---|")
+for r in lookups:
+    base = rex1 if r['concurrency'] == 1 else rex4
+    print(f"| {r['chain']} | {r['hit']:.2f} | {r['concurrency']} | {r['lookups']} | {r['lookups_per_s']:.0f} | {r['probes_per_s']/1e6:.2f} | {r['probes_per_s']/(base*1024):.2f}x | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
 
 print("\n### Transfer engine (`tidepool bench engine`)\n")
 print("| scenario | mode | GB/s | p50 ms | p99 ms | ops | errors | note |")
