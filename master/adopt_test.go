@@ -2,6 +2,7 @@ package master
 
 import (
 	"errors"
+	"fmt"
 	"maps"
 	"strings"
 	"testing"
@@ -134,7 +135,7 @@ func TestFSMAdoptKeepsPins(t *testing.T) {
 		t.Fatalf("setup: children %v", wantChildren)
 	}
 
-	kept := d.f.segmentObjects(seg, "ssd0")
+	kept, _ := d.f.segmentObjects(seg, "ssd0", "", 1000)
 	if len(kept) != len(keys) {
 		t.Fatalf("segmentObjects = %v", kept)
 	}
@@ -250,5 +251,73 @@ func TestFSMAdoptMergesPins(t *testing.T) {
 			}
 			checkInvariants(t, d.f)
 		})
+	}
+}
+
+// TestFSMAdoptPages: a node registering with more kept objects than one
+// command carries is closed to placement until its last page; pages adopt
+// in its epoch only, and a page applied twice adopts nothing again.
+func TestFSMAdoptPages(t *testing.T) {
+	d := newDriver(t)
+	d.register(t0, "n1", "ep", ssd("ssd0", 1<<20))
+	kept := func(i int) *pb.AdoptedObject {
+		return &pb.AdoptedObject{Key: fmt.Sprintf("k%d", i), Segment: "ssd0", Offset: uint64(i) * 4096, Size: 100, Checksum: uint32(i)}
+	}
+	r := d.apply(t0+1, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{
+		Node: "n1", Endpoint: "ep", Segments: []*pb.SegmentSpec{ssd("ssd0", 1<<20)},
+		Adopt: []*pb.AdoptedObject{kept(0), kept(1)}, AdoptMore: true,
+	}}}).(RegisterResult)
+	if r.Adopted != 2 || r.Epoch != 2 {
+		t.Fatalf("register = %+v", r)
+	}
+	if v := d.segment("n1/ssd0@2"); !v.adopting || !v.closed() {
+		t.Fatalf("segment while adopting: %+v, want closed to placement", v)
+	}
+	page := func(epoch uint64, done bool, objs ...*pb.AdoptedObject) any {
+		return d.apply(t0+2, &pb.Command{Op: &pb.Command_Adopt{Adopt: &pb.AdoptCmd{Node: "n1", Epoch: epoch, Objects: objs, Done: done}}})
+	}
+	if out := page(1, false, kept(2)); !errors.Is(out.(error), ErrUnknownNode) {
+		t.Fatalf("a page for an old epoch: %v, want ErrUnknownNode", out)
+	}
+	if out := page(2, false, kept(2), kept(3)); out != 2 {
+		t.Fatalf("second page adopted %v, want 2", out)
+	}
+	if out := page(2, false, kept(2), kept(3)); out != 0 {
+		t.Fatalf("the same page again adopted %v, want 0", out)
+	}
+	if out := page(2, true, kept(4)); out != 1 {
+		t.Fatalf("last page adopted %v, want 1", out)
+	}
+	if v := d.segment("n1/ssd0@2"); v.adopting || v.objects != 5 {
+		t.Fatalf("segment after the last page: %+v, want open with 5 objects", v)
+	}
+	sameState(t, d.f, restored(t, snapshotBytes(t, d.f)))
+}
+
+// TestFSMSegmentObjectsPages: the objects of a segment come in key order,
+// page by page.
+func TestFSMSegmentObjectsPages(t *testing.T) {
+	d := newDriver(t)
+	seg := d.register(t0, "n1", "ep", ssd("ssd0", 1<<20)).SegmentIDs[0]
+	for i := range 25 {
+		d.put(t0, fmt.Sprintf("k%02d", i), 100, seg)
+	}
+	var got []string
+	after := ""
+	for pages := 0; ; pages++ {
+		objs, more := d.f.segmentObjects(seg, "ssd0", after, 10)
+		for _, o := range objs {
+			got = append(got, o.Key)
+		}
+		if !more {
+			if pages != 2 {
+				t.Fatalf("%d pages of 10 for 25 objects", pages+1)
+			}
+			break
+		}
+		after = objs[len(objs)-1].Key
+	}
+	if len(got) != 25 || got[0] != "k00" || got[24] != "k24" {
+		t.Fatalf("paged objects %v", got)
 	}
 }

@@ -51,6 +51,7 @@ type node struct {
 	down     bool
 	draining bool
 	drained  bool
+	adopting bool // more kept objects to adopt: not placed on yet
 	specs    []*pb.SegmentSpec
 	segments []string // ids of the current epoch's segments
 }
@@ -172,6 +173,8 @@ func (f *FSM) Apply(l *raft.Log) any {
 		f.dropSegments(n)
 		n.down, n.drained = true, op.NodeDown.Drained
 		return nil
+	case *pb.Command_Adopt:
+		return f.adoptPage(op.Adopt, now)
 	case *pb.Command_Drain:
 		n := f.nodes[op.Drain.Node]
 		if n == nil || n.down {
@@ -519,6 +522,7 @@ func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 	}
 	n.epoch++
 	n.down, n.draining, n.drained = false, false, false
+	n.adopting = c.AdoptMore
 	n.endpoint = c.Endpoint
 	n.specs = c.Segments
 	f.addSegments(n)
@@ -529,6 +533,26 @@ func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 		}
 	}
 	return RegisterResult{Epoch: n.epoch, SegmentIDs: slices.Clone(n.segments), Adopted: adopted}
+}
+
+// adoptPage adopts a further page of a registering node's kept objects,
+// in the epoch it registered; the last page opens the node to placement.
+// A page applied twice adopts nothing the second time.
+func (f *FSM) adoptPage(c *pb.AdoptCmd, now int64) any {
+	n := f.nodes[c.Node]
+	if n == nil || n.down || n.epoch != c.Epoch {
+		return fmt.Errorf("%w: %s@%d", ErrUnknownNode, c.Node, c.Epoch)
+	}
+	adopted := 0
+	for _, a := range c.Objects {
+		if f.adopt(n, a, now) {
+			adopted++
+		}
+	}
+	if c.Done {
+		n.adopting = false
+	}
+	return adopted
 }
 
 // adopt takes back an object a restarted node kept, at the same place in
@@ -634,7 +658,7 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	for _, id := range sortedKeys(f.nodes) {
 		n := f.nodes[id]
 		snap.Nodes = append(snap.Nodes, &pb.Node{Id: n.id, Endpoint: n.endpoint, Epoch: n.epoch, Segments: n.specs,
-			Down: n.down, Draining: n.draining, Drained: n.drained})
+			Down: n.down, Draining: n.draining, Drained: n.drained, Adopting: n.adopting})
 	}
 	for _, id := range sortedKeys(f.members) {
 		snap.Members = append(snap.Members, &pb.MemberCmd{Id: id, Address: f.members[id]})
@@ -664,7 +688,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		f.members[m.Id] = m.Address
 	}
 	for _, pn := range snap.Nodes {
-		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down, draining: pn.Draining, drained: pn.Drained}
+		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down, draining: pn.Draining, drained: pn.Drained, adopting: pn.Adopting}
 		f.nodes[n.id] = n
 		if !n.down {
 			f.addSegments(n)

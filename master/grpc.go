@@ -404,7 +404,7 @@ func (r *registryService) Register(ctx context.Context, req *pb.RegisterRequest)
 		names[sp.Name] = true
 	}
 	out, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{
-		Node: req.Node, Endpoint: req.Endpoint, Segments: req.Segments, Adopt: req.Adopt,
+		Node: req.Node, Endpoint: req.Endpoint, Segments: req.Segments, Adopt: req.Adopt, AdoptMore: req.AdoptMore,
 	}}})
 	if err != nil {
 		return nil, err
@@ -453,8 +453,41 @@ func (r *registryService) SegmentObjects(ctx context.Context, req *pb.SegmentObj
 	if e, ok := r.s.fsm.liveNodes()[req.Node]; !ok || e != req.Epoch {
 		return nil, fmt.Errorf("%w: %s@%d", ErrUnknownNode, req.Node, req.Epoch)
 	}
+	limit := int(req.Limit)
+	if limit <= 0 || limit > maxObjectPage {
+		limit = defaultObjectPage
+	}
 	id := SegmentID(req.Node, req.Segment, req.Epoch)
-	return &pb.SegmentObjectsResponse{Objects: r.s.fsm.segmentObjects(id, req.Segment)}, nil
+	objs, truncated := r.s.fsm.segmentObjects(id, req.Segment, req.StartAfter, limit)
+	return &pb.SegmentObjectsResponse{Objects: objs, Truncated: truncated}, nil
+}
+
+// Pages of a segment's objects: a page of kept objects is a raft entry and
+// a gRPC message, both of which must stay well under their size limits.
+const (
+	defaultObjectPage = 10000
+	maxObjectPage     = 50000
+)
+
+// Adopt re-adopts a further page of a registering node's kept objects.
+func (r *registryService) Adopt(ctx context.Context, req *pb.AdoptRequest) (*pb.AdoptResponse, error) {
+	if len(req.Objects) > maxObjectPage {
+		return nil, fmt.Errorf("%w: a page of %d objects (at most %d)", ErrInvalidRequest, len(req.Objects), maxObjectPage)
+	}
+	out, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_Adopt{Adopt: &pb.AdoptCmd{
+		Node: req.Node, Epoch: req.Epoch, Objects: req.Objects, Done: req.Done,
+	}}})
+	if err != nil {
+		return nil, err
+	}
+	// Adoption stands in for heartbeats while it lasts.
+	if err := r.s.heartbeat(req.Node, req.Epoch); err != nil {
+		return nil, err
+	}
+	if req.Done {
+		r.s.log.Info("store node re-adopted its kept objects", "node", req.Node, "epoch", req.Epoch)
+	}
+	return &pb.AdoptResponse{Adopted: uint32(out.(int))}, nil
 }
 
 func (r *registryService) Leave(ctx context.Context, req *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {

@@ -34,7 +34,7 @@ func (s *Server) candidates(size uint64, tier pb.Tier, clientHost string) []stri
 	views := s.fsm.segmentViews()
 	// Segments that look full stay in: Apply first releases space whose
 	// leases have ended, which this view does not see yet.
-	views = slices.DeleteFunc(views, func(v segmentView) bool { return !s.alive(v.node) || v.draining || v.capacity < size })
+	views = slices.DeleteFunc(views, func(v segmentView) bool { return !s.alive(v.node) || v.closed() || v.capacity < size })
 	local := func(v segmentView) bool { return clientHost != "" && onHost(v.endpoint, clientHost) }
 	slices.SortStableFunc(views, func(a, b segmentView) int {
 		if (a.tier == tier) != (b.tier == tier) {

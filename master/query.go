@@ -97,7 +97,12 @@ type segmentView struct {
 	largestFree        uint64
 	objects            int
 	draining           bool // its node is being drained
+	adopting           bool // its node is re-adopting kept objects
 }
+
+// closed reports whether placement must skip the segment: its node is
+// draining, or still re-adopting what it kept across a restart.
+func (v segmentView) closed() bool { return v.draining || v.adopting }
 
 func (f *FSM) segmentViews() []segmentView {
 	f.mu.RLock()
@@ -108,6 +113,7 @@ func (f *FSM) segmentViews() []segmentView {
 			id: s.id, node: s.node, endpoint: s.endpoint, tier: s.tier, epoch: s.epoch,
 			capacity: s.alloc.capacity, used: s.alloc.used, largestFree: s.alloc.largestFree(), objects: s.objects,
 			draining: f.nodes[s.node] != nil && f.nodes[s.node].draining,
+			adopting: f.nodes[s.node] != nil && f.nodes[s.node].adopting,
 		})
 	}
 	slices.SortFunc(out, func(a, b segmentView) int { return cmp.Compare(a.id, b.id) })
@@ -261,16 +267,16 @@ func (f *FSM) infos(keys []string) []*pb.ObjectInfo {
 	return out
 }
 
-// segmentObjects lists the complete objects with a replica on segment id,
-// in key order, as the node sees them (its segment name), with their pins
-// and metadata, which a re-adopted object takes back.
-func (f *FSM) segmentObjects(id, name string) []*pb.AdoptedObject {
+// segmentObjects lists, in key order, up to limit complete objects with a
+// replica on segment id and a key after the given one, as the node sees
+// them (its segment name), and whether more follow. It scans the table:
+// an index sync costs a pass per page.
+func (f *FSM) segmentObjects(id, name, after string, limit int) ([]*pb.AdoptedObject, bool) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var out []*pb.AdoptedObject
-	for _, k := range sortedKeys(f.objects) {
-		o := f.objects[k]
-		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+	for k, o := range f.objects {
+		if k <= after || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 			continue
 		}
 		for _, r := range o.replicas {
@@ -282,7 +288,11 @@ func (f *FSM) segmentObjects(id, name string) []*pb.AdoptedObject {
 			}
 		}
 	}
-	return out
+	slices.SortFunc(out, func(a, b *pb.AdoptedObject) int { return strings.Compare(a.Key, b.Key) })
+	if len(out) > limit {
+		return out[:limit], true
+	}
+	return out, false
 }
 
 // movingBytes sums, by source segment, the sizes of objects being moved

@@ -43,7 +43,7 @@ func colder(u, t pb.Tier) bool {
 // than t that placement may use.
 func (s *Server) hasSlowerTier(t pb.Tier) bool {
 	for _, v := range s.fsm.segmentViews() {
-		if colder(v.tier, t) && !v.draining && s.alive(v.node) {
+		if colder(v.tier, t) && !v.closed() && s.alive(v.node) {
 			return true
 		}
 	}
@@ -55,7 +55,7 @@ func (s *Server) hasSlowerTier(t pb.Tier) bool {
 // file write), then the freer.
 func (s *Server) slowerSegments(t pb.Tier, size uint64, near string) []string {
 	views := slices.DeleteFunc(s.fsm.segmentViews(), func(v segmentView) bool {
-		return !colder(v.tier, t) || v.draining || !s.alive(v.node) || v.largestFree < size
+		return !colder(v.tier, t) || v.closed() || !s.alive(v.node) || v.largestFree < size
 	})
 	slices.SortStableFunc(views, func(a, b segmentView) int {
 		if (a.node == near) != (b.node == near) {
@@ -116,7 +116,7 @@ func (s *Server) demote(ctx context.Context, from segmentView, victims []evictab
 // demotion makes room there rather than evict the object it demotes.
 func (s *Server) roomForDemotion(ctx context.Context, from segmentView, size uint64) bool {
 	views := slices.DeleteFunc(s.fsm.segmentViews(), func(v segmentView) bool {
-		return !colder(v.tier, from.tier) || v.draining || !s.alive(v.node) || v.capacity < size
+		return !colder(v.tier, from.tier) || v.closed() || !s.alive(v.node) || v.capacity < size
 	})
 	slices.SortStableFunc(views, func(a, b segmentView) int {
 		return cmp.Compare(btoi(a.node != from.node), btoi(b.node != from.node))
@@ -201,7 +201,7 @@ func (s *Server) promote(ctx context.Context) {
 	}
 	slices.Sort(keys)
 	views := slices.DeleteFunc(s.fsm.segmentViews(), func(v segmentView) bool {
-		return v.tier != pb.Tier_TIER_DRAM || v.draining || !s.alive(v.node)
+		return v.tier != pb.Tier_TIER_DRAM || v.closed() || !s.alive(v.node)
 	})
 	slices.SortStableFunc(views, freerFirst)
 	tiers := s.segmentTiers()
@@ -253,7 +253,7 @@ func (s *Server) writeBack(ctx context.Context, now time.Time) {
 	var all []evictable
 	var tiers map[string]pb.Tier
 	for _, v := range s.fsm.segmentViews() {
-		if v.tier != pb.Tier_TIER_DRAM || v.draining || !s.alive(v.node) || float64(v.used) <= mark*float64(v.capacity) || !s.hasSlowerTier(v.tier) {
+		if v.tier != pb.Tier_TIER_DRAM || v.closed() || !s.alive(v.node) || float64(v.used) <= mark*float64(v.capacity) || !s.hasSlowerTier(v.tier) {
 			continue
 		}
 		if all == nil {

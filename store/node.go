@@ -252,28 +252,35 @@ type indexed interface {
 	Index() *tiers.SSDIndex
 }
 
+// adoptPage is how many kept objects one Register or Adopt call offers:
+// a page is a raft entry and a gRPC message, both size-limited.
+const adoptPage = 10000
+
 func (n *Node) register(ctx context.Context) error {
 	req := &pb.RegisterRequest{Node: n.cfg.ID, Endpoint: n.endpoint}
+	var kept []*pb.AdoptedObject
 	for _, t := range n.cfg.Tiers {
 		req.Segments = append(req.Segments, &pb.SegmentSpec{Name: t.Name(), Tier: tierProto(t.Kind()), Capacity: uint64(t.Capacity())})
 		it, ok := t.(indexed)
 		if !ok {
 			continue
 		}
-		kept, err := it.Index().All()
+		objs, err := it.Index().All()
 		if err != nil {
 			// Rejoining matters more than what the index held: the tier
 			// starts empty in the pool and the next sync rewrites the index.
 			n.log.Error("unreadable index; the tier's objects are not re-adopted", "tier", t.Name(), "err", err)
 			continue
 		}
-		for _, o := range kept {
-			req.Adopt = append(req.Adopt, &pb.AdoptedObject{
+		for _, o := range objs {
+			kept = append(kept, &pb.AdoptedObject{
 				Key: o.Key, Segment: t.Name(), Offset: o.Offset, Size: o.Size, Checksum: o.Checksum,
 				HardPinned: o.HardPinned, SoftPinUntilUnixNano: o.SoftPinUntil, Parent: o.Parent, Tenant: o.Tenant,
 			})
 		}
 	}
+	req.Adopt = kept[:min(len(kept), adoptPage)]
+	req.AdoptMore = len(kept) > adoptPage
 	var resp *pb.RegisterResponse
 	err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
 		resp, err = pb.NewRegistryClient(cc).Register(ctx, req, opts...)
@@ -281,6 +288,21 @@ func (n *Node) register(ctx context.Context) error {
 	})
 	if err != nil {
 		return err
+	}
+	adopted := int(resp.Adopted)
+	// Further pages: the master places nothing on this node until the last,
+	// so no put lands on a kept object meanwhile. A failure registers anew.
+	for start := adoptPage; start < len(kept); start += adoptPage {
+		page := &pb.AdoptRequest{Node: n.cfg.ID, Epoch: resp.Epoch, Objects: kept[start:min(start+adoptPage, len(kept))], Done: start+adoptPage >= len(kept)}
+		var ar *pb.AdoptResponse
+		err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
+			ar, err = pb.NewRegistryClient(cc).Adopt(ctx, page, opts...)
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("re-adopt kept objects %d to %d of %d: %w", start, start+len(page.Objects), len(kept), err)
+		}
+		adopted += int(ar.Adopted)
 	}
 	if len(resp.SegmentIds) != len(n.cfg.Tiers) {
 		return fmt.Errorf("master returned %d segment ids for %d tiers", len(resp.SegmentIds), len(n.cfg.Tiers))
@@ -301,7 +323,7 @@ func (n *Node) register(ctx context.Context) error {
 	n.mu.gen++
 	n.mu.done = nil // the master forgot the copies of the previous epoch
 	n.log.Info("registered with master", "node", n.cfg.ID, "epoch", resp.Epoch, "segments", resp.SegmentIds,
-		"kept", len(req.Adopt), "adopted", resp.Adopted)
+		"kept", len(kept), "adopted", adopted)
 	select {
 	case <-n.registered:
 	default:
@@ -320,13 +342,21 @@ func (n *Node) syncIndexes(ctx context.Context) error {
 		if !ok {
 			continue
 		}
-		var resp *pb.SegmentObjectsResponse
-		err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
-			resp, err = pb.NewRegistryClient(cc).SegmentObjects(ctx, &pb.SegmentObjectsRequest{Node: n.cfg.ID, Epoch: epoch, Segment: t.Name()}, opts...)
-			return err
-		})
-		if err != nil {
-			return err
+		var all []*pb.AdoptedObject
+		for req := (&pb.SegmentObjectsRequest{Node: n.cfg.ID, Epoch: epoch, Segment: t.Name()}); ; {
+			var resp *pb.SegmentObjectsResponse
+			err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
+				resp, err = pb.NewRegistryClient(cc).SegmentObjects(ctx, req, opts...)
+				return err
+			})
+			if err != nil {
+				return err
+			}
+			all = append(all, resp.Objects...)
+			if !resp.Truncated || len(resp.Objects) == 0 {
+				break
+			}
+			req.StartAfter = resp.Objects[len(resp.Objects)-1].Key
 		}
 		// The index must never name bytes the disk could still lose.
 		if s, ok := t.(interface{ Sync() error }); ok {
@@ -334,8 +364,8 @@ func (n *Node) syncIndexes(ctx context.Context) error {
 				return fmt.Errorf("tier %s: sync data before indexing it: %w", t.Name(), err)
 			}
 		}
-		objs := make([]tiers.SSDObject, len(resp.Objects))
-		for i, o := range resp.Objects {
+		objs := make([]tiers.SSDObject, len(all))
+		for i, o := range all {
 			objs[i] = tiers.SSDObject{
 				Key: o.Key, Offset: o.Offset, Size: o.Size, Checksum: o.Checksum,
 				HardPinned: o.HardPinned, SoftPinUntil: o.SoftPinUntilUnixNano, Parent: o.Parent, Tenant: o.Tenant,

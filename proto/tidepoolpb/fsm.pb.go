@@ -106,6 +106,7 @@ type Command struct {
 	//	*Command_CopyStart
 	//	*Command_CopyEnd
 	//	*Command_Drain
+	//	*Command_Adopt
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -272,6 +273,15 @@ func (x *Command) GetDrain() *DrainCmd {
 	return nil
 }
 
+func (x *Command) GetAdopt() *AdoptCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_Adopt); ok {
+			return x.Adopt
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -328,6 +338,10 @@ type Command_Drain struct {
 	Drain *DrainCmd `protobuf:"bytes,14,opt,name=drain,proto3,oneof"`
 }
 
+type Command_Adopt struct {
+	Adopt *AdoptCmd `protobuf:"bytes,15,opt,name=adopt,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -353,6 +367,8 @@ func (*Command_CopyStart) isCommand_Op() {}
 func (*Command_CopyEnd) isCommand_Op() {}
 
 func (*Command_Drain) isCommand_Op() {}
+
+func (*Command_Adopt) isCommand_Op() {}
 
 // CopyStartItem allocates room for a new replica of a complete object; a
 // store then copies the bytes from source into it.
@@ -1286,11 +1302,14 @@ func (x *RemoveCmd) GetFreeAfterUnixNano() int64 {
 }
 
 type RegisterCmd struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
-	Endpoint      string                 `protobuf:"bytes,2,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
-	Segments      []*SegmentSpec         `protobuf:"bytes,3,rep,name=segments,proto3" json:"segments,omitempty"`
-	Adopt         []*AdoptedObject       `protobuf:"bytes,4,rep,name=adopt,proto3" json:"adopt,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Node     string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Endpoint string                 `protobuf:"bytes,2,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
+	Segments []*SegmentSpec         `protobuf:"bytes,3,rep,name=segments,proto3" json:"segments,omitempty"`
+	Adopt    []*AdoptedObject       `protobuf:"bytes,4,rep,name=adopt,proto3" json:"adopt,omitempty"`
+	// More kept objects follow in AdoptCmds; the node is not placed on
+	// until the last.
+	AdoptMore     bool `protobuf:"varint,5,opt,name=adopt_more,json=adoptMore,proto3" json:"adopt_more,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1353,6 +1372,81 @@ func (x *RegisterCmd) GetAdopt() []*AdoptedObject {
 	return nil
 }
 
+func (x *RegisterCmd) GetAdoptMore() bool {
+	if x != nil {
+		return x.AdoptMore
+	}
+	return false
+}
+
+type AdoptCmd struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Epoch         uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	Objects       []*AdoptedObject       `protobuf:"bytes,3,rep,name=objects,proto3" json:"objects,omitempty"`
+	Done          bool                   `protobuf:"varint,4,opt,name=done,proto3" json:"done,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdoptCmd) Reset() {
+	*x = AdoptCmd{}
+	mi := &file_fsm_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdoptCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdoptCmd) ProtoMessage() {}
+
+func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdoptCmd.ProtoReflect.Descriptor instead.
+func (*AdoptCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *AdoptCmd) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *AdoptCmd) GetEpoch() uint64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *AdoptCmd) GetObjects() []*AdoptedObject {
+	if x != nil {
+		return x.Objects
+	}
+	return nil
+}
+
+func (x *AdoptCmd) GetDone() bool {
+	if x != nil {
+		return x.Done
+	}
+	return false
+}
+
 type NodeDownCmd struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
@@ -1365,7 +1459,7 @@ type NodeDownCmd struct {
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1377,7 +1471,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1390,7 +1484,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{16}
+	return file_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -1424,7 +1518,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1436,7 +1530,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1449,7 +1543,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{17}
+	return file_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -1477,7 +1571,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1489,7 +1583,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1502,7 +1596,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{18}
+	return file_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Extent) GetSegment() string {
@@ -1549,7 +1643,7 @@ type Object struct {
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1561,7 +1655,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1574,7 +1668,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{19}
+	return file_fsm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Object) GetKey() string {
@@ -1680,14 +1774,16 @@ type Node struct {
 	// once it holds nothing it is taken out of the pool.
 	Draining bool `protobuf:"varint,6,opt,name=draining,proto3" json:"draining,omitempty"`
 	// It was drained and taken out; its process stays out until restarted.
-	Drained       bool `protobuf:"varint,7,opt,name=drained,proto3" json:"drained,omitempty"`
+	Drained bool `protobuf:"varint,7,opt,name=drained,proto3" json:"drained,omitempty"`
+	// It registered with more kept objects to adopt: placement skips it.
+	Adopting      bool `protobuf:"varint,8,opt,name=adopting,proto3" json:"adopting,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1699,7 +1795,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1712,7 +1808,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{20}
+	return file_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Node) GetId() string {
@@ -1764,6 +1860,13 @@ func (x *Node) GetDrained() bool {
 	return false
 }
 
+func (x *Node) GetAdopting() bool {
+	if x != nil {
+		return x.Adopting
+	}
+	return false
+}
+
 type PendingFree struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Extent        *Extent                `protobuf:"bytes,1,opt,name=extent,proto3" json:"extent,omitempty"`
@@ -1777,7 +1880,7 @@ type PendingFree struct {
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1789,7 +1892,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1802,7 +1905,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{21}
+	return file_fsm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -1838,7 +1941,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1850,7 +1953,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1863,7 +1966,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{22}
+	return file_fsm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -1898,7 +2001,7 @@ var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xe4\x05\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\x93\x06\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -1916,7 +2019,8 @@ const file_fsm_proto_rawDesc = "" +
 	"\n" +
 	"copy_start\x18\f \x01(\v2\x19.tidepool.v1.CopyStartCmdH\x00R\tcopyStart\x124\n" +
 	"\bcopy_end\x18\r \x01(\v2\x17.tidepool.v1.CopyEndCmdH\x00R\acopyEnd\x12-\n" +
-	"\x05drain\x18\x0e \x01(\v2\x15.tidepool.v1.DrainCmdH\x00R\x05drainB\x04\n" +
+	"\x05drain\x18\x0e \x01(\v2\x15.tidepool.v1.DrainCmdH\x00R\x05drain\x12-\n" +
+	"\x05adopt\x18\x0f \x01(\v2\x15.tidepool.v1.AdoptCmdH\x00R\x05adoptB\x04\n" +
 	"\x02op\"\xcf\x01\n" +
 	"\rCopyStartItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x15\n" +
@@ -1985,12 +2089,19 @@ const file_fsm_proto_rawDesc = "" +
 	"\aput_ids\x18\x03 \x03(\x04R\x06putIds\"P\n" +
 	"\tRemoveCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
-	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"\xa5\x01\n" +
+	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"\xc4\x01\n" +
 	"\vRegisterCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
 	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x120\n" +
-	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\"Q\n" +
+	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\x12\x1d\n" +
+	"\n" +
+	"adopt_more\x18\x05 \x01(\bR\tadoptMore\"~\n" +
+	"\bAdoptCmd\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
+	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x124\n" +
+	"\aobjects\x18\x03 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\aobjects\x12\x12\n" +
+	"\x04done\x18\x04 \x01(\bR\x04done\"Q\n" +
 	"\vNodeDownCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12\x18\n" +
@@ -2017,7 +2128,7 @@ const file_fsm_proto_rawDesc = "" +
 	" \x01(\x03R\x14softPinUntilUnixNano\x120\n" +
 	"\x06copies\x18\v \x03(\v2\x18.tidepool.v1.PendingCopyR\x06copies\x12\x16\n" +
 	"\x06parent\x18\f \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\r \x01(\tR\x06tenant\"\xc8\x01\n" +
+	"\x06tenant\x18\r \x01(\tR\x06tenant\"\xe4\x01\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x12\x14\n" +
@@ -2025,7 +2136,8 @@ const file_fsm_proto_rawDesc = "" +
 	"\bsegments\x18\x04 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x12\x12\n" +
 	"\x04down\x18\x05 \x01(\bR\x04down\x12\x1a\n" +
 	"\bdraining\x18\x06 \x01(\bR\bdraining\x12\x18\n" +
-	"\adrained\x18\a \x01(\bR\adrained\"{\n" +
+	"\adrained\x18\a \x01(\bR\adrained\x12\x1a\n" +
+	"\badopting\x18\b \x01(\bR\badopting\"{\n" +
 	"\vPendingFree\x12+\n" +
 	"\x06extent\x18\x01 \x01(\v2\x13.tidepool.v1.ExtentR\x06extent\x12&\n" +
 	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\x12\x17\n" +
@@ -2056,7 +2168,7 @@ func file_fsm_proto_rawDescGZIP() []byte {
 }
 
 var file_fsm_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_fsm_proto_goTypes = []any{
 	(CopyReason)(0),        // 0: tidepool.v1.CopyReason
 	(*Command)(nil),        // 1: tidepool.v1.Command
@@ -2075,16 +2187,17 @@ var file_fsm_proto_goTypes = []any{
 	(*KeysCmd)(nil),        // 14: tidepool.v1.KeysCmd
 	(*RemoveCmd)(nil),      // 15: tidepool.v1.RemoveCmd
 	(*RegisterCmd)(nil),    // 16: tidepool.v1.RegisterCmd
-	(*NodeDownCmd)(nil),    // 17: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),      // 18: tidepool.v1.MemberCmd
-	(*Extent)(nil),         // 19: tidepool.v1.Extent
-	(*Object)(nil),         // 20: tidepool.v1.Object
-	(*Node)(nil),           // 21: tidepool.v1.Node
-	(*PendingFree)(nil),    // 22: tidepool.v1.PendingFree
-	(*Snapshot)(nil),       // 23: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),    // 24: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),  // 25: tidepool.v1.AdoptedObject
-	(ObjectState)(0),       // 26: tidepool.v1.ObjectState
+	(*AdoptCmd)(nil),       // 17: tidepool.v1.AdoptCmd
+	(*NodeDownCmd)(nil),    // 18: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),      // 19: tidepool.v1.MemberCmd
+	(*Extent)(nil),         // 20: tidepool.v1.Extent
+	(*Object)(nil),         // 21: tidepool.v1.Object
+	(*Node)(nil),           // 22: tidepool.v1.Node
+	(*PendingFree)(nil),    // 23: tidepool.v1.PendingFree
+	(*Snapshot)(nil),       // 24: tidepool.v1.Snapshot
+	(*SegmentSpec)(nil),    // 25: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),  // 26: tidepool.v1.AdoptedObject
+	(ObjectState)(0),       // 27: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
 	12, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
@@ -2092,37 +2205,39 @@ var file_fsm_proto_depIdxs = []int32{
 	14, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
 	15, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
 	16, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	17, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	18, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	18, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	19, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
 	9,  // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
 	10, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
 	8,  // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
 	3,  // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
 	5,  // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
 	6,  // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
-	0,  // 13: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
-	2,  // 14: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
-	4,  // 15: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
-	19, // 16: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
-	0,  // 17: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
-	11, // 18: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	13, // 19: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	24, // 20: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	25, // 21: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	26, // 22: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	19, // 23: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	7,  // 24: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
-	24, // 25: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	19, // 26: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	20, // 27: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	21, // 28: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	18, // 29: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	22, // 30: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	31, // [31:31] is the sub-list for method output_type
-	31, // [31:31] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	17, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
+	0,  // 14: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
+	2,  // 15: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
+	4,  // 16: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
+	20, // 17: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
+	0,  // 18: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
+	11, // 19: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	13, // 20: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	25, // 21: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	26, // 22: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	26, // 23: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
+	27, // 24: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	20, // 25: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	7,  // 26: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
+	25, // 27: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	20, // 28: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	21, // 29: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	22, // 30: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	19, // 31: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	23, // 32: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	33, // [33:33] is the sub-list for method output_type
+	33, // [33:33] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -2145,6 +2260,7 @@ func file_fsm_proto_init() {
 		(*Command_CopyStart)(nil),
 		(*Command_CopyEnd)(nil),
 		(*Command_Drain)(nil),
+		(*Command_Adopt)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -2152,7 +2268,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   23,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

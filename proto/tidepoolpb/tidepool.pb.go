@@ -1856,8 +1856,11 @@ type RegisterRequest struct {
 	Endpoint string                 `protobuf:"bytes,2,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
 	Segments []*SegmentSpec         `protobuf:"bytes,3,rep,name=segments,proto3" json:"segments,omitempty"`
 	// Objects the node kept across its restart, to be re-adopted in the new
-	// epoch's segments instead of lost.
-	Adopt         []*AdoptedObject `protobuf:"bytes,4,rep,name=adopt,proto3" json:"adopt,omitempty"`
+	// epoch's segments instead of lost: the first page of them.
+	Adopt []*AdoptedObject `protobuf:"bytes,4,rep,name=adopt,proto3" json:"adopt,omitempty"`
+	// More pages follow, through Adopt. Placement skips the node until the
+	// last one, so no put is placed over a kept object.
+	AdoptMore     bool `protobuf:"varint,5,opt,name=adopt_more,json=adoptMore,proto3" json:"adopt_more,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1920,6 +1923,127 @@ func (x *RegisterRequest) GetAdopt() []*AdoptedObject {
 	return nil
 }
 
+func (x *RegisterRequest) GetAdoptMore() bool {
+	if x != nil {
+		return x.AdoptMore
+	}
+	return false
+}
+
+// AdoptRequest carries a further page of a registering node's kept
+// objects; the last page has done set.
+type AdoptRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Epoch         uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	Objects       []*AdoptedObject       `protobuf:"bytes,3,rep,name=objects,proto3" json:"objects,omitempty"`
+	Done          bool                   `protobuf:"varint,4,opt,name=done,proto3" json:"done,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdoptRequest) Reset() {
+	*x = AdoptRequest{}
+	mi := &file_tidepool_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdoptRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdoptRequest) ProtoMessage() {}
+
+func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
+func (*AdoptRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *AdoptRequest) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *AdoptRequest) GetEpoch() uint64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *AdoptRequest) GetObjects() []*AdoptedObject {
+	if x != nil {
+		return x.Objects
+	}
+	return nil
+}
+
+func (x *AdoptRequest) GetDone() bool {
+	if x != nil {
+		return x.Done
+	}
+	return false
+}
+
+type AdoptResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Adopted       uint32                 `protobuf:"varint,1,opt,name=adopted,proto3" json:"adopted,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdoptResponse) Reset() {
+	*x = AdoptResponse{}
+	mi := &file_tidepool_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdoptResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdoptResponse) ProtoMessage() {}
+
+func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
+func (*AdoptResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *AdoptResponse) GetAdopted() uint32 {
+	if x != nil {
+		return x.Adopted
+	}
+	return 0
+}
+
 type RegisterResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The node's new epoch. Segment names on the wire are "node/name@epoch",
@@ -1934,7 +2058,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1946,7 +2070,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1959,7 +2083,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -1988,14 +2112,18 @@ type SegmentObjectsRequest struct {
 	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
 	Epoch uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
 	// The segment's name on the node.
-	Segment       string `protobuf:"bytes,3,opt,name=segment,proto3" json:"segment,omitempty"`
+	Segment string `protobuf:"bytes,3,opt,name=segment,proto3" json:"segment,omitempty"`
+	// Objects with keys strictly after this one (the last of the previous
+	// page), at most limit of them (0: the server's default, 10000).
+	StartAfter    string `protobuf:"bytes,4,opt,name=start_after,json=startAfter,proto3" json:"start_after,omitempty"`
+	Limit         uint32 `protobuf:"varint,5,opt,name=limit,proto3" json:"limit,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2007,7 +2135,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2020,7 +2148,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -2044,16 +2172,32 @@ func (x *SegmentObjectsRequest) GetSegment() string {
 	return ""
 }
 
+func (x *SegmentObjectsRequest) GetStartAfter() string {
+	if x != nil {
+		return x.StartAfter
+	}
+	return ""
+}
+
+func (x *SegmentObjectsRequest) GetLimit() uint32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
 type SegmentObjectsResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Objects       []*AdoptedObject       `protobuf:"bytes,1,rep,name=objects,proto3" json:"objects,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Objects []*AdoptedObject       `protobuf:"bytes,1,rep,name=objects,proto3" json:"objects,omitempty"`
+	// More follow: ask again with start_after = the last key.
+	Truncated     bool `protobuf:"varint,2,opt,name=truncated,proto3" json:"truncated,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2065,7 +2209,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2078,7 +2222,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -2086,6 +2230,13 @@ func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
 		return x.Objects
 	}
 	return nil
+}
+
+func (x *SegmentObjectsResponse) GetTruncated() bool {
+	if x != nil {
+		return x.Truncated
+	}
+	return false
 }
 
 type HeartbeatRequest struct {
@@ -2102,7 +2253,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2114,7 +2265,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2127,7 +2278,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -2177,7 +2328,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2189,7 +2340,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2202,7 +2353,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -2265,7 +2416,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2277,7 +2428,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2290,7 +2441,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -2324,7 +2475,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2336,7 +2487,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2349,7 +2500,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -2372,7 +2523,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2384,7 +2535,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2397,7 +2548,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -2443,7 +2594,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2455,7 +2606,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2468,7 +2619,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -2536,7 +2687,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2548,7 +2699,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2561,7 +2712,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{35}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -2596,7 +2747,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2608,7 +2759,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2621,7 +2772,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{36}
+	return file_tidepool_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -2659,7 +2810,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2671,7 +2822,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2684,7 +2835,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{37}
+	return file_tidepool_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -2865,23 +3016,36 @@ const file_tidepool_proto_rawDesc = "" +
 	"hardPinned\x126\n" +
 	"\x18soft_pin_until_unix_nano\x18\a \x01(\x03R\x14softPinUntilUnixNano\x12\x16\n" +
 	"\x06parent\x18\b \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\t \x01(\tR\x06tenant\"\xa9\x01\n" +
+	"\x06tenant\x18\t \x01(\tR\x06tenant\"\xc8\x01\n" +
 	"\x0fRegisterRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
 	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x120\n" +
-	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\"c\n" +
+	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\x12\x1d\n" +
+	"\n" +
+	"adopt_more\x18\x05 \x01(\bR\tadoptMore\"\x82\x01\n" +
+	"\fAdoptRequest\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
+	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x124\n" +
+	"\aobjects\x18\x03 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\aobjects\x12\x12\n" +
+	"\x04done\x18\x04 \x01(\bR\x04done\")\n" +
+	"\rAdoptResponse\x12\x18\n" +
+	"\aadopted\x18\x01 \x01(\rR\aadopted\"c\n" +
 	"\x10RegisterResponse\x12\x14\n" +
 	"\x05epoch\x18\x01 \x01(\x04R\x05epoch\x12\x1f\n" +
 	"\vsegment_ids\x18\x02 \x03(\tR\n" +
 	"segmentIds\x12\x18\n" +
-	"\aadopted\x18\x03 \x01(\rR\aadopted\"[\n" +
+	"\aadopted\x18\x03 \x01(\rR\aadopted\"\x92\x01\n" +
 	"\x15SegmentObjectsRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12\x18\n" +
-	"\asegment\x18\x03 \x01(\tR\asegment\"N\n" +
+	"\asegment\x18\x03 \x01(\tR\asegment\x12\x1f\n" +
+	"\vstart_after\x18\x04 \x01(\tR\n" +
+	"startAfter\x12\x14\n" +
+	"\x05limit\x18\x05 \x01(\rR\x05limit\"l\n" +
 	"\x16SegmentObjectsResponse\x124\n" +
-	"\aobjects\x18\x01 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\aobjects\"\x95\x01\n" +
+	"\aobjects\x18\x01 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\aobjects\x12\x1c\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"\x95\x01\n" +
 	"\x10HeartbeatRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x128\n" +
@@ -2954,11 +3118,12 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse\x12Q\n" +
 	"\rReportCorrupt\x12\x1b.tidepool.v1.CorruptReplica\x1a#.tidepool.v1.CorruptReplicaResponse\x12A\n" +
 	"\x06Lookup\x12\x1a.tidepool.v1.LookupRequest\x1a\x1b.tidepool.v1.LookupResponse\x12C\n" +
-	"\bChildren\x12\x1c.tidepool.v1.ChildrenRequest\x1a\x19.tidepool.v1.ListResponse2\xc2\x02\n" +
+	"\bChildren\x12\x1c.tidepool.v1.ChildrenRequest\x1a\x19.tidepool.v1.ListResponse2\x82\x03\n" +
 	"\bRegistry\x12G\n" +
 	"\bRegister\x12\x1c.tidepool.v1.RegisterRequest\x1a\x1d.tidepool.v1.RegisterResponse\x12J\n" +
 	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
-	"\x0eSegmentObjects\x12\".tidepool.v1.SegmentObjectsRequest\x1a#.tidepool.v1.SegmentObjectsResponse\x12F\n" +
+	"\x0eSegmentObjects\x12\".tidepool.v1.SegmentObjectsRequest\x1a#.tidepool.v1.SegmentObjectsResponse\x12>\n" +
+	"\x05Adopt\x12\x19.tidepool.v1.AdoptRequest\x1a\x1a.tidepool.v1.AdoptResponse\x12F\n" +
 	"\x05Leave\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\x84\x02\n" +
 	"\x05Admin\x12:\n" +
 	"\x03Pin\x12\x17.tidepool.v1.PinRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12=\n" +
@@ -2979,7 +3144,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 38)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -3009,18 +3174,20 @@ var file_tidepool_proto_goTypes = []any{
 	(*SegmentSpec)(nil),            // 25: tidepool.v1.SegmentSpec
 	(*AdoptedObject)(nil),          // 26: tidepool.v1.AdoptedObject
 	(*RegisterRequest)(nil),        // 27: tidepool.v1.RegisterRequest
-	(*RegisterResponse)(nil),       // 28: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 29: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 30: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 31: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 32: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 33: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 34: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 35: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 36: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 37: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 38: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 39: tidepool.v1.DrainProgress
+	(*AdoptRequest)(nil),           // 28: tidepool.v1.AdoptRequest
+	(*AdoptResponse)(nil),          // 29: tidepool.v1.AdoptResponse
+	(*RegisterResponse)(nil),       // 30: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 31: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 32: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 33: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 34: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 35: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 36: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 37: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 38: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 39: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 40: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 41: tidepool.v1.DrainProgress
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -3043,59 +3210,62 @@ var file_tidepool_proto_depIdxs = []int32{
 	0,  // 17: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
 	25, // 18: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
 	26, // 19: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	26, // 20: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	33, // 21: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
-	3,  // 22: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
-	3,  // 23: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
-	2,  // 24: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	32, // 25: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
-	0,  // 26: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	14, // 27: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 28: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	8,  // 29: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	8,  // 30: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 31: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	8,  // 32: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	8,  // 33: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	8,  // 34: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	13, // 35: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	18, // 36: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	16, // 37: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	22, // 38: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	24, // 39: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	27, // 40: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	31, // 41: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	29, // 42: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	31, // 43: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	35, // 44: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	8,  // 45: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	36, // 46: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	38, // 47: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	5,  // 48: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 49: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 50: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 51: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 52: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 53: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 54: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 55: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	21, // 56: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	17, // 57: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	23, // 58: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	15, // 59: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	28, // 60: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	34, // 61: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	30, // 62: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	34, // 63: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	9,  // 64: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	9,  // 65: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	37, // 66: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	39, // 67: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	48, // [48:68] is the sub-list for method output_type
-	28, // [28:48] is the sub-list for method input_type
-	28, // [28:28] is the sub-list for extension type_name
-	28, // [28:28] is the sub-list for extension extendee
-	0,  // [0:28] is the sub-list for field type_name
+	26, // 20: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
+	26, // 21: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	35, // 22: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 23: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 24: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 25: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	34, // 26: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 27: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	14, // 28: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 29: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	8,  // 30: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	8,  // 31: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 32: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	8,  // 33: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	8,  // 34: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	8,  // 35: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	13, // 36: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	18, // 37: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	16, // 38: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	22, // 39: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	24, // 40: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	27, // 41: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	33, // 42: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	31, // 43: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	28, // 44: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	33, // 45: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	37, // 46: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	8,  // 47: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	38, // 48: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	40, // 49: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	5,  // 50: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	9,  // 51: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	9,  // 52: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 53: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	11, // 54: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	12, // 55: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	9,  // 56: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	15, // 57: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	21, // 58: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	17, // 59: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	23, // 60: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	15, // 61: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	30, // 62: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	36, // 63: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	32, // 64: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	29, // 65: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	36, // 66: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	9,  // 67: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	9,  // 68: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	39, // 69: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	41, // 70: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	50, // [50:71] is the sub-list for method output_type
+	29, // [29:50] is the sub-list for method input_type
+	29, // [29:29] is the sub-list for extension type_name
+	29, // [29:29] is the sub-list for extension extendee
+	0,  // [0:29] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -3109,7 +3279,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   38,
+			NumMessages:   40,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

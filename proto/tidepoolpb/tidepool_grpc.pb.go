@@ -581,6 +581,7 @@ const (
 	Registry_Register_FullMethodName       = "/tidepool.v1.Registry/Register"
 	Registry_Heartbeat_FullMethodName      = "/tidepool.v1.Registry/Heartbeat"
 	Registry_SegmentObjects_FullMethodName = "/tidepool.v1.Registry/SegmentObjects"
+	Registry_Adopt_FullMethodName          = "/tidepool.v1.Registry/Adopt"
 	Registry_Leave_FullMethodName          = "/tidepool.v1.Registry/Leave"
 )
 
@@ -600,6 +601,8 @@ type RegistryClient interface {
 	// SegmentObjects lists the complete objects with a replica on one of the
 	// node's segments; a store keeps the index of a persistent tier with it.
 	SegmentObjects(ctx context.Context, in *SegmentObjectsRequest, opts ...grpc.CallOption) (*SegmentObjectsResponse, error)
+	// Adopt re-adopts a further page of the objects a registering node kept.
+	Adopt(ctx context.Context, in *AdoptRequest, opts ...grpc.CallOption) (*AdoptResponse, error)
 	// Leave takes a node out of the pool at once, as its death would after
 	// the node TTL: a store that stops cleanly says so, and placement stops
 	// choosing it.
@@ -644,6 +647,16 @@ func (c *registryClient) SegmentObjects(ctx context.Context, in *SegmentObjectsR
 	return out, nil
 }
 
+func (c *registryClient) Adopt(ctx context.Context, in *AdoptRequest, opts ...grpc.CallOption) (*AdoptResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AdoptResponse)
+	err := c.cc.Invoke(ctx, Registry_Adopt_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *registryClient) Leave(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(HeartbeatResponse)
@@ -670,6 +683,8 @@ type RegistryServer interface {
 	// SegmentObjects lists the complete objects with a replica on one of the
 	// node's segments; a store keeps the index of a persistent tier with it.
 	SegmentObjects(context.Context, *SegmentObjectsRequest) (*SegmentObjectsResponse, error)
+	// Adopt re-adopts a further page of the objects a registering node kept.
+	Adopt(context.Context, *AdoptRequest) (*AdoptResponse, error)
 	// Leave takes a node out of the pool at once, as its death would after
 	// the node TTL: a store that stops cleanly says so, and placement stops
 	// choosing it.
@@ -692,6 +707,9 @@ func (UnimplementedRegistryServer) Heartbeat(context.Context, *HeartbeatRequest)
 }
 func (UnimplementedRegistryServer) SegmentObjects(context.Context, *SegmentObjectsRequest) (*SegmentObjectsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method SegmentObjects not implemented")
+}
+func (UnimplementedRegistryServer) Adopt(context.Context, *AdoptRequest) (*AdoptResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Adopt not implemented")
 }
 func (UnimplementedRegistryServer) Leave(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Leave not implemented")
@@ -771,6 +789,24 @@ func _Registry_SegmentObjects_Handler(srv interface{}, ctx context.Context, dec 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Registry_Adopt_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AdoptRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServer).Adopt(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Registry_Adopt_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServer).Adopt(ctx, req.(*AdoptRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _Registry_Leave_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(HeartbeatRequest)
 	if err := dec(in); err != nil {
@@ -807,6 +843,10 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SegmentObjects",
 			Handler:    _Registry_SegmentObjects_Handler,
+		},
+		{
+			MethodName: "Adopt",
+			Handler:    _Registry_Adopt_Handler,
 		},
 		{
 			MethodName: "Leave",
