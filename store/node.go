@@ -200,19 +200,18 @@ func (n *Node) run() {
 	// Copies stop on Close, and when the node is drained.
 	copyCtx, stopCopies := context.WithCancel(ctx)
 	defer stopCopies()
+	// Index syncs run beside heartbeats, so a long one (many objects, many
+	// pages) never holds a heartbeat past the node TTL; run returns only
+	// once the sync loop has, so no sync races Close's final one.
+	syncDone := make(chan struct{})
+	go func() {
+		defer close(syncDone)
+		n.syncLoop(ctx)
+	}()
+	defer func() { cancel(); <-syncDone }()
 	tick := time.NewTicker(n.cfg.HeartbeatInterval)
 	defer tick.Stop()
-	lastSync := time.Now()
 	for {
-		if n.Epoch() != 0 && time.Since(lastSync) >= n.cfg.IndexSyncInterval {
-			lastSync = time.Now()
-			// Bounded, so a slow master cannot hold heartbeats past the TTL.
-			sctx, scancel := context.WithTimeout(ctx, 2*n.cfg.HeartbeatInterval)
-			if err := n.syncIndexes(sctx); err != nil && ctx.Err() == nil {
-				n.log.Warn("sync the index of a persistent tier", "err", err)
-			}
-			scancel()
-		}
 		if n.Epoch() == 0 {
 			if err := n.register(ctx); err != nil {
 				if ctx.Err() != nil {
@@ -242,6 +241,28 @@ func (n *Node) run() {
 		case <-tick.C:
 		case <-n.wake:
 		}
+	}
+}
+
+// syncLoop syncs the indexes of persistent tiers every IndexSyncInterval
+// while the node is registered, until ctx ends.
+func (n *Node) syncLoop(ctx context.Context) {
+	tick := time.NewTicker(n.cfg.IndexSyncInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		if n.Epoch() == 0 {
+			continue
+		}
+		sctx, cancel := context.WithTimeout(ctx, time.Minute)
+		if err := n.syncIndexes(sctx); err != nil && ctx.Err() == nil {
+			n.log.Warn("sync the index of a persistent tier", "err", err)
+		}
+		cancel()
 	}
 }
 
@@ -420,7 +441,8 @@ func (n *Node) leave() {
 	if epoch == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	// Long enough to page through a large index, short enough for a stop.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := n.syncIndexes(ctx); err != nil {
 		n.log.Warn("sync indexes before leaving", "err", err)
