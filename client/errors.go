@@ -32,6 +32,9 @@ var (
 	ErrChecksum = errors.New("checksum mismatch")
 	// ErrProtocol: the master answered something this client cannot use.
 	ErrProtocol = errors.New("malformed answer from the master")
+	// ErrShortBuffer: a get's buffer is shorter than the value. It is an
+	// ErrInvalidArgument too.
+	ErrShortBuffer = fmt.Errorf("%w: buffer shorter than the value", ErrInvalidArgument)
 )
 
 // MaxKeyLen is the longest key the master accepts.

@@ -44,7 +44,7 @@ func (c *Client) BatchGetInto(ctx context.Context, keys []string, bufs [][]byte)
 	}
 	vals, errs := c.batchRead(ctx, keys, func(i int, size uint64) ([]byte, error) {
 		if uint64(len(bufs[i])) < size {
-			return nil, fmt.Errorf("%w: buffer of %d bytes for a value of %d", ErrInvalidArgument, len(bufs[i]), size)
+			return nil, fmt.Errorf("%w: %d bytes for a value of %d", ErrShortBuffer, len(bufs[i]), size)
 		}
 		return bufs[i][:size], nil
 	})

@@ -151,7 +151,7 @@ func (c *Client) GetMatched(ctx context.Context, m Match, bufs [][]byte) ([]int,
 	vals := make([][]byte, m.Len())
 	c.readReplicas(ctx, m.Keys(), objs, m.LeaseEnd, vals, errs, func(i int, size uint64) ([]byte, error) {
 		if uint64(len(bufs[i])) < size {
-			return nil, fmt.Errorf("%w: buffer of %d bytes for a block of %d", ErrInvalidArgument, len(bufs[i]), size)
+			return nil, fmt.Errorf("%w: %d bytes for a block of %d", ErrShortBuffer, len(bufs[i]), size)
 		}
 		return bufs[i][:size], nil
 	})

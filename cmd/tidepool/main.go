@@ -32,6 +32,7 @@ func commands() []command {
 		{"up", "[flags]", "run an all-in-one local cluster: one master and one store", runUp},
 		{"master", "[flags]", "run a master (raft-replicated metadata service)", runMaster},
 		{"store", "[flags]", "run a store node that serves its tiers to the pool", runStore},
+		{"agent", "[flags]", "serve the pool to this host's processes over a unix socket and shared memory", runAgent},
 		{"put", "KEY FILE", "store FILE (- for stdin) under KEY", runPut},
 		{"get", "KEY [-o FILE]", "write the value of KEY to stdout or FILE", runGet},
 		{"exists", "KEY", "exit 0 if KEY is present, 1 if not", runExists},

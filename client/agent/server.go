@@ -1,0 +1,196 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+
+	"github.com/tidepool-kv/tidepool/client"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+const (
+	// DefaultSessionIdle is how long a session lasts without a request.
+	DefaultSessionIdle = 10 * time.Minute
+	// DefaultMaxSessionBytes is the largest region a session may open.
+	DefaultMaxSessionBytes = 4 << 30
+	// DefaultLeasedBlocks is how many leased blocks the agent keeps.
+	DefaultLeasedBlocks = 1 << 16
+	// MaxBatchKeys is the most keys one request may name (the master's
+	// limit for one batch).
+	MaxBatchKeys = 16384
+	// maxMessage bounds gRPC messages: MaxBatchKeys keys of the longest
+	// length do not fit, but any chain of real block hashes does.
+	maxMessage = 64 << 20
+)
+
+// Config configures a Server.
+type Config struct {
+	// Client reaches the cluster. The Server does not close it.
+	Client *client.Client
+	// SessionIdle ends a session after this long without a request that
+	// names it; 0 means DefaultSessionIdle.
+	SessionIdle time.Duration
+	// MaxSessionBytes is the largest region one session may ask for; 0
+	// means DefaultMaxSessionBytes.
+	MaxSessionBytes uint64
+	// LeasedBlocks is how many blocks leased by lookups the agent keeps for
+	// the gets that follow; 0 means DefaultLeasedBlocks, negative none.
+	LeasedBlocks int
+	Logger       *slog.Logger
+	// Registerer gets the tidepool_agent_* metrics; nil means none.
+	Registerer prometheus.Registerer
+}
+
+// Server is the agent: it serves the Agent service for local processes.
+type Server struct {
+	cfg    Config
+	c      *client.Client
+	log    *slog.Logger
+	grpc   *grpc.Server
+	leases *leases // nil: gets do not use lookups' leases
+	stats  counters
+	met    prometheus.Collector // nil without a Registerer
+
+	mu struct {
+		sync.Mutex
+		sessions map[uint64]*session
+		closed   bool
+	}
+
+	stop      chan struct{} // closed by Close: the reaper returns
+	wg        sync.WaitGroup
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// New returns an agent of cfg.Client; Serve serves it.
+func New(cfg Config) (*Server, error) {
+	if cfg.Client == nil {
+		return nil, errors.New("agent: no client")
+	}
+	if cfg.SessionIdle < 0 {
+		return nil, fmt.Errorf("agent: negative session idle timeout %v", cfg.SessionIdle)
+	}
+	if cfg.SessionIdle == 0 {
+		cfg.SessionIdle = DefaultSessionIdle
+	}
+	if cfg.MaxSessionBytes == 0 {
+		cfg.MaxSessionBytes = DefaultMaxSessionBytes
+	}
+	if cfg.MaxSessionBytes > 1<<50 { // more than any host maps; keeps int conversions safe
+		return nil, fmt.Errorf("agent: max session bytes %d is implausible", cfg.MaxSessionBytes)
+	}
+	if cfg.LeasedBlocks == 0 {
+		cfg.LeasedBlocks = DefaultLeasedBlocks
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{cfg: cfg, c: cfg.Client, log: cfg.Logger, stop: make(chan struct{})}
+	s.mu.sessions = map[uint64]*session{}
+	if cfg.LeasedBlocks > 0 {
+		s.leases = newLeases(cfg.LeasedBlocks)
+	}
+	// WaitForHandlers: Close must not unmap a region or return while a
+	// handler still runs.
+	s.grpc = grpc.NewServer(grpc.WaitForHandlers(true), grpc.MaxRecvMsgSize(maxMessage), grpc.MaxSendMsgSize(maxMessage))
+	pb.RegisterAgentServer(s.grpc, &service{s: s})
+	if cfg.Registerer != nil {
+		met := newCollector(s)
+		if err := cfg.Registerer.Register(met); err != nil {
+			s.log.Warn("agent metrics not registered", "err", err)
+		} else {
+			s.met = met
+		}
+	}
+	s.wg.Add(1)
+	go s.reap()
+	return s, nil
+}
+
+// Serve answers the Agent service on ln until Close; it returns nil after
+// Close.
+func (s *Server) Serve(ln net.Listener) error {
+	if err := s.grpc.Serve(ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("agent: serve: %w", err)
+	}
+	return nil
+}
+
+// Close stops serving (requests in flight are canceled and waited for),
+// ends every session and stops the reaper. It is safe to call more than
+// once.
+func (s *Server) Close() error {
+	s.closeOnce.Do(func() {
+		close(s.stop)
+		s.grpc.Stop()
+		s.wg.Wait()
+		s.mu.Lock()
+		s.mu.closed = true
+		sessions := s.mu.sessions
+		s.mu.sessions = map[uint64]*session{}
+		s.mu.Unlock()
+		var errs []error
+		for _, ss := range sessions {
+			errs = append(errs, ss.end())
+		}
+		if s.met != nil {
+			s.cfg.Registerer.Unregister(s.met)
+		}
+		s.closeErr = errors.Join(errs...)
+	})
+	return s.closeErr
+}
+
+// reap ends sessions idle for longer than SessionIdle, until Close.
+func (s *Server) reap() {
+	defer s.wg.Done()
+	every := min(max(s.cfg.SessionIdle/4, time.Millisecond), 10*time.Second)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case now := <-t.C:
+			s.reapIdle(now)
+		}
+	}
+}
+
+func (s *Server) reapIdle(now time.Time) {
+	var idle []*session
+	s.mu.Lock()
+	for id, ss := range s.mu.sessions {
+		// active is raised under s.mu, so a session in use is never taken.
+		if ss.active.Load() == 0 && now.Sub(ss.lastUsed()) > s.cfg.SessionIdle {
+			delete(s.mu.sessions, id)
+			idle = append(idle, ss)
+		}
+	}
+	s.mu.Unlock()
+	for _, ss := range idle {
+		s.stats.expired.Add(1)
+		if err := ss.end(); err != nil {
+			s.log.Warn("end idle session", "session", ss.id, "client", ss.client, "err", err)
+		}
+		s.log.Info("session ended: idle", "session", ss.id, "client", ss.client, "idle", s.cfg.SessionIdle)
+	}
+}
+
+// sessionCount returns the open sessions and their regions' bytes.
+func (s *Server) sessionCount() (n int, bytes uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, ss := range s.mu.sessions {
+		bytes += ss.size
+	}
+	return len(s.mu.sessions), bytes
+}
