@@ -15,6 +15,7 @@ import (
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master"
+	"github.com/tidepool-kv/tidepool/master/mastertest"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
@@ -459,7 +460,7 @@ func TestStoreKilledMidPut(t *testing.T) {
 
 	// The dead store's objects never return bytes: unreachable until the
 	// master declares the node dead, gone after.
-	waitFor(t, 4*testNodeTTL, "the master to drop the dead store's objects", func() bool {
+	waitFor(t, 4*mastertest.NodeTTL, "the master to drop the dead store's objects", func() bool {
 		gone := 0
 		for _, k := range on["a"] {
 			v, err := cl.Get(ctx, k)
@@ -654,7 +655,7 @@ func TestMasterRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	c.restartMaster()
+	c.master.Restart()
 	// Workaround for the race above: wait for the last write to replay.
 	waitFor(t, startTimeout, "the new master to replay its log", func() bool {
 		ok, err := cl.Exists(ctx, "mr/zlast")
@@ -701,7 +702,7 @@ func TestMasterRestartHeartbeats(t *testing.T) {
 
 	keys, vals := putMany(t, cl, "mrh/", 20)
 	for r := range 3 {
-		c.restartMaster()
+		c.master.Restart()
 		got, errs := cl.BatchGet(ctx, keys)
 		for i := range keys {
 			if errs[i] != nil || !bytes.Equal(got[i], vals[i]) {

@@ -2,32 +2,22 @@ package client_test
 
 import (
 	"context"
-	"log/slog"
 	"math/rand/v2"
 	"net"
-	"os"
 	"testing"
 	"time"
-
-	"github.com/hashicorp/raft"
 
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/engine/enginetest"
 	"github.com/tidepool-kv/tidepool/master"
+	"github.com/tidepool-kv/tidepool/master/mastertest"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
 )
 
-// Timeouts of the test clusters: short enough that sweeps, dead stores and
-// abandoned puts show up within a test, long enough for -race on a busy box.
-const (
-	testSweep     = 50 * time.Millisecond
-	testNodeTTL   = time.Second
-	testPutTO     = 3 * time.Second
-	testHeartbeat = 100 * time.Millisecond
-	startTimeout  = 15 * time.Second
-)
+// startTimeout bounds waits for a cluster to come up or settle.
+const startTimeout = 15 * time.Second
 
 // storeSpec describes one store node of a test cluster.
 type storeSpec struct {
@@ -42,23 +32,19 @@ type clusterOpts struct {
 	stores []storeSpec // default: one 64 MiB store "s0"
 	// master adjusts the master's config (timeouts) before it starts.
 	master func(*master.Config)
-	// heartbeat is the stores' heartbeat interval; default testHeartbeat.
+	// heartbeat is the stores' heartbeat interval; default
+	// mastertest.Heartbeat.
 	heartbeat time.Duration
 }
 
 // cluster is one master and N store nodes in this process, on loopback:
 // real raft (in-memory transport), real gRPC, real transfer engines.
 type cluster struct {
-	t        testing.TB
-	opts     clusterOpts
-	log      *slog.Logger
-	dir      string
-	raftAddr raft.ServerAddress
-	addr     string // master gRPC address; a restarted master listens here again
-	master   *master.Server
-	served   chan error
-	stores   []*storeNode
-	clients  []*client.Client
+	t      testing.TB
+	opts   clusterOpts
+	master *mastertest.Master
+	addr   string // the master's gRPC address; a restarted master listens here again
+	stores []*storeNode
 }
 
 type storeNode struct {
@@ -76,11 +62,11 @@ func newCluster(t testing.TB, opts clusterOpts) *cluster {
 		opts.stores = []storeSpec{{id: "s0"}}
 	}
 	if opts.heartbeat == 0 {
-		opts.heartbeat = testHeartbeat
+		opts.heartbeat = mastertest.Heartbeat
 	}
-	c := &cluster{t: t, opts: opts, dir: t.TempDir(), log: testLogger()}
-	t.Cleanup(c.close)
-	c.startMaster()
+	c := &cluster{t: t, opts: opts}
+	c.master = mastertest.Start(t, opts.master)
+	c.addr = c.master.Addr()
 	for i, spec := range opts.stores {
 		if spec.capacity == 0 {
 			spec.capacity = 64 << 20
@@ -91,114 +77,24 @@ func newCluster(t testing.TB, opts clusterOpts) *cluster {
 	return c
 }
 
-// testLogger discards logs unless TIDEPOOL_TEST_LOG is set. It writes to
-// stderr, not t.Log, so a late line from a background goroutine is harmless.
-func testLogger() *slog.Logger {
-	if os.Getenv("TIDEPOOL_TEST_LOG") == "" {
-		return slog.New(slog.DiscardHandler)
-	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
-
-func (c *cluster) close() {
-	for _, cl := range c.clients {
-		if err := cl.Close(); err != nil {
-			c.t.Errorf("close client: %v", err)
-		}
-	}
-	for _, s := range c.stores {
-		c.stopStore(s)
-	}
-	c.stopMaster()
-}
-
-// startMaster starts the master on the cluster's Dir and gRPC address,
-// both kept from an earlier start.
-func (c *cluster) startMaster() {
-	c.t.Helper()
-	listen := c.addr
-	if listen == "" {
-		listen = "127.0.0.1:0"
-	}
-	ln, err := net.Listen("tcp", listen)
-	if err != nil {
-		c.t.Fatalf("master listen: %v", err)
-	}
-	c.addr = ln.Addr().String()
-	addr, trans := raft.NewInmemTransport(c.raftAddr)
-	c.raftAddr = addr
-	cfg := master.Config{
-		ID: "m0", Dir: c.dir, Advertise: c.addr, Transport: trans,
-		SweepInterval: testSweep, NodeTTL: testNodeTTL, PutTimeout: testPutTO,
-		Logger: c.log,
-	}
-	if c.opts.master != nil {
-		c.opts.master(&cfg)
-	}
-	srv, err := master.New(cfg)
-	if err != nil {
-		ln.Close()
-		c.t.Fatalf("master: %v", err)
-	}
-	c.master, c.served = srv, make(chan error, 1)
-	go func() { c.served <- srv.Serve(ln) }()
-}
-
-func (c *cluster) stopMaster() {
-	if c.master == nil {
-		return
-	}
-	if err := c.master.Close(); err != nil {
-		c.t.Errorf("close master: %v", err)
-	}
-	if err := <-c.served; err != nil {
-		c.t.Errorf("master Serve: %v", err)
-	}
-	c.master = nil
-}
-
-// restartMaster closes the master and starts a new Server on the same Dir
-// and addresses.
-func (c *cluster) restartMaster() {
-	c.t.Helper()
-	c.stopMaster()
-	c.startMaster()
-}
-
 // startStore starts store i with a fresh, empty tier and waits until it has
 // registered.
 func (c *cluster) startStore(i int) {
 	c.t.Helper()
 	s := c.stores[i]
-	tier, err := tiers.NewDRAM("dram0", s.spec.capacity)
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	cfg := store.Config{
-		ID: s.spec.id, Masters: []string{c.addr}, Listen: "127.0.0.1:0",
-		Tiers: []tiers.Tier{tier}, HeartbeatInterval: c.opts.heartbeat, Logger: c.log,
-	}
-	if s.spec.proxied {
-		// The node picks its listener itself, so reserve a port for it
-		// and point the proxy there.
-		cfg.Listen = freePort(c.t)
-		if s.proxy == nil {
-			s.proxy = enginetest.NewProxy(c.t, "")
+	s.node, s.tier = mastertest.StartStore(c.t, []string{c.addr}, s.spec.id, s.spec.capacity, func(cfg *store.Config) {
+		cfg.HeartbeatInterval = c.opts.heartbeat
+		if s.spec.proxied {
+			// The node picks its listener itself, so reserve a port
+			// for it and point the proxy there.
+			cfg.Listen = freePort(c.t)
+			if s.proxy == nil {
+				s.proxy = enginetest.NewProxy(c.t, "")
+			}
+			s.proxy.SetTarget(cfg.Listen)
+			cfg.Advertise = s.proxy.Addr()
 		}
-		s.proxy.SetTarget(cfg.Listen)
-		cfg.Advertise = s.proxy.Addr()
-	}
-	node, err := store.New(cfg)
-	if err != nil {
-		tier.Close()
-		c.t.Fatalf("store %s: %v", s.spec.id, err)
-	}
-	s.node, s.tier = node, tier
-	select {
-	case <-node.Registered():
-	case <-time.After(startTimeout):
-		c.t.Fatalf("store %s did not register within %v", s.spec.id, startTimeout)
-	}
+	})
 }
 
 // stopStore closes a store node, which also unmaps its tier.
@@ -228,11 +124,15 @@ func (c *cluster) newClient() *client.Client {
 
 func (c *cluster) newClientWith(ecfg engine.Config) *client.Client {
 	c.t.Helper()
-	cl, err := client.New(client.Config{Masters: []string{c.addr}, Logger: c.log, EngineConfig: ecfg})
+	cl, err := client.New(client.Config{Masters: []string{c.addr}, Logger: mastertest.Logger(), EngineConfig: ecfg})
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	c.clients = append(c.clients, cl)
+	c.t.Cleanup(func() {
+		if err := cl.Close(); err != nil {
+			c.t.Errorf("close client: %v", err)
+		}
+	})
 	return cl
 }
 

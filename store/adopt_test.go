@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tidepool-kv/tidepool/master/mastertest"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
 )
@@ -14,7 +15,7 @@ import (
 // one, and the index sync pages through them back.
 func TestAdoptInPages(t *testing.T) {
 	const objects = 25_000 // two and a half pages
-	m := startMaster(t)
+	m := mastertest.Start(t, nil)
 	dir := t.TempDir()
 	tier, err := tiers.NewSSD("ssd0", dir, objects*4096)
 	if err != nil {
@@ -28,17 +29,17 @@ func TestAdoptInPages(t *testing.T) {
 		t.Fatal(err)
 	}
 	n, err := store.New(store.Config{
-		ID: "s1", Masters: []string{m.addr}, Listen: "127.0.0.1:0", Tiers: []tiers.Tier{tier},
-		HeartbeatInterval: heartbeat, IndexSyncInterval: 100 * time.Millisecond, Logger: testLogger(),
+		ID: "s1", Masters: []string{m.Addr()}, Listen: "127.0.0.1:0", Tiers: []tiers.Tier{tier},
+		HeartbeatInterval: heartbeat, IndexSyncInterval: 100 * time.Millisecond, Logger: mastertest.Logger(),
 	})
 	if err != nil {
 		tier.Close()
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { n.Close() })
-	cl := newClient(t, m.addr)
+	cl := newClient(t, m.Addr())
 	waitFor(t, waitLong, "every kept object adopted", func() bool {
-		for _, s := range m.segments(t, cl) {
+		for _, s := range segments(t, cl) {
 			if s.Node == "s1" && s.Objects == objects {
 				return true
 			}

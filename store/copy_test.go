@@ -20,6 +20,7 @@ import (
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/engine/enginetest"
+	"github.com/tidepool-kv/tidepool/master/mastertest"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
@@ -166,7 +167,7 @@ func startCopyNode(t *testing.T, id string, r *registry, interval time.Duration,
 	n, err := store.New(store.Config{
 		ID: id, Masters: []string{r.addr}, Listen: "127.0.0.1:0", Tiers: ts,
 		HeartbeatInterval: interval, Engine: engine.Config{NoShm: true},
-		Registerer: cn.reg, Logger: testLogger(),
+		Registerer: cn.reg, Logger: mastertest.Logger(),
 	})
 	if err != nil {
 		for _, tier := range ts {

@@ -4,19 +4,16 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"log/slog"
 	"net"
-	"os"
 	"testing"
 	"time"
 
-	"github.com/hashicorp/raft"
 	"go.uber.org/goleak"
 
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/engine/enginetest"
-	"github.com/tidepool-kv/tidepool/master"
+	"github.com/tidepool-kv/tidepool/master/mastertest"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
@@ -29,84 +26,11 @@ func TestMain(m *testing.M) {
 
 const (
 	heartbeat = 50 * time.Millisecond
-	nodeTTL   = time.Second
 	waitLong  = 15 * time.Second
 )
 
-func testLogger() *slog.Logger {
-	if os.Getenv("TIDEPOOL_TEST_LOG") == "" {
-		return slog.New(slog.DiscardHandler)
-	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
-
-// testMaster is one in-process master on loopback; restart keeps its gRPC
-// address, and keeps or drops its state.
-type testMaster struct {
-	t      testing.TB
-	dir    string
-	addr   string
-	srv    *master.Server
-	served chan error
-}
-
-func startMaster(t testing.TB) *testMaster {
-	t.Helper()
-	m := &testMaster{t: t, dir: t.TempDir()}
-	m.start()
-	t.Cleanup(m.stop)
-	return m
-}
-
-func (m *testMaster) start() {
-	m.t.Helper()
-	listen := m.addr
-	if listen == "" {
-		listen = "127.0.0.1:0"
-	}
-	ln, err := net.Listen("tcp", listen)
-	if err != nil {
-		m.t.Fatal(err)
-	}
-	m.addr = ln.Addr().String()
-	_, trans := raft.NewInmemTransport("")
-	srv, err := master.New(master.Config{
-		ID: "m0", Dir: m.dir, Advertise: m.addr, Transport: trans,
-		SweepInterval: 50 * time.Millisecond, NodeTTL: nodeTTL, PutTimeout: 3 * time.Second,
-		Logger: testLogger(),
-	})
-	if err != nil {
-		ln.Close()
-		m.t.Fatal(err)
-	}
-	m.srv, m.served = srv, make(chan error, 1)
-	go func() { m.served <- srv.Serve(ln) }()
-}
-
-func (m *testMaster) stop() {
-	if m.srv == nil {
-		return
-	}
-	if err := m.srv.Close(); err != nil {
-		m.t.Errorf("close master: %v", err)
-	}
-	if err := <-m.served; err != nil {
-		m.t.Errorf("master Serve: %v", err)
-	}
-	m.srv = nil
-}
-
-// restartFresh replaces the master by one with an empty Dir on the same
-// address: a master that lost its state.
-func (m *testMaster) restartFresh() {
-	m.t.Helper()
-	m.stop()
-	m.dir = m.t.TempDir()
-	m.start()
-}
-
 // segments returns the master's segments by name.
-func (m *testMaster) segments(t testing.TB, cl *client.Client) map[string]*pb.SegmentInfo {
+func segments(t testing.TB, cl *client.Client) map[string]*pb.SegmentInfo {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), waitLong)
 	defer cancel()
@@ -134,29 +58,7 @@ func newClient(t testing.TB, addr string) *client.Client {
 // startNode starts a node with one DRAM tier and waits for its registration.
 func startNode(t testing.TB, id string, masters []string, capacity int64) (*store.Node, *tiers.DRAMTier) {
 	t.Helper()
-	tier, err := tiers.NewDRAM("dram0", capacity)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n, err := store.New(store.Config{
-		ID: id, Masters: masters, Listen: "127.0.0.1:0", Tiers: []tiers.Tier{tier},
-		HeartbeatInterval: heartbeat, Logger: testLogger(),
-	})
-	if err != nil {
-		tier.Close()
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := n.Close(); err != nil {
-			t.Errorf("close node: %v", err)
-		}
-	})
-	select {
-	case <-n.Registered():
-	case <-time.After(waitLong):
-		t.Fatalf("node %s did not register within %v", id, waitLong)
-	}
-	return n, tier
+	return mastertest.StartStore(t, masters, id, capacity, func(cfg *store.Config) { cfg.HeartbeatInterval = heartbeat })
 }
 
 // peer is a transfer engine that reads and writes the node's segments the
@@ -225,16 +127,16 @@ func TestNewRejectsBadConfig(t *testing.T) {
 // TestRegister: a node registers in epoch 1 and serves its tier under the
 // name the master gave it, and only under that name.
 func TestRegister(t *testing.T) {
-	m := startMaster(t)
-	cl := newClient(t, m.addr)
-	n, tier := startNode(t, "n1", []string{m.addr}, 1<<20)
+	m := mastertest.Start(t, nil)
+	cl := newClient(t, m.Addr())
+	n, tier := startNode(t, "n1", []string{m.Addr()}, 1<<20)
 
 	if e := n.Epoch(); e != 1 {
 		t.Fatalf("Epoch = %d, want 1", e)
 	}
-	seg := m.segments(t, cl)["n1/dram0@1"]
+	seg := segments(t, cl)["n1/dram0@1"]
 	if seg == nil {
-		t.Fatalf("the master has no segment n1/dram0@1: %v", m.segments(t, cl))
+		t.Fatalf("the master has no segment n1/dram0@1: %v", segments(t, cl))
 	}
 	if seg.Node != "n1" || seg.Endpoint != n.Endpoint() || seg.Capacity != 1<<20 || seg.Epoch != 1 || !seg.Alive || seg.Tier != pb.Tier_TIER_DRAM {
 		t.Fatalf("segment = %v, endpoint %s", seg, n.Endpoint())
@@ -263,17 +165,17 @@ func TestRegister(t *testing.T) {
 // master declares it dead: the node's next heartbeat is refused, and it
 // registers again in epoch 2 and serves its tier under the new name only.
 func TestReregisterAfterNodeDown(t *testing.T) {
-	m := startMaster(t)
-	cl := newClient(t, m.addr)
-	p := enginetest.NewProxy(t, m.addr) // the node's only way to the master
+	m := mastertest.Start(t, nil)
+	cl := newClient(t, m.Addr())
+	p := enginetest.NewProxy(t, m.Addr()) // the node's only way to the master
 	n, _ := startNode(t, "n1", []string{p.Addr()}, 1<<20)
 	if e := n.Epoch(); e != 1 {
 		t.Fatalf("Epoch = %d, want 1", e)
 	}
 
 	p.SetDown(true)
-	waitFor(t, 5*nodeTTL, "the master to declare the node dead", func() bool {
-		return m.segments(t, cl)["n1/dram0@1"] == nil
+	waitFor(t, 5*mastertest.NodeTTL, "the master to declare the node dead", func() bool {
+		return segments(t, cl)["n1/dram0@1"] == nil
 	})
 	if e := n.Epoch(); e != 1 {
 		t.Fatalf("Epoch = %d while cut off, want 1", e)
@@ -281,7 +183,7 @@ func TestReregisterAfterNodeDown(t *testing.T) {
 	p.SetDown(false)
 	waitFor(t, waitLong, "the node to register again", func() bool { return n.Epoch() == 2 })
 	waitFor(t, waitLong, "the master to list n1/dram0@2", func() bool {
-		segs := m.segments(t, cl)
+		segs := segments(t, cl)
 		return segs["n1/dram0@2"] != nil && segs["n1/dram0@2"].Alive && segs["n1/dram0@1"] == nil
 	})
 
@@ -306,13 +208,13 @@ func TestReregisterAfterNodeDown(t *testing.T) {
 // TestReregisterWithFreshMaster replaces the master by one that lost its
 // state: the node's heartbeat is refused and it registers with the new one.
 func TestReregisterWithFreshMaster(t *testing.T) {
-	m := startMaster(t)
-	cl := newClient(t, m.addr)
-	n, _ := startNode(t, "n1", []string{m.addr}, 1<<20)
+	m := mastertest.Start(t, nil)
+	cl := newClient(t, m.Addr())
+	n, _ := startNode(t, "n1", []string{m.Addr()}, 1<<20)
 
-	m.restartFresh()
+	m.RestartFresh()
 	waitFor(t, waitLong, "the node to register with the new master", func() bool {
-		return m.segments(t, cl)["n1/dram0@1"] != nil
+		return segments(t, cl)["n1/dram0@1"] != nil
 	})
 	if e := n.Epoch(); e != 1 {
 		t.Fatalf("Epoch = %d, want 1 (the new master's first)", e)
@@ -326,15 +228,15 @@ func TestReregisterWithFreshMaster(t *testing.T) {
 // TestCloseStopsGoroutines: Close returns promptly, whether the node is
 // registered or still trying to reach a master, and leaves nothing running.
 func TestCloseStopsGoroutines(t *testing.T) {
-	m := startMaster(t)
-	cl := newClient(t, m.addr)
+	m := mastertest.Start(t, nil)
+	cl := newClient(t, m.Addr())
 	// Let the master settle as leader first, so that only the node's
 	// goroutines are new.
 	waitFor(t, waitLong, "the master to lead", func() bool {
 		ctx, cancel := context.WithTimeout(t.Context(), waitLong)
 		defer cancel()
 		st, err := cl.Status(ctx)
-		return err == nil && m.srv.IsLeader() && st.LeaderAddress == m.addr
+		return err == nil && m.Server().IsLeader() && st.LeaderAddress == m.Addr()
 	})
 	before := goleak.IgnoreCurrent()
 
@@ -342,7 +244,7 @@ func TestCloseStopsGoroutines(t *testing.T) {
 		name    string
 		masters []string
 	}{
-		{"registered", []string{m.addr}},
+		{"registered", []string{m.Addr()}},
 		{"no master reachable", []string{freeAddr(t)}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -354,7 +256,7 @@ func TestCloseStopsGoroutines(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tc.masters[0] == m.addr {
+			if tc.masters[0] == m.Addr() {
 				select {
 				case <-n.Registered():
 				case <-time.After(waitLong):

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"log/slog"
 	"math"
 	"math/rand/v2"
 	"net"
@@ -15,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/hashicorp/raft"
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
@@ -25,10 +23,8 @@ import (
 
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/client/agent"
-	"github.com/tidepool-kv/tidepool/master"
+	"github.com/tidepool-kv/tidepool/master/mastertest"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
-	"github.com/tidepool-kv/tidepool/store"
-	"github.com/tidepool-kv/tidepool/tiers"
 )
 
 // TestAgent runs the Python side's flows on one agent: put a chain from
@@ -471,13 +467,13 @@ type fixture struct {
 func newFixture(t *testing.T, cfg agent.Config) *fixture {
 	t.Helper()
 	addr := startCluster(t)
-	cl, err := client.New(client.Config{Masters: []string{addr}, Logger: testLogger()})
+	cl, err := client.New(client.Config{Masters: []string{addr}, Logger: mastertest.Logger()})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cl.Close() })
 	f := &fixture{t: t, cl: cl, reg: prometheus.NewRegistry()}
-	cfg.Client, cfg.Registerer, cfg.Logger = cl, f.reg, testLogger()
+	cfg.Client, cfg.Registerer, cfg.Logger = cl, f.reg, mastertest.Logger()
 	if f.agent, err = agent.New(cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -613,65 +609,14 @@ func checkColumns(t *testing.T, r *pb.LookupResponse, size uint64) {
 	}
 }
 
-// startCluster starts a master and one store with a 64 MiB DRAM tier in
-// this process, closed when the test ends, and returns the master's
+// startCluster starts a master and one store "s0" with a 64 MiB DRAM tier
+// in this process, closed when the test ends, and returns the master's
 // address.
 func startCluster(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, trans := raft.NewInmemTransport("")
-	m, err := master.New(master.Config{
-		ID: "m0", Dir: t.TempDir(), Advertise: ln.Addr().String(), Transport: trans,
-		SweepInterval: 50 * time.Millisecond, NodeTTL: time.Second, PutTimeout: 3 * time.Second, Logger: testLogger(),
-	})
-	if err != nil {
-		ln.Close()
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- m.Serve(ln) }()
-	t.Cleanup(func() {
-		if err := m.Close(); err != nil {
-			t.Errorf("close master: %v", err)
-		}
-		if err := <-served; err != nil {
-			t.Errorf("master Serve: %v", err)
-		}
-	})
-	tier, err := tiers.NewDRAM("dram0", 64<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	node, err := store.New(store.Config{
-		ID: "s0", Masters: []string{ln.Addr().String()}, Listen: "127.0.0.1:0",
-		Tiers: []tiers.Tier{tier}, HeartbeatInterval: 100 * time.Millisecond, Logger: testLogger(),
-	})
-	if err != nil {
-		tier.Close()
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := node.Close(); err != nil {
-			t.Errorf("close store: %v", err)
-		}
-	})
-	select {
-	case <-node.Registered():
-	case <-time.After(15 * time.Second):
-		t.Fatal("the store did not register")
-	}
-	return ln.Addr().String()
-}
-
-// testLogger discards logs unless TIDEPOOL_TEST_LOG is set.
-func testLogger() *slog.Logger {
-	if os.Getenv("TIDEPOOL_TEST_LOG") == "" {
-		return slog.New(slog.DiscardHandler)
-	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	m := mastertest.Start(t, nil)
+	mastertest.StartStore(t, []string{m.Addr()}, "s0", 64<<20, nil)
+	return m.Addr()
 }
 
 func testCtx(t *testing.T) context.Context {
