@@ -40,6 +40,11 @@ const maxBatch = 16384
 // BatchRemove deletes objects with one master round trip per maxBatch
 // keys, and returns one error per key.
 func (c *Client) BatchRemove(ctx context.Context, keys []string) []error {
+	// A lookup must not answer from a descriptor this client cached for a
+	// key it removes (its lease keeps the bytes, but the key is gone).
+	for _, k := range keys {
+		c.descs.Del(k)
+	}
 	errs := make([]error, len(keys))
 	var query []string
 	var idx []int
