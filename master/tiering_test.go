@@ -175,6 +175,9 @@ func newTierEnv(t *testing.T, tweak func(*Config)) *tierEnv {
 	e := &tierEnv{reg: prometheus.NewRegistry()}
 	c := newCluster(t, 1, func(cfg *Config) {
 		cfg.LeaseTTL = 200 * time.Millisecond
+		// Some stores here are registered and never heartbeat: a slow run
+		// under the race detector must not declare them dead.
+		cfg.NodeTTL = time.Minute
 		cfg.Registerer = e.reg
 		cfg.Now = func() time.Time { return time.Now().Add(time.Duration(e.skew.Load())) }
 		if tweak != nil {
@@ -378,7 +381,7 @@ func TestTieringDemoteDropsFastReplica(t *testing.T) {
 	e := newTierEnv(t, nil)
 	m := e.m
 	startFakeStore(t, m, "s", reportOK, dram("a", segCap))
-	register(t, m, "t", "ep-t", ssd("b", 8*segCap))
+	startFakeStore(t, m, "t", reportOK, ssd("b", 8*segCap)) // heartbeats: a slow run must not lose it
 	e.waitEvictable(t)
 	keys := keyNames("k", 15)
 	for i, r := range putBatch(t, m, sized(64*kib, &pb.PutStartRequest{Replicas: 2}, keys...)...) {

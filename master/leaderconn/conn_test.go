@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -107,8 +108,11 @@ func TestGivesUpWhenContextEnds(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
 	defer cancel()
 	err = status1(ctx, c)
-	if status.Code(errors.Unwrap(err)) != codes.Unavailable && status.Code(err) != codes.Unavailable {
-		t.Fatalf("error %v, want Unavailable", err)
+	// Unavailable from the last attempt, or, on a loaded machine where no
+	// attempt had failed yet when the context ended, the context's error.
+	got := []codes.Code{status.Code(err), status.Code(errors.Unwrap(err))}
+	if !slices.Contains(got, codes.Unavailable) && !slices.Contains(got, codes.DeadlineExceeded) && !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("error %v, want Unavailable or the context's deadline", err)
 	}
 	if _, err := Dial(nil); err == nil {
 		t.Fatal("Dial with no addresses succeeded")
