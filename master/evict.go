@@ -286,7 +286,7 @@ func (s *Server) roomIn(ctx context.Context, id string, size uint64, now time.Ti
 		if view.largestFree >= size {
 			return true
 		}
-		objs := filterObjects(s.fsm.completeObjects(func(string) bool { return true }), onSegment(id))
+		objs := s.fsm.completeOn(id)
 		need := size - view.largestFree
 		if round > 0 {
 			need = size << round // fragmentation: free more each round

@@ -195,13 +195,27 @@ type evictable struct {
 }
 
 // completeObjects lists the complete objects that match, in key order.
-// It sorts after releasing the lock, so Apply waits only for the scan.
 func (f *FSM) completeObjects(match func(key string) bool) []evictable {
+	return f.scan(func(o *object) bool { return match(o.key) })
+}
+
+// completeOn lists the complete objects with a replica on segment id, in
+// key order; it builds nothing for the others.
+func (f *FSM) completeOn(id string) []evictable {
+	return f.scan(func(o *object) bool {
+		return slices.ContainsFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == id })
+	})
+}
+
+// scan lists the complete objects keep accepts, in key order. It sorts
+// after releasing the lock, so Apply waits only for the scan; keep runs
+// under the read lock.
+func (f *FSM) scan(keep func(*object) bool) []evictable {
 	var out []evictable
 	depths := map[string]int{}
 	f.mu.RLock()
 	for k, o := range f.objects {
-		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || !match(k) {
+		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || !keep(o) {
 			continue
 		}
 		e := evictable{

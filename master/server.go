@@ -108,6 +108,7 @@ type Server struct {
 		slowReads   map[string]int          // key -> reads served from a slow tier only: promotion
 		promote     map[string]bool         // keys read often enough to promote
 		drains      map[string]*pb.DrainProgress
+		reclaim     map[string]reclaimList // segment -> written-back replicas puts may drop
 	}
 
 	rngMu sync.Mutex
@@ -168,6 +169,7 @@ func New(cfg Config) (*Server, error) {
 	s.mu.slowReads = map[string]int{}
 	s.mu.promote = map[string]bool{}
 	s.mu.drains = map[string]*pb.DrainProgress{}
+	s.mu.reclaim = map[string]reclaimList{}
 	if err := s.startRaft(); err != nil {
 		s.closeStores()
 		return nil, err
@@ -419,6 +421,7 @@ func (s *Server) setLeader(leader bool) {
 	clear(s.mu.slowReads)
 	clear(s.mu.promote)
 	clear(s.mu.drains)
+	clear(s.mu.reclaim)
 	if leader {
 		// Every store gets a full TTL to reach the new leader.
 		for id := range s.fsm.liveNodes() {

@@ -250,18 +250,13 @@ func (s *Server) writeBack(ctx context.Context, now time.Time) {
 		return
 	}
 	mark := s.cfg.HighWatermark - 2*s.cfg.EvictRatio
-	var all []evictable
-	var tiers map[string]pb.Tier
+	tiers := s.segmentTiers()
 	for _, v := range s.fsm.segmentViews() {
 		if v.tier != pb.Tier_TIER_DRAM || v.closed() || !s.alive(v.node) || float64(v.used) <= mark*float64(v.capacity) || !s.hasSlowerTier(v.tier) {
 			continue
 		}
-		if all == nil {
-			all = s.fsm.completeObjects(func(string) bool { return true })
-			tiers = s.segmentTiers()
-		}
 		want := v.used - uint64(mark*float64(v.capacity))
-		objs := filterObjects(slices.Clone(all), onSegment(v.id))
+		objs := s.fsm.completeOn(v.id)
 		s.byRecency(objs, now)
 		var jobs []copyJob
 		var covered uint64
@@ -309,27 +304,55 @@ func (s *Server) reclaimFor(items []*pb.PutStartItem) []*pb.Reclaimable {
 		return nil
 	}
 	now := s.cfg.Now()
-	all := s.fsm.completeObjects(func(string) bool { return true })
-	tiers := s.segmentTiers()
 	var out []*pb.Reclaimable
 	for _, v := range short {
-		objs := filterObjects(slices.Clone(all), func(o evictable) bool {
-			return onSegment(v.id)(o) && !o.copying && !o.hard && o.softPin <= now.UnixNano() &&
-				slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], v.tier) })
-		})
-		leased := s.byRecency(objs, now)
-		var freed uint64
-		for _, o := range objs {
-			if freed >= 2*need[v.id] || len(out) == maxReclaim { // twice: free ranges are not contiguous
-				break
-			}
-			if !leased[o.key] {
-				out = append(out, &pb.Reclaimable{Key: o.key, Segment: v.id})
-				freed += o.freed
-			}
-		}
+		out = append(out, s.reclaimable(v, need[v.id], now)...)
 	}
 	return out
+}
+
+// reclaimable lists the written-back replicas on segment v worth twice
+// need (free ranges are not contiguous) or a twentieth of the segment,
+// whichever is more. A list is reused for reclaimTTL: a stream of puts
+// into a full segment then costs one scan of its objects per round, not
+// one per put; Apply skips entries that have gone stale.
+func (s *Server) reclaimable(v segmentView, need uint64, now time.Time) []*pb.Reclaimable {
+	s.mu.Lock()
+	c, ok := s.mu.reclaim[v.id]
+	s.mu.Unlock()
+	if ok && now.Sub(c.at) < reclaimTTL {
+		return c.items
+	}
+	tiers := s.segmentTiers()
+	objs := filterObjects(s.fsm.completeOn(v.id), func(o evictable) bool {
+		return !o.copying && !o.hard && o.softPin <= now.UnixNano() &&
+			slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], v.tier) })
+	})
+	leased := s.byRecency(objs, now)
+	want := max(2*need, v.capacity/20)
+	var items []*pb.Reclaimable
+	var freed uint64
+	for _, o := range objs {
+		if freed >= want || len(items) == maxReclaim {
+			break
+		}
+		if !leased[o.key] {
+			items = append(items, &pb.Reclaimable{Key: o.key, Segment: v.id})
+			freed += o.freed
+		}
+	}
+	s.mu.Lock()
+	s.mu.reclaim[v.id] = reclaimList{at: now, items: items}
+	s.mu.Unlock()
+	return items
+}
+
+// reclaimTTL is how long a list of reclaimable replicas is reused.
+const reclaimTTL = 100 * time.Millisecond
+
+type reclaimList struct {
+	at    time.Time
+	items []*pb.Reclaimable
 }
 
 // segmentTiers maps segment ids to their tiers.
