@@ -36,7 +36,12 @@ type Config struct {
 	// LookupCache is how many block descriptors Lookup keeps while their
 	// leases last; 0 means 65536, negative none.
 	LookupCache int
-	Logger      *slog.Logger
+	// SharedBuffers says others may write the buffers gets read into (the
+	// agent's regions, mapped by local processes): a checksum failure there
+	// says nothing about the replica, so it is not reported to the master
+	// (which would drop it). The get still fails over to other replicas.
+	SharedBuffers bool
+	Logger        *slog.Logger
 }
 
 // Client talks to one Tidepool cluster. It is safe for concurrent use.
@@ -49,6 +54,7 @@ type Client struct {
 	ownEngine bool
 	log       *slog.Logger
 	descs     *descCache   // nil: no lookup cache
+	shared    bool         // Config.SharedBuffers
 	lease     atomic.Int64 // the master's lease TTL in ns, as last answered
 }
 
@@ -71,7 +77,7 @@ func New(cfg Config) (*Client, error) {
 		masters.Close()
 		return nil, fmt.Errorf("client: %w: %d replicas", ErrInvalidArgument, cfg.Replicas)
 	}
-	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger, replicas: uint32(cfg.Replicas), tier: tier, tenant: cfg.Tenant}
+	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger, replicas: uint32(cfg.Replicas), tier: tier, tenant: cfg.Tenant, shared: cfg.SharedBuffers}
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}

@@ -177,7 +177,7 @@ func (c *Client) check(err error, obj *pb.ObjectReplicas, got []byte, leaseEnd t
 // checksum, so it drops it: the next get reads a good replica, or finds the
 // key absent and the engine recomputes, instead of failing forever.
 func (c *Client) reportCorrupt(err error, key string, obj *pb.ObjectReplicas, rep *pb.Replica) {
-	if !errors.Is(err, ErrChecksum) {
+	if !errors.Is(err, ErrChecksum) || c.shared {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

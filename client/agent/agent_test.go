@@ -157,9 +157,9 @@ func TestAgent(t *testing.T) {
 			Keys: []string{keys[0], "plain/b", "nope", "", keys[1], keys[2], keys[3]},
 			Spans: []*pb.Span{
 				short,                                 // leased, too short
-				{Offset: 0, Length: 10},               // from the master, too short
-				{Offset: 0, Length: 10},               // missing
-				{Offset: 0, Length: 10},               // empty key
+				{Offset: size, Length: 10},            // from the master, too short
+				{Offset: size + 16, Length: 10},       // missing
+				{Offset: size + 32, Length: 10},       // empty key
 				{Offset: r.size - 10, Length: 11},     // past the end
 				{Offset: math.MaxUint64, Length: 2},   // offset overflows
 				{Offset: r.size - size, Length: size}, // fine: the last bytes

@@ -12,8 +12,14 @@ import (
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
-// ErrValueTooLong: a get's value is longer than the span given for it.
-var ErrValueTooLong = errors.New("value longer than its span")
+var (
+	// ErrValueTooLong: a get's value is longer than the span given for it.
+	ErrValueTooLong = errors.New("value longer than its span")
+	// ErrTooManySessions: Open would exceed Config.MaxSessions.
+	ErrTooManySessions = errors.New("too many sessions")
+	// ErrOverlap: a get's span overlaps another span of the same request.
+	ErrOverlap = fmt.Errorf("%w: span overlaps another of the request", client.ErrInvalidArgument)
+)
 
 // code maps an error of the agent or the client to a gRPC code.
 func code(err error) codes.Code {
@@ -26,7 +32,7 @@ func code(err error) codes.Code {
 		return codes.NotFound
 	case errors.Is(err, client.ErrInvalidArgument):
 		return codes.InvalidArgument
-	case errors.Is(err, client.ErrNoSpace):
+	case errors.Is(err, client.ErrNoSpace), errors.Is(err, ErrTooManySessions):
 		return codes.ResourceExhausted
 	case errors.Is(err, client.ErrConflict), errors.Is(err, client.ErrLeaseExpired):
 		return codes.Aborted // retry the put or the read

@@ -22,6 +22,8 @@ const (
 	DefaultMaxSessionBytes = 4 << 30
 	// DefaultLeasedBlocks is how many leased blocks the agent keeps.
 	DefaultLeasedBlocks = 1 << 16
+	// DefaultMaxSessions is how many sessions may be open at once.
+	DefaultMaxSessions = 256
 	// MaxBatchKeys is the most keys one request may name (the master's
 	// limit for one batch).
 	MaxBatchKeys = 16384
@@ -40,6 +42,9 @@ type Config struct {
 	// MaxSessionBytes is the largest region one session may ask for; 0
 	// means DefaultMaxSessionBytes.
 	MaxSessionBytes uint64
+	// MaxSessions caps the sessions open at once; 0 means
+	// DefaultMaxSessions.
+	MaxSessions int
 	// LeasedBlocks is how many blocks leased by lookups the agent keeps for
 	// the gets that follow; 0 means DefaultLeasedBlocks, negative none.
 	LeasedBlocks int
@@ -80,6 +85,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.SessionIdle == 0 {
 		cfg.SessionIdle = DefaultSessionIdle
+	}
+	if cfg.MaxSessions <= 0 {
+		cfg.MaxSessions = DefaultMaxSessions
 	}
 	if cfg.MaxSessionBytes == 0 {
 		cfg.MaxSessionBytes = DefaultMaxSessionBytes

@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/tidepool-kv/tidepool/client"
@@ -183,6 +185,7 @@ func (a *service) BatchGet(ctx context.Context, req *pb.AgentGetRequest) (*pb.Ag
 			bufs[i], errs[i] = ss.span(req.Spans[i])
 		}
 	}
+	refuseOverlaps(req.Spans, errs)
 	done := s.getLeased(ctx, req.Keys, bufs, errs, sizes)
 
 	// The rest ask the master. The agent has checked every key and span, so
@@ -311,6 +314,30 @@ func (a *service) BatchPut(ctx context.Context, req *pb.AgentPutRequest) (*pb.It
 		}
 	}
 	return &pb.ItemsResponse{Results: s.items(errs)}, nil
+}
+
+// refuseOverlaps fails every get whose span overlaps another of the
+// request: two values written into the same bytes would fail their
+// checksums, and one would be lost.
+func refuseOverlaps(spans []*pb.Span, errs []error) {
+	var idx []int
+	for i, err := range errs {
+		if err == nil && spans[i].GetLength() > 0 {
+			idx = append(idx, i)
+		}
+	}
+	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(spans[a].GetOffset(), spans[b].GetOffset()) })
+	end, last := uint64(0), -1 // the furthest end so far, and whose
+	for _, i := range idx {
+		sp := spans[i]
+		if last >= 0 && sp.GetOffset() < end {
+			errs[i] = fmt.Errorf("%w: [%d, %d)", ErrOverlap, sp.GetOffset(), sp.GetOffset()+sp.GetLength())
+			errs[last] = fmt.Errorf("%w: [%d, %d)", ErrOverlap, spans[last].GetOffset(), spans[last].GetOffset()+spans[last].GetLength())
+		}
+		if e := sp.GetOffset() + sp.GetLength(); e > end {
+			end, last = e, i
+		}
+	}
 }
 
 func (a *service) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {

@@ -73,13 +73,19 @@ func (s *Server) open(name string, size uint64) (*session, error) {
 	if size == 0 || size > s.cfg.MaxSessionBytes {
 		return nil, fmt.Errorf("%w: shm_bytes %d: want 1 to %d", client.ErrInvalidArgument, size, s.cfg.MaxSessionBytes)
 	}
-	fd, err := unix.MemfdCreate("tidepool-agent", unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate("tidepool-agent", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
 	}
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		unix.Close(fd)
 		return nil, fmt.Errorf("size memfd to %d bytes: %w", size, err)
+	}
+	// The caller maps the region too: sealed, it cannot shrink the file
+	// under the agent's mapping, which would fault the agent (SIGBUS).
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("seal memfd: %w", err)
 	}
 	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -95,6 +101,10 @@ func (s *Server) open(name string, size uint64) (*session, error) {
 	if s.mu.closed {
 		s.mu.Unlock()
 		return nil, errors.Join(ErrClosed, ss.end())
+	}
+	if len(s.mu.sessions) >= s.cfg.MaxSessions {
+		s.mu.Unlock()
+		return nil, errors.Join(fmt.Errorf("%w (%d open)", ErrTooManySessions, s.cfg.MaxSessions), ss.end())
 	}
 	// Random ids: a process that outlived an agent restart must not reach
 	// the region of a session opened since.

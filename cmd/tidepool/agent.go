@@ -25,6 +25,7 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	noShm := fs.Bool("no-shm", false, "move bytes between the agent and stores over TCP even when a store is on this host (sessions' regions are shared memory regardless)")
 	idle := fs.Duration("session-idle", agent.DefaultSessionIdle, "end a session after this long without a request naming it")
 	maxBytes := fs.String("max-session-bytes", "4GiB", "largest shared-memory region one session may open")
+	maxSessions := fs.Int("max-sessions", agent.DefaultMaxSessions, "sessions open at once; Open beyond it answers RESOURCE_EXHAUSTED")
 	var cfg client.Config
 	putFlags(fs, &cfg)
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9092")
@@ -33,6 +34,9 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	}
 	if *idle <= 0 {
 		return fmt.Errorf("%w: --session-idle must be positive", errUsage)
+	}
+	if *maxSessions <= 0 {
+		return fmt.Errorf("%w: --max-sessions must be positive", errUsage)
 	}
 	limit, err := tiers.ParseSize(*maxBytes)
 	if err != nil || limit <= 0 {
@@ -46,13 +50,14 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	}
 	cfg.Masters, cfg.Logger = m.list(), log.With("component", "client")
 	cfg.EngineConfig = engine.Config{NoShm: *noShm, Registerer: d.reg}
+	cfg.SharedBuffers = true // gets land in regions local processes write too
 	c, err := client.New(cfg)
 	if err != nil {
 		ln.Close()
 		return err
 	}
 	srv, err := agent.New(agent.Config{
-		Client: c, SessionIdle: *idle, MaxSessionBytes: uint64(limit),
+		Client: c, SessionIdle: *idle, MaxSessionBytes: uint64(limit), MaxSessions: *maxSessions,
 		Logger: log.With("component", "agent"), Registerer: d.reg,
 	})
 	if err != nil {
