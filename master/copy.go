@@ -113,8 +113,9 @@ func (f *FSM) copyReported(id uint64) {
 	}
 }
 
-// holds reports whether any of a node's segments holds a replica or the
-// target of a copy; f.mu must be held.
+// holds reports whether any of a node's segments holds a replica, the
+// target of a copy, or space whose read leases have not ended; f.mu must
+// be held.
 func (f *FSM) holds(n *node) bool {
 	for _, id := range n.segments {
 		if s := f.segments[id]; s != nil && s.objects > 0 {
@@ -122,6 +123,11 @@ func (f *FSM) holds(n *node) bool {
 		}
 	}
 	mine := func(e *pb.Extent) bool { return slices.Contains(n.segments, e.Segment) }
+	// Space freed but still under a read lease: a reader may still be
+	// reading there, so the node's bytes must stay reachable.
+	if slices.ContainsFunc(f.pending, func(p *pb.PendingFree) bool { return mine(p.Extent) }) {
+		return true
+	}
 	for _, o := range f.objects {
 		for _, c := range o.copies {
 			if mine(c.Target) {
@@ -162,9 +168,21 @@ type copyJob struct {
 // started copy for the store that holds its source. It returns how many
 // started, and the keys of those that found no room.
 func (s *Server) startCopies(ctx context.Context, jobs []copyJob) (started int, noRoom []string, err error) {
-	if len(jobs) == 0 {
-		return 0, nil, nil
+	// A few thousand per raft entry: each item carries its candidates.
+	for chunk := range slices.Chunk(jobs, copyBatch) {
+		n, nr, err := s.startCopyBatch(ctx, chunk)
+		started, noRoom = started+n, append(noRoom, nr...)
+		if err != nil {
+			return started, noRoom, err
+		}
 	}
+	return started, noRoom, nil
+}
+
+// copyBatch bounds the copies one CopyStart command starts.
+const copyBatch = 1024
+
+func (s *Server) startCopyBatch(ctx context.Context, jobs []copyJob) (started int, noRoom []string, err error) {
 	deadline := s.cfg.Now().Add(s.cfg.PutTimeout)
 	cmd := &pb.CopyStartCmd{}
 	for _, j := range jobs {

@@ -606,12 +606,18 @@ func TestFSMCopySnapshotRestore(t *testing.T) {
 		if ends[0].Err != nil || !ends[0].Done || ends[1].Err != nil || ends[1].Done || ends[2].Err == nil {
 			t.Fatalf("copy ends = %+v", ends)
 		}
-		// n4 held only the expired copy's target, whose room is still
-		// reserved: that is no replica, so it may go.
-		if out := x.apply(early+4, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: "n4", Epoch: 1, Drained: true}}}); out != nil {
-			t.Fatalf("n4 drained: %v", out)
+		// n4 holds only the expired copy's target, whose room is still
+		// reserved for late bytes: it goes once that room is free.
+		drain := func(at int64) any {
+			return x.apply(at, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: "n4", Epoch: 1, Drained: true}}})
+		}
+		if out := drain(early + 4); !errors.Is(out.(error), ErrDraining) {
+			t.Fatalf("n4 drained while its space was reserved: %v", out)
 		}
 		x.tick(early + 2*lateWriteGrace)
+		if out := drain(early + 2*lateWriteGrace); out != nil {
+			t.Fatalf("n4 drained: %v", out)
+		}
 		checkInvariants(t, x.f)
 	}
 	sameState(t, d.f, g)

@@ -34,6 +34,8 @@ type nodeState struct {
 	// writing into it.
 	objects, bytes uint64
 	incoming       int
+	// The last lease end of space freed on it: it holds readers till then.
+	pendingUntil int64
 }
 
 // nodeStates describes the nodes that match, in id order.
@@ -60,6 +62,11 @@ func (f *FSM) nodeStates(match func(*node) bool) []nodeState {
 				}
 			}
 		}
+		for _, p := range f.pending {
+			if slices.Contains(n.segments, p.Extent.Segment) {
+				ns.pendingUntil = max(ns.pendingUntil, p.AfterUnixNano)
+			}
+		}
 		out = append(out, ns)
 	}
 	return out
@@ -78,6 +85,9 @@ func (f *FSM) nodeState(id string) (nodeState, bool) {
 func (s *Server) drainNodes(ctx context.Context) {
 	for _, n := range s.fsm.nodeStates(func(n *node) bool { return n.draining && !n.down }) {
 		if n.objects == 0 && n.incoming == 0 {
+			if s.cfg.Now().UnixNano() <= n.pendingUntil {
+				continue // readers may still be reading there; Apply frees it after
+			}
 			_, err := s.apply(ctx, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: n.id, Epoch: n.epoch, Drained: true}}})
 			if err != nil {
 				s.log.Warn("take a drained node out", "node", n.id, "err", err)

@@ -143,15 +143,18 @@ func (f *FSM) Apply(l *raft.Log) any {
 	f.releasePending(now)
 	switch op := cmd.Op.(type) {
 	case *pb.Command_PutStart:
+		if len(op.PutStart.Items) > maxCommandItems {
+			return fmt.Errorf("%w: %d items in one command", ErrInvalidRequest, len(op.PutStart.Items))
+		}
 		res := make([]PutStartResult, len(op.PutStart.Items))
 		reclaim := op.PutStart.Reclaim
 		for i, it := range op.PutStart.Items {
-			if len(it.Candidates) > 0 {
-				res[i].Reclaimed, reclaim = f.reclaim(it.Candidates[0], it.Size, reclaim, now)
+			n := 0
+			if len(it.Candidates) > 0 && f.allocates(it, now) {
+				n, reclaim = f.reclaim(it.Candidates[0], it.Size, reclaim, now)
 			}
-			r := f.putStart(it, now, l.Index<<16|uint64(i))
-			r.Reclaimed = res[i].Reclaimed
-			res[i] = r
+			res[i] = f.putStart(it, now, l.Index<<16|uint64(i))
+			res[i].Reclaimed = n
 		}
 		return res
 	case *pb.Command_PutEnd:
@@ -183,6 +186,9 @@ func (f *FSM) Apply(l *raft.Log) any {
 		n.draining = !op.Drain.Cancel
 		return nil
 	case *pb.Command_CopyStart:
+		if len(op.CopyStart.Items) > maxCommandItems {
+			return fmt.Errorf("%w: %d items in one command", ErrInvalidRequest, len(op.CopyStart.Items))
+		}
 		res := make([]CopyStartResult, len(op.CopyStart.Items))
 		for i, it := range op.CopyStart.Items {
 			res[i] = f.copyStart(it, l.Index<<16|uint64(i))
@@ -289,6 +295,18 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		return PutStartResult{Err: fmt.Errorf("%w: %d bytes, largest segment holds %d", ErrTooLarge, it.Size, largest)}
 	}
 	return PutStartResult{Err: fmt.Errorf("%w for %d bytes", ErrNoSpace, it.Size)}
+}
+
+// maxCommandItems bounds the items of one PutStart or CopyStart: item i
+// of the entry at raft index x is named x<<16|i, unique only below 1<<16.
+const maxCommandItems = 1 << 16
+
+// allocates reports whether a put start would allocate: its key is new, or
+// an abandoned put of it is replaced. An existing or in-progress key does
+// not, and must not cost any reclaimed replica.
+func (f *FSM) allocates(it *pb.PutStartItem, now int64) bool {
+	o := f.objects[it.Key]
+	return it.Size > 0 && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > o.deadline))
 }
 
 // reclaim drops written-back replicas on segment, in the leader's order,

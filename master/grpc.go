@@ -332,11 +332,16 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 	}
 	refused := m.s.lease(req.Keys)
 	res := m.s.fsm.replicas(req.Keys)
+	var missing []string
 	for i, k := range req.Keys {
 		if refused[k] {
 			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
 		}
+		if res[i].Status.GetCode() != 0 {
+			missing = append(missing, k)
+		}
 	}
+	m.s.unlease(missing) // misses leave nothing behind in the leader's maps
 	m.s.noteReads(req.Keys, res)
 	return &pb.GetReplicasResponse{Results: res, LeaseTtlMs: uint64(m.s.cfg.LeaseTTL.Milliseconds())}, nil
 }

@@ -281,32 +281,63 @@ func (f *FSM) infos(keys []string) []*pb.ObjectInfo {
 	return out
 }
 
+// maxPageBytes bounds a page of a segment's objects, well under the 64 MiB
+// gRPC message limit.
+const maxPageBytes = 8 << 20
+
 // segmentObjects lists, in key order, up to limit complete objects with a
 // replica on segment id and a key after the given one, as the node sees
-// them (its segment name), and whether more follow. It scans the table:
-// an index sync costs a pass per page.
+// them (its segment name), and whether more follow. It copies what it
+// needs in one pass under the read lock and sorts after releasing it, so
+// Apply waits only for the pass.
 func (f *FSM) segmentObjects(id, name, after string, limit int) ([]*pb.AdoptedObject, bool) {
+	type kept struct {
+		key, parent, tenant string
+		offset, size        uint64
+		checksum            uint32
+		hard                bool
+		softPin             int64
+	}
+	var all []kept
 	f.mu.RLock()
-	defer f.mu.RUnlock()
-	var out []*pb.AdoptedObject
 	for k, o := range f.objects {
 		if k <= after || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 			continue
 		}
 		for _, r := range o.replicas {
 			if r.Segment == id {
-				out = append(out, &pb.AdoptedObject{
-					Key: k, Segment: name, Offset: r.Offset, Size: o.size, Checksum: o.checksum,
-					HardPinned: o.hard, SoftPinUntilUnixNano: o.softPin, Parent: o.parent, Tenant: o.tenant,
-				})
+				all = append(all, kept{k, o.parent, o.tenant, r.Offset, o.size, o.checksum, o.hard, o.softPin})
 			}
 		}
 	}
-	slices.SortFunc(out, func(a, b *pb.AdoptedObject) int { return strings.Compare(a.Key, b.Key) })
-	if len(out) > limit {
-		return out[:limit], true
+	f.mu.RUnlock()
+	byKey := func(a, b kept) int { return strings.Compare(a.key, b.key) }
+	more := len(all) > limit
+	if more { // only the page's objects need sorting
+		selectSmallest(all, limit, byKey)
+		all = all[:limit]
 	}
-	return out, false
+	slices.SortFunc(all, byKey)
+	// At most limit objects and about maxPageBytes encoded: keys, parents
+	// and tenants may each be 4 KiB.
+	n, bytes := 0, 0
+	for n < len(all) && n < limit {
+		bytes += len(all[n].key) + len(all[n].parent) + len(all[n].tenant) + len(name) + 48
+		if n > 0 && bytes > maxPageBytes {
+			break
+		}
+		n++
+	}
+	more = more || n < len(all)
+	all = all[:n]
+	out := make([]*pb.AdoptedObject, len(all))
+	for i, o := range all {
+		out[i] = &pb.AdoptedObject{
+			Key: o.key, Segment: name, Offset: o.offset, Size: o.size, Checksum: o.checksum,
+			HardPinned: o.hard, SoftPinUntilUnixNano: o.softPin, Parent: o.parent, Tenant: o.tenant,
+		}
+	}
+	return out, more
 }
 
 // movingBytes sums, by source segment, the sizes of objects being moved
@@ -331,4 +362,40 @@ func (f *FSM) drained(node string, epoch uint64) bool {
 	defer f.mu.RUnlock()
 	n := f.nodes[node]
 	return n != nil && n.drained && n.epoch == epoch
+}
+
+// selectSmallest moves the k smallest elements of s (by cmp) to its front,
+// in no particular order: a quickselect, linear on average, so a page of a
+// large table does not cost a sort of the whole table.
+func selectSmallest[T any](s []T, k int, cmp func(a, b T) int) {
+	lo, hi := 0, len(s)-1
+	for lo < hi {
+		// Median of three for the pivot, moved to hi.
+		mid := lo + (hi-lo)/2
+		if cmp(s[mid], s[lo]) < 0 {
+			s[mid], s[lo] = s[lo], s[mid]
+		}
+		if cmp(s[hi], s[lo]) < 0 {
+			s[hi], s[lo] = s[lo], s[hi]
+		}
+		if cmp(s[mid], s[hi]) < 0 {
+			s[mid], s[hi] = s[hi], s[mid]
+		}
+		p := lo
+		for i := lo; i < hi; i++ {
+			if cmp(s[i], s[hi]) < 0 {
+				s[i], s[p] = s[p], s[i]
+				p++
+			}
+		}
+		s[p], s[hi] = s[hi], s[p]
+		switch {
+		case p == k:
+			return
+		case p < k:
+			lo = p + 1
+		default:
+			hi = p - 1
+		}
+	}
 }

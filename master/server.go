@@ -473,6 +473,7 @@ func (s *Server) sweep() {
 	}
 	s.mu.Unlock()
 	s.endExpiredCopies(ctx, now)
+	s.prune()
 	defer s.drainNodes(ctx)
 	defer s.promote(ctx)
 	defer s.writeBack(ctx, now)
@@ -486,6 +487,7 @@ func (s *Server) sweep() {
 		}
 		s.mu.Lock()
 		delete(s.mu.lastSeen, id)
+		delete(s.mu.copyQueue, id)
 		s.mu.Unlock()
 	}
 }
@@ -522,6 +524,55 @@ func (s *Server) lease(keys []string) (refused map[string]bool) {
 		s.mu.access[k] = exp.Add(-s.cfg.LeaseTTL)
 	}
 	return refused
+}
+
+// unlease drops the leases and recency lease took for keys that turned out
+// to be missing.
+func (s *Server) unlease(keys []string) {
+	if len(keys) == 0 {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, k := range keys {
+		delete(s.mu.leases, k)
+		delete(s.mu.access, k)
+	}
+}
+
+// prune forgets the leader's bookkeeping of objects and segments that are
+// gone (lost with a node, dropped corrupt, revoked) once it outgrows the
+// table, so the maps stay bounded by what exists.
+func (s *Server) prune() {
+	_, complete, _ := s.fsm.objectStats()
+	segs := map[string]bool{}
+	for _, v := range s.fsm.segmentViews() {
+		segs[v.id] = true
+	}
+	s.mu.Lock()
+	var keys []string
+	if len(s.mu.access) > complete+1024 {
+		for k := range s.mu.access {
+			keys = append(keys, k)
+		}
+	}
+	for id := range s.mu.reclaim {
+		if !segs[id] {
+			delete(s.mu.reclaim, id)
+		}
+	}
+	s.mu.Unlock()
+	if len(keys) == 0 {
+		return
+	}
+	exists := s.fsm.exists(keys)
+	s.mu.Lock()
+	for i, k := range keys {
+		if !exists[i] {
+			delete(s.mu.access, k)
+		}
+	}
+	s.mu.Unlock()
 }
 
 // startRemove marks keys as being removed and returns when their space may

@@ -28,6 +28,9 @@ const DefaultPromoteAfter = 2
 
 // Bounds on the leader's promotion bookkeeping and work per sweep.
 const (
+	// maxCopiesPerRound bounds the copies one segment's demotion or
+	// write-back starts in one sweep.
+	maxCopiesPerRound  = 4096
 	maxSlowReads       = 1 << 17
 	maxPromotePerSweep = 256
 )
@@ -85,6 +88,9 @@ func (s *Server) demote(ctx context.Context, from segmentView, victims []evictab
 			// If the colder replica went meanwhile, the next sweep copies.
 			s.dropReplica(ctx, o, from.id, "demote")
 			continue
+		}
+		if len(jobs) == maxCopiesPerRound {
+			continue // the next round demotes the rest
 		}
 		cands := s.slowerSegments(from.tier, o.size, from.node)
 		if len(cands) == 0 && s.roomForDemotion(ctx, from, o.size) {
@@ -272,8 +278,8 @@ func (s *Server) writeBack(ctx context.Context, now time.Time) {
 				continue
 			}
 			cands := s.slowerSegments(v.tier, o.size, v.node)
-			if len(cands) == 0 {
-				break // no room below: the watermark sweep makes it
+			if len(cands) == 0 || len(jobs) == maxCopiesPerRound {
+				break // no room below (the watermark sweep makes it), or enough for one round
 			}
 			jobs = append(jobs, copyJob{key: o.key, putID: o.putID, source: v.id, candidates: cands, reason: pb.CopyReason_COPY_REASON_WRITEBACK})
 		}
@@ -300,14 +306,19 @@ func (s *Server) reclaimFor(items []*pb.PutStartItem) []*pb.Reclaimable {
 			short = append(short, v)
 		}
 	}
-	if len(short) == 0 {
+	now := s.cfg.Now()
+	// A new leader does not know the leases its predecessor granted.
+	if len(short) == 0 || now.Before(s.evictableFrom()) {
 		return nil
 	}
-	now := s.cfg.Now()
 	var out []*pb.Reclaimable
 	for _, v := range short {
 		out = append(out, s.reclaimable(v, need[v.id], now)...)
 	}
+	// The list may be up to reclaimTTL old: leave out keys leased since.
+	s.mu.Lock()
+	out = slices.DeleteFunc(out, func(r *pb.Reclaimable) bool { return s.mu.leases[r.Key].After(now) })
+	s.mu.Unlock()
 	return out
 }
 

@@ -103,6 +103,12 @@ func (n *Node) copy(ctx context.Context, t *pb.CopyTask) error {
 	if err := checkCopy(t); err != nil {
 		return err
 	}
+	// The buffer below is the object's size: bound it by the source's tier
+	// (the master hands a copy to the node holding its source), else by
+	// this node's largest, so a bad task cannot exhaust memory.
+	if c := n.copyLimit(t.Source.Segment); t.Size > c {
+		return status.Errorf(codes.InvalidArgument, "copy %d of %q: %d bytes exceed the %d a copy from %s may move here", t.Id, t.Key, t.Size, c, t.Source.Segment)
+	}
 	timeout := time.Duration(min(t.TimeoutMs, math.MaxInt64/uint64(time.Millisecond))) * time.Millisecond
 	opts := engine.Options{Priority: engine.Low, Deadline: time.Now().Add(timeout)}
 	buf := make([]byte, t.Size)
@@ -154,6 +160,21 @@ func transferStatus(ctx context.Context, task *engine.Task, what string) error {
 }
 
 // checkCopy rejects a task no transfer could carry out.
+// copyLimit is the largest copy from segment name this node makes: the
+// capacity of its tier registered under that name, else of its largest.
+func (n *Node) copyLimit(name string) uint64 {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var largest uint64
+	for i, t := range n.cfg.Tiers {
+		if i < len(n.mu.names) && n.mu.names[i] == name {
+			return uint64(t.Capacity())
+		}
+		largest = max(largest, uint64(t.Capacity()))
+	}
+	return largest
+}
+
 func checkCopy(t *pb.CopyTask) error {
 	bad := func(why string) error {
 		return status.Errorf(codes.InvalidArgument, "copy %d of %q: %s", t.Id, t.Key, why)

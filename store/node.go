@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master/leaderconn"
@@ -273,9 +274,31 @@ type indexed interface {
 	Index() *tiers.SSDIndex
 }
 
-// adoptPage is how many kept objects one Register or Adopt call offers:
-// a page is a raft entry and a gRPC message, both size-limited.
-const adoptPage = 10000
+// A page of kept objects, offered by one Register or Adopt call, is a raft
+// entry and a gRPC message, both size-limited: at most adoptPage objects
+// and adoptPageBytes encoded (keys, parents and tenants may be long).
+const (
+	adoptPage      = 10000
+	adoptPageBytes = 8 << 20
+)
+
+// adoptPages cuts kept into pages.
+func adoptPages(kept []*pb.AdoptedObject) [][]*pb.AdoptedObject {
+	var pages [][]*pb.AdoptedObject
+	start, bytes := 0, 0
+	for i, o := range kept {
+		size := proto.Size(o) + 8
+		if i > start && (i-start == adoptPage || bytes+size > adoptPageBytes) {
+			pages = append(pages, kept[start:i])
+			start, bytes = i, 0
+		}
+		bytes += size
+	}
+	if start < len(kept) {
+		pages = append(pages, kept[start:])
+	}
+	return pages
+}
 
 func (n *Node) register(ctx context.Context) error {
 	req := &pb.RegisterRequest{Node: n.cfg.ID, Endpoint: n.endpoint}
@@ -300,8 +323,10 @@ func (n *Node) register(ctx context.Context) error {
 			})
 		}
 	}
-	req.Adopt = kept[:min(len(kept), adoptPage)]
-	req.AdoptMore = len(kept) > adoptPage
+	pages := adoptPages(kept)
+	if len(pages) > 0 {
+		req.Adopt, req.AdoptMore = pages[0], len(pages) > 1
+	}
 	var resp *pb.RegisterResponse
 	err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
 		resp, err = pb.NewRegistryClient(cc).Register(ctx, req, opts...)
@@ -310,36 +335,39 @@ func (n *Node) register(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if len(resp.SegmentIds) != len(n.cfg.Tiers) {
+		return fmt.Errorf("master returned %d segment ids for %d tiers", len(resp.SegmentIds), len(n.cfg.Tiers))
+	}
+	// Serve the segments before the remaining pages: objects adopted so far
+	// are readable already.
+	n.mu.Lock()
+	for i, t := range n.cfg.Tiers {
+		if err := n.eng.Register(engine.Rename(t.Segment(), resp.SegmentIds[i])); err != nil {
+			n.unregisterLocked()
+			n.mu.Unlock()
+			return err
+		}
+		n.mu.names = append(n.mu.names, resp.SegmentIds[i])
+	}
+	n.mu.Unlock()
 	adopted := int(resp.Adopted)
 	// Further pages: the master places nothing on this node until the last,
 	// so no put lands on a kept object meanwhile. A failure registers anew.
-	for start := adoptPage; start < len(kept); start += adoptPage {
-		page := &pb.AdoptRequest{Node: n.cfg.ID, Epoch: resp.Epoch, Objects: kept[start:min(start+adoptPage, len(kept))], Done: start+adoptPage >= len(kept)}
+	for i := 1; i < len(pages); i++ {
+		page := &pb.AdoptRequest{Node: n.cfg.ID, Epoch: resp.Epoch, Objects: pages[i], Done: i == len(pages)-1}
 		var ar *pb.AdoptResponse
 		err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
 			ar, err = pb.NewRegistryClient(cc).Adopt(ctx, page, opts...)
 			return err
 		})
 		if err != nil {
-			return fmt.Errorf("re-adopt kept objects %d to %d of %d: %w", start, start+len(page.Objects), len(kept), err)
+			n.unregister()
+			return fmt.Errorf("re-adopt page %d of %d of kept objects: %w", i+1, len(pages), err)
 		}
 		adopted += int(ar.Adopted)
 	}
-	if len(resp.SegmentIds) != len(n.cfg.Tiers) {
-		return fmt.Errorf("master returned %d segment ids for %d tiers", len(resp.SegmentIds), len(n.cfg.Tiers))
-	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	for i, t := range n.cfg.Tiers {
-		if err := n.eng.Register(engine.Rename(t.Segment(), resp.SegmentIds[i])); err != nil {
-			for _, name := range n.mu.names {
-				n.eng.Unregister(name)
-			}
-			n.mu.names = nil
-			return err
-		}
-		n.mu.names = append(n.mu.names, resp.SegmentIds[i])
-	}
 	n.mu.epoch = resp.Epoch
 	n.mu.gen++
 	n.mu.done = nil // the master forgot the copies of the previous epoch
@@ -353,6 +381,10 @@ func (n *Node) register(ctx context.Context) error {
 	return nil
 }
 
+// syncPage is how many objects one SegmentObjects page asks for: the
+// master scans its table once per page.
+const syncPage = 50000
+
 // syncIndexes makes each persistent tier's index what the master says the
 // tier holds: objects put since the last sync are added, removed ones go,
 // and pins, parent keys and tenants that changed are rewritten.
@@ -364,7 +396,7 @@ func (n *Node) syncIndexes(ctx context.Context) error {
 			continue
 		}
 		var all []*pb.AdoptedObject
-		for req := (&pb.SegmentObjectsRequest{Node: n.cfg.ID, Epoch: epoch, Segment: t.Name()}); ; {
+		for req := (&pb.SegmentObjectsRequest{Node: n.cfg.ID, Epoch: epoch, Segment: t.Name(), Limit: syncPage}); ; {
 			var resp *pb.SegmentObjectsResponse
 			err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
 				resp, err = pb.NewRegistryClient(cc).SegmentObjects(ctx, req, opts...)
@@ -405,6 +437,11 @@ func (n *Node) syncIndexes(ctx context.Context) error {
 func (n *Node) unregister() {
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	n.unregisterLocked()
+}
+
+// unregisterLocked stops serving the segments; n.mu must be held.
+func (n *Node) unregisterLocked() {
 	for _, name := range n.mu.names {
 		n.eng.Unregister(name)
 	}
