@@ -19,7 +19,8 @@ import (
 // and its heartbeat is answered FAILED_PRECONDITION so the process stays
 // out until restarted.
 
-// maxDrainPerSweep bounds the copies one sweep starts for one node.
+// maxDrainPerSweep bounds the copies and the drops one sweep starts for one
+// node.
 const maxDrainPerSweep = 256
 
 // nodeState is a node as draining sees it.
@@ -116,15 +117,15 @@ func (s *Server) drainStep(ctx context.Context, n nodeState) {
 	// silent node may be gone with it.
 	elsewhere := func(id string) bool { return !mine(id) && s.alive(nodeOf[id]) }
 	var jobs []copyJob
-	dropped := 0
+	var drops []drop
 	for _, o := range s.fsm.completeObjects(func(string) bool { return true }) {
 		i := slices.IndexFunc(o.segments, mine)
 		if i < 0 || o.copying {
 			continue
 		}
 		if slices.ContainsFunc(o.segments, elsewhere) {
-			if s.dropReplica(ctx, o, o.segments[i], "drain") {
-				dropped++
+			if len(drops) < maxDrainPerSweep {
+				drops = append(drops, drop{o, o.segments[i]})
 			}
 			continue
 		}
@@ -135,6 +136,7 @@ func (s *Server) drainStep(ctx context.Context, n nodeState) {
 			})
 		}
 	}
+	dropped := s.dropReplicas(ctx, drops, "drain")
 	_, noRoom, err := s.startCopies(ctx, jobs)
 	if err != nil {
 		s.log.Warn("drain", "node", n.id, "err", err)

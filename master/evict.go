@@ -153,13 +153,15 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 // replica), the rest are evicted. It returns what was evicted.
 func (s *Server) free(ctx context.Context, seg segmentView, victims []evictable, allowSoft bool, reason string) (n int, bytes uint64, err error) {
 	only := victims[:0:0]
+	var drops []drop
 	for _, o := range victims {
 		if len(o.segments) > 1 {
-			s.dropReplica(ctx, o, seg.id, reason)
+			drops = append(drops, drop{o, seg.id})
 			continue
 		}
 		only = append(only, o)
 	}
+	s.dropReplicas(ctx, drops, reason)
 	return s.evictObjects(ctx, only, allowSoft, reason, tierName(seg.tier))
 }
 

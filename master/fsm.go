@@ -208,6 +208,12 @@ func (f *FSM) Apply(l *raft.Log) any {
 		return []error{f.pin(op.Pin)}
 	case *pb.Command_DropReplica:
 		return f.dropReplica(op.DropReplica, now)
+	case *pb.Command_DropReplicas:
+		out := make([]bool, len(op.DropReplicas.Items))
+		for i, c := range op.DropReplicas.Items {
+			out[i] = f.dropReplica(c, now)
+		}
+		return out
 	case *pb.Command_Evict:
 		c := op.Evict
 		return f.eachKey(c.Keys, func(k string) error { return f.evict(k, c.FreeAfterUnixNano, c.AllowSoftPinned, now) })

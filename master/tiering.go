@@ -81,12 +81,13 @@ func (s *Server) slowerSegments(t pb.Tier, size uint64, near string) []string {
 func (s *Server) demote(ctx context.Context, from segmentView, victims []evictable) (unplaced []evictable) {
 	tiers := s.segmentTiers()
 	var jobs []copyJob
+	var drops []drop
 	byKey := map[string]evictable{}
 	for _, o := range victims {
 		slower := slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], from.tier) })
 		if slower {
 			// If the colder replica went meanwhile, the next sweep copies.
-			s.dropReplica(ctx, o, from.id, "demote")
+			drops = append(drops, drop{o, from.id})
 			continue
 		}
 		if len(jobs) == maxCopiesPerRound {
@@ -103,6 +104,7 @@ func (s *Server) demote(ctx context.Context, from segmentView, victims []evictab
 		byKey[o.key] = o
 		jobs = append(jobs, copyJob{key: o.key, putID: o.putID, source: from.id, candidates: cands, reason: pb.CopyReason_COPY_REASON_DEMOTE})
 	}
+	s.dropReplicas(ctx, drops, "demote")
 	started, failed, err := s.startCopies(ctx, jobs)
 	if err != nil {
 		s.log.Warn("demote", "segment", from.id, "err", err)
@@ -143,18 +145,38 @@ func btoi(b bool) int {
 	return 0
 }
 
-// dropReplica drops o's replica on segment, which is not its last, and
-// frees it when the leases on the key end.
-func (s *Server) dropReplica(ctx context.Context, o evictable, segment, reason string) bool {
-	out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_DropReplica{DropReplica: &pb.DropReplicaCmd{
-		Key: o.key, Segment: segment, Checksum: o.checksum, FreeAfterUnixNano: s.leaseEnd([]string{o.key}).UnixNano(),
-		KeepLast: true,
-	}}})
-	if err != nil || !out.(bool) {
-		return false
+// drop is a replica to drop: the object's replica on segment.
+type drop struct {
+	o       evictable
+	segment string
+}
+
+// dropReplicas drops replicas that are not their object's last, in raft
+// entries of evictBatch, each freed when the leases on its key end. It
+// returns how many went.
+func (s *Server) dropReplicas(ctx context.Context, drops []drop, reason string) int {
+	n := 0
+	for batch := range slices.Chunk(drops, evictBatch) {
+		cmd := &pb.DropReplicasCmd{}
+		for _, d := range batch {
+			cmd.Items = append(cmd.Items, &pb.DropReplicaCmd{
+				Key: d.o.key, Segment: d.segment, Checksum: d.o.checksum, KeepLast: true,
+				FreeAfterUnixNano: s.leaseEnd([]string{d.o.key}).UnixNano(),
+			})
+		}
+		out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_DropReplicas{DropReplicas: cmd}})
+		if err != nil {
+			s.log.Warn("drop replicas", "reason", reason, "replicas", len(batch), "err", err)
+			return n
+		}
+		for _, ok := range out.([]bool) {
+			if ok {
+				n++
+				s.metrics.dropped(reason)
+			}
+		}
 	}
-	s.metrics.dropped(reason)
-	return true
+	return n
 }
 
 // noteReads counts the reads of a GetReplicas answer served from SSD

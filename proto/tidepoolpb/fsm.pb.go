@@ -107,6 +107,7 @@ type Command struct {
 	//	*Command_CopyEnd
 	//	*Command_Drain
 	//	*Command_Adopt
+	//	*Command_DropReplicas
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -282,6 +283,15 @@ func (x *Command) GetAdopt() *AdoptCmd {
 	return nil
 }
 
+func (x *Command) GetDropReplicas() *DropReplicasCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_DropReplicas); ok {
+			return x.DropReplicas
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -342,6 +352,10 @@ type Command_Adopt struct {
 	Adopt *AdoptCmd `protobuf:"bytes,15,opt,name=adopt,proto3,oneof"`
 }
 
+type Command_DropReplicas struct {
+	DropReplicas *DropReplicasCmd `protobuf:"bytes,16,opt,name=drop_replicas,json=dropReplicas,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -369,6 +383,8 @@ func (*Command_CopyEnd) isCommand_Op() {}
 func (*Command_Drain) isCommand_Op() {}
 
 func (*Command_Adopt) isCommand_Op() {}
+
+func (*Command_DropReplicas) isCommand_Op() {}
 
 // CopyStartItem allocates room for a new replica of a complete object; a
 // store then copies the bytes from source into it.
@@ -841,6 +857,52 @@ func (x *DropReplicaCmd) GetKeepLast() bool {
 	return false
 }
 
+// DropReplicasCmd drops many replicas in one entry (demotion, drain,
+// eviction from one tier).
+type DropReplicasCmd struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Items         []*DropReplicaCmd      `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DropReplicasCmd) Reset() {
+	*x = DropReplicasCmd{}
+	mi := &file_fsm_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DropReplicasCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DropReplicasCmd) ProtoMessage() {}
+
+func (x *DropReplicasCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DropReplicasCmd.ProtoReflect.Descriptor instead.
+func (*DropReplicasCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *DropReplicasCmd) GetItems() []*DropReplicaCmd {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
 type PinCmd struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	Key               string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
@@ -854,7 +916,7 @@ type PinCmd struct {
 
 func (x *PinCmd) Reset() {
 	*x = PinCmd{}
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -866,7 +928,7 @@ func (x *PinCmd) String() string {
 func (*PinCmd) ProtoMessage() {}
 
 func (x *PinCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -879,7 +941,7 @@ func (x *PinCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCmd.ProtoReflect.Descriptor instead.
 func (*PinCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{8}
+	return file_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *PinCmd) GetKey() string {
@@ -924,7 +986,7 @@ type EvictCmd struct {
 
 func (x *EvictCmd) Reset() {
 	*x = EvictCmd{}
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -936,7 +998,7 @@ func (x *EvictCmd) String() string {
 func (*EvictCmd) ProtoMessage() {}
 
 func (x *EvictCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -949,7 +1011,7 @@ func (x *EvictCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictCmd.ProtoReflect.Descriptor instead.
 func (*EvictCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{9}
+	return file_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *EvictCmd) GetKeys() []string {
@@ -992,7 +1054,7 @@ type PutStartItem struct {
 
 func (x *PutStartItem) Reset() {
 	*x = PutStartItem{}
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1004,7 +1066,7 @@ func (x *PutStartItem) String() string {
 func (*PutStartItem) ProtoMessage() {}
 
 func (x *PutStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1017,7 +1079,7 @@ func (x *PutStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartItem.ProtoReflect.Descriptor instead.
 func (*PutStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{10}
+	return file_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *PutStartItem) GetKey() string {
@@ -1089,7 +1151,7 @@ type PutStartCmd struct {
 
 func (x *PutStartCmd) Reset() {
 	*x = PutStartCmd{}
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1101,7 +1163,7 @@ func (x *PutStartCmd) String() string {
 func (*PutStartCmd) ProtoMessage() {}
 
 func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1114,7 +1176,7 @@ func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartCmd.ProtoReflect.Descriptor instead.
 func (*PutStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{11}
+	return file_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *PutStartCmd) GetItems() []*PutStartItem {
@@ -1141,7 +1203,7 @@ type Reclaimable struct {
 
 func (x *Reclaimable) Reset() {
 	*x = Reclaimable{}
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1153,7 +1215,7 @@ func (x *Reclaimable) String() string {
 func (*Reclaimable) ProtoMessage() {}
 
 func (x *Reclaimable) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1166,7 +1228,7 @@ func (x *Reclaimable) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reclaimable.ProtoReflect.Descriptor instead.
 func (*Reclaimable) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{12}
+	return file_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Reclaimable) GetKey() string {
@@ -1198,7 +1260,7 @@ type KeysCmd struct {
 
 func (x *KeysCmd) Reset() {
 	*x = KeysCmd{}
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1210,7 +1272,7 @@ func (x *KeysCmd) String() string {
 func (*KeysCmd) ProtoMessage() {}
 
 func (x *KeysCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1223,7 +1285,7 @@ func (x *KeysCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysCmd.ProtoReflect.Descriptor instead.
 func (*KeysCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{13}
+	return file_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *KeysCmd) GetKeys() []string {
@@ -1259,7 +1321,7 @@ type RemoveCmd struct {
 
 func (x *RemoveCmd) Reset() {
 	*x = RemoveCmd{}
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1271,7 +1333,7 @@ func (x *RemoveCmd) String() string {
 func (*RemoveCmd) ProtoMessage() {}
 
 func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1284,7 +1346,7 @@ func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveCmd.ProtoReflect.Descriptor instead.
 func (*RemoveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{14}
+	return file_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RemoveCmd) GetKeys() []string {
@@ -1316,7 +1378,7 @@ type RegisterCmd struct {
 
 func (x *RegisterCmd) Reset() {
 	*x = RegisterCmd{}
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1328,7 +1390,7 @@ func (x *RegisterCmd) String() string {
 func (*RegisterCmd) ProtoMessage() {}
 
 func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1341,7 +1403,7 @@ func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterCmd.ProtoReflect.Descriptor instead.
 func (*RegisterCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{15}
+	return file_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RegisterCmd) GetNode() string {
@@ -1391,7 +1453,7 @@ type AdoptCmd struct {
 
 func (x *AdoptCmd) Reset() {
 	*x = AdoptCmd{}
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1403,7 +1465,7 @@ func (x *AdoptCmd) String() string {
 func (*AdoptCmd) ProtoMessage() {}
 
 func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1416,7 +1478,7 @@ func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptCmd.ProtoReflect.Descriptor instead.
 func (*AdoptCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{16}
+	return file_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *AdoptCmd) GetNode() string {
@@ -1459,7 +1521,7 @@ type NodeDownCmd struct {
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1471,7 +1533,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1484,7 +1546,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{17}
+	return file_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -1518,7 +1580,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1530,7 +1592,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1543,7 +1605,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{18}
+	return file_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -1571,7 +1633,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1583,7 +1645,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1596,7 +1658,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{19}
+	return file_fsm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Extent) GetSegment() string {
@@ -1643,7 +1705,7 @@ type Object struct {
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1655,7 +1717,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1668,7 +1730,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{20}
+	return file_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Object) GetKey() string {
@@ -1783,7 +1845,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1795,7 +1857,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1808,7 +1870,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{21}
+	return file_fsm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Node) GetId() string {
@@ -1880,7 +1942,7 @@ type PendingFree struct {
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1892,7 +1954,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1905,7 +1967,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{22}
+	return file_fsm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -1941,7 +2003,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[23]
+	mi := &file_fsm_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1953,7 +2015,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[23]
+	mi := &file_fsm_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1966,7 +2028,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{23}
+	return file_fsm_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -2001,7 +2063,7 @@ var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\x93\x06\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xd8\x06\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -2020,7 +2082,8 @@ const file_fsm_proto_rawDesc = "" +
 	"copy_start\x18\f \x01(\v2\x19.tidepool.v1.CopyStartCmdH\x00R\tcopyStart\x124\n" +
 	"\bcopy_end\x18\r \x01(\v2\x17.tidepool.v1.CopyEndCmdH\x00R\acopyEnd\x12-\n" +
 	"\x05drain\x18\x0e \x01(\v2\x15.tidepool.v1.DrainCmdH\x00R\x05drain\x12-\n" +
-	"\x05adopt\x18\x0f \x01(\v2\x15.tidepool.v1.AdoptCmdH\x00R\x05adoptB\x04\n" +
+	"\x05adopt\x18\x0f \x01(\v2\x15.tidepool.v1.AdoptCmdH\x00R\x05adopt\x12C\n" +
+	"\rdrop_replicas\x18\x10 \x01(\v2\x1c.tidepool.v1.DropReplicasCmdH\x00R\fdropReplicasB\x04\n" +
 	"\x02op\"\xcf\x01\n" +
 	"\rCopyStartItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x15\n" +
@@ -2056,7 +2119,9 @@ const file_fsm_proto_rawDesc = "" +
 	"\asegment\x18\x02 \x01(\tR\asegment\x12\x1a\n" +
 	"\bchecksum\x18\x03 \x01(\rR\bchecksum\x12/\n" +
 	"\x14free_after_unix_nano\x18\x04 \x01(\x03R\x11freeAfterUnixNano\x12\x1b\n" +
-	"\tkeep_last\x18\x05 \x01(\bR\bkeepLast\"u\n" +
+	"\tkeep_last\x18\x05 \x01(\bR\bkeepLast\"D\n" +
+	"\x0fDropReplicasCmd\x121\n" +
+	"\x05items\x18\x01 \x03(\v2\x1b.tidepool.v1.DropReplicaCmdR\x05items\"u\n" +
 	"\x06PinCmd\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04hard\x18\x02 \x01(\bR\x04hard\x12/\n" +
@@ -2168,76 +2233,79 @@ func file_fsm_proto_rawDescGZIP() []byte {
 }
 
 var file_fsm_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_fsm_proto_goTypes = []any{
-	(CopyReason)(0),        // 0: tidepool.v1.CopyReason
-	(*Command)(nil),        // 1: tidepool.v1.Command
-	(*CopyStartItem)(nil),  // 2: tidepool.v1.CopyStartItem
-	(*CopyStartCmd)(nil),   // 3: tidepool.v1.CopyStartCmd
-	(*CopyEndItem)(nil),    // 4: tidepool.v1.CopyEndItem
-	(*CopyEndCmd)(nil),     // 5: tidepool.v1.CopyEndCmd
-	(*DrainCmd)(nil),       // 6: tidepool.v1.DrainCmd
-	(*PendingCopy)(nil),    // 7: tidepool.v1.PendingCopy
-	(*DropReplicaCmd)(nil), // 8: tidepool.v1.DropReplicaCmd
-	(*PinCmd)(nil),         // 9: tidepool.v1.PinCmd
-	(*EvictCmd)(nil),       // 10: tidepool.v1.EvictCmd
-	(*PutStartItem)(nil),   // 11: tidepool.v1.PutStartItem
-	(*PutStartCmd)(nil),    // 12: tidepool.v1.PutStartCmd
-	(*Reclaimable)(nil),    // 13: tidepool.v1.Reclaimable
-	(*KeysCmd)(nil),        // 14: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),      // 15: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),    // 16: tidepool.v1.RegisterCmd
-	(*AdoptCmd)(nil),       // 17: tidepool.v1.AdoptCmd
-	(*NodeDownCmd)(nil),    // 18: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),      // 19: tidepool.v1.MemberCmd
-	(*Extent)(nil),         // 20: tidepool.v1.Extent
-	(*Object)(nil),         // 21: tidepool.v1.Object
-	(*Node)(nil),           // 22: tidepool.v1.Node
-	(*PendingFree)(nil),    // 23: tidepool.v1.PendingFree
-	(*Snapshot)(nil),       // 24: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),    // 25: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),  // 26: tidepool.v1.AdoptedObject
-	(ObjectState)(0),       // 27: tidepool.v1.ObjectState
+	(CopyReason)(0),         // 0: tidepool.v1.CopyReason
+	(*Command)(nil),         // 1: tidepool.v1.Command
+	(*CopyStartItem)(nil),   // 2: tidepool.v1.CopyStartItem
+	(*CopyStartCmd)(nil),    // 3: tidepool.v1.CopyStartCmd
+	(*CopyEndItem)(nil),     // 4: tidepool.v1.CopyEndItem
+	(*CopyEndCmd)(nil),      // 5: tidepool.v1.CopyEndCmd
+	(*DrainCmd)(nil),        // 6: tidepool.v1.DrainCmd
+	(*PendingCopy)(nil),     // 7: tidepool.v1.PendingCopy
+	(*DropReplicaCmd)(nil),  // 8: tidepool.v1.DropReplicaCmd
+	(*DropReplicasCmd)(nil), // 9: tidepool.v1.DropReplicasCmd
+	(*PinCmd)(nil),          // 10: tidepool.v1.PinCmd
+	(*EvictCmd)(nil),        // 11: tidepool.v1.EvictCmd
+	(*PutStartItem)(nil),    // 12: tidepool.v1.PutStartItem
+	(*PutStartCmd)(nil),     // 13: tidepool.v1.PutStartCmd
+	(*Reclaimable)(nil),     // 14: tidepool.v1.Reclaimable
+	(*KeysCmd)(nil),         // 15: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),       // 16: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),     // 17: tidepool.v1.RegisterCmd
+	(*AdoptCmd)(nil),        // 18: tidepool.v1.AdoptCmd
+	(*NodeDownCmd)(nil),     // 19: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),       // 20: tidepool.v1.MemberCmd
+	(*Extent)(nil),          // 21: tidepool.v1.Extent
+	(*Object)(nil),          // 22: tidepool.v1.Object
+	(*Node)(nil),            // 23: tidepool.v1.Node
+	(*PendingFree)(nil),     // 24: tidepool.v1.PendingFree
+	(*Snapshot)(nil),        // 25: tidepool.v1.Snapshot
+	(*SegmentSpec)(nil),     // 26: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),   // 27: tidepool.v1.AdoptedObject
+	(ObjectState)(0),        // 28: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
-	12, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
-	14, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
-	14, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
-	15, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
-	16, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	18, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	19, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
-	9,  // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
-	10, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
+	13, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
+	15, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
+	15, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
+	16, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
+	17, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
+	19, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	20, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	10, // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
+	11, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
 	8,  // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
 	3,  // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
 	5,  // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
 	6,  // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
-	17, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
-	0,  // 14: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
-	2,  // 15: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
-	4,  // 16: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
-	20, // 17: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
-	0,  // 18: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
-	11, // 19: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	13, // 20: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	25, // 21: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	26, // 22: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	26, // 23: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
-	27, // 24: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	20, // 25: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	7,  // 26: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
-	25, // 27: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	20, // 28: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	21, // 29: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	22, // 30: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	19, // 31: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	23, // 32: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	33, // [33:33] is the sub-list for method output_type
-	33, // [33:33] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	18, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
+	9,  // 14: tidepool.v1.Command.drop_replicas:type_name -> tidepool.v1.DropReplicasCmd
+	0,  // 15: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
+	2,  // 16: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
+	4,  // 17: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
+	21, // 18: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
+	0,  // 19: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
+	8,  // 20: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
+	12, // 21: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	14, // 22: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	26, // 23: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	27, // 24: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	27, // 25: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
+	28, // 26: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	21, // 27: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	7,  // 28: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
+	26, // 29: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	21, // 30: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	22, // 31: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	23, // 32: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	20, // 33: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	24, // 34: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	35, // [35:35] is the sub-list for method output_type
+	35, // [35:35] is the sub-list for method input_type
+	35, // [35:35] is the sub-list for extension type_name
+	35, // [35:35] is the sub-list for extension extendee
+	0,  // [0:35] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -2261,6 +2329,7 @@ func file_fsm_proto_init() {
 		(*Command_CopyEnd)(nil),
 		(*Command_Drain)(nil),
 		(*Command_Adopt)(nil),
+		(*Command_DropReplicas)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -2268,7 +2337,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   24,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
