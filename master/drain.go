@@ -113,9 +113,9 @@ func (s *Server) drainStep(ctx context.Context, n nodeState) {
 		nodeOf[v.id] = v.node
 	}
 	mine := func(id string) bool { return slices.Contains(n.segments, id) }
-	// Another replica counts only on a node that heartbeats: one on a
-	// silent node may be gone with it.
-	elsewhere := func(id string) bool { return !mine(id) && s.alive(nodeOf[id]) }
+	// Another replica counts only on a node that heartbeat recently: one
+	// on a silent node may be gone with it.
+	elsewhere := func(id string) bool { return !mine(id) && s.fresh(nodeOf[id]) }
 	var jobs []copyJob
 	var drops []drop
 	for _, o := range s.fsm.completeObjects(func(string) bool { return true }) {

@@ -181,7 +181,7 @@ func TestDrain(t *testing.T) {
 	fa := startFakeStore(t, m, "a", holdCopies, dram("a", segCap))
 	single := keyNames("d", 6)
 	putBatch(t, m, sized(64*kib, nil, single...)...)
-	register(t, m, "b", "ep-b", dram("a", segCap))
+	startFakeStore(t, m, "b", reportOK, dram("a", segCap))
 	pairs := keyNames("r", 3)
 	for _, r := range putBatch(t, m, sized(64*kib, &pb.PutStartRequest{Replicas: 2}, pairs...)...) {
 		if len(r.Replicas) != 2 {
@@ -322,7 +322,7 @@ func TestDrainCancel(t *testing.T) {
 	fa := startFakeStore(t, m, "a", holdCopies, dram("a", segCap))
 	keys := keyNames("k", 3)
 	putBatch(t, m, sized(64*kib, nil, keys...)...)
-	register(t, m, "b", "ep-b", dram("a", 64*kib)) // room for one
+	startFakeStore(t, m, "b", reportOK, dram("a", 64*kib)) // room for one
 
 	ds := startDrain(t, admin, &pb.DrainRequest{Node: "a"})
 	waitFor(t, 10*time.Second, "one copy under way, two waiting", func() error {

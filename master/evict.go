@@ -154,8 +154,9 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 func (s *Server) free(ctx context.Context, seg segmentView, victims []evictable, allowSoft bool, reason string) (n int, bytes uint64, err error) {
 	only := victims[:0:0]
 	var drops []drop
+	nodeOf := s.segmentNodes()
 	for _, o := range victims {
-		if len(o.segments) > 1 {
+		if s.keepsAnother(o, seg.id, nodeOf) {
 			drops = append(drops, drop{o, seg.id})
 			continue
 		}

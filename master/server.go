@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -620,6 +621,35 @@ func (s *Server) alive(node string) bool {
 	defer s.mu.Unlock()
 	_, ok := s.mu.lastSeen[node]
 	return ok
+}
+
+// fresh reports whether node heartbeat recently: a replica there may be
+// the only one left once another is dropped. A node silent for a few
+// heartbeats may be dead though not yet declared so.
+func (s *Server) fresh(node string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	seen, ok := s.mu.lastSeen[node]
+	return ok && s.cfg.Now().Sub(seen) <= min(s.cfg.NodeTTL/2, freshFor)
+}
+
+// freshFor is how recent a heartbeat must be for fresh: three of a store's
+// default interval.
+const freshFor = 3 * time.Second
+
+// keepsAnother reports whether o has a replica outside segment on a node
+// that heartbeat recently, so dropping the one on segment loses nothing.
+func (s *Server) keepsAnother(o evictable, segment string, nodeOf map[string]string) bool {
+	return slices.ContainsFunc(o.segments, func(id string) bool { return id != segment && s.fresh(nodeOf[id]) })
+}
+
+// segmentNodes maps segment ids to their nodes.
+func (s *Server) segmentNodes() map[string]string {
+	out := map[string]string{}
+	for _, v := range s.fsm.segmentViews() {
+		out[v.id] = v.node
+	}
+	return out
 }
 
 // logWriter turns raft's log lines ("[WARN]  raft: message: k=v", one per

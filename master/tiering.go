@@ -79,12 +79,12 @@ func (s *Server) slowerSegments(t pb.Tier, size uint64, near string) []string {
 // demote moves victims off the fast segment from, and returns those it
 // could not place in a slower tier: the caller evicts them.
 func (s *Server) demote(ctx context.Context, from segmentView, victims []evictable) (unplaced []evictable) {
-	tiers := s.segmentTiers()
+	tiers, nodeOf := s.segmentTiers(), s.segmentNodes()
 	var jobs []copyJob
 	var drops []drop
 	byKey := map[string]evictable{}
 	for _, o := range victims {
-		slower := slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], from.tier) })
+		slower := slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], from.tier) && s.fresh(nodeOf[id]) })
 		if slower {
 			// If the colder replica went meanwhile, the next sweep copies.
 			drops = append(drops, drop{o, from.id})
@@ -356,10 +356,10 @@ func (s *Server) reclaimable(v segmentView, need uint64, now time.Time) []*pb.Re
 	if ok && now.Sub(c.at) < reclaimTTL {
 		return c.items
 	}
-	tiers := s.segmentTiers()
+	tiers, nodeOf := s.segmentTiers(), s.segmentNodes()
 	objs := filterObjects(s.fsm.completeOn(v.id), func(o evictable) bool {
 		return !o.copying && !o.hard && o.softPin <= now.UnixNano() &&
-			slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], v.tier) })
+			slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], v.tier) && s.fresh(nodeOf[id]) })
 	})
 	leased := s.byRecency(objs, now)
 	want := max(2*need, v.capacity/20)
