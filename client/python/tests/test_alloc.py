@@ -2,11 +2,12 @@
 
 import random
 import threading
+import time
 import unittest
 
-import harness  # noqa: F401 - puts client/python on sys.path
+import harness
 import tidepool
-from tidepool._alloc import ALIGN, SpanAllocator, align
+from tidepool._alloc import ALIGN, SessionRetired, SpanAllocator, align
 
 
 class AllocatorTest(unittest.TestCase):
@@ -14,8 +15,9 @@ class AllocatorTest(unittest.TestCase):
         a = SpanAllocator(10 * ALIGN)
         offs = [a.alloc(ALIGN) for _ in range(10)]
         self.assertEqual(offs, [i * ALIGN for i in range(10)])
-        with self.assertRaises(tidepool.ResourceExhausted):
+        with self.assertRaises(tidepool.RegionTimeout) as cm:
             a.alloc(1, timeout=0.01)
+        self.assertIsInstance(cm.exception, tidepool.DeadlineExceeded)
         for i in (1, 3, 2):  # frees merge with both neighbours
             a.free(offs[i], ALIGN)
         self.assertEqual(a.alloc(3 * ALIGN), ALIGN)
@@ -70,6 +72,91 @@ class AllocatorTest(unittest.TestCase):
         t.join(30)
         self.assertEqual(len(errs), 1)
 
+    def test_close_for_a_retired_session(self):
+        a = SpanAllocator(ALIGN)
+        a.alloc(ALIGN)
+        errs = []
+
+        def wait():
+            try:
+                a.alloc(ALIGN, timeout=30)
+            except SessionRetired as e:
+                errs.append(e)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        harness.poll(lambda: a.waiting() == 1, what="a waiter")
+        a.close(SessionRetired)
+        t.join(30)
+        self.assertEqual(len(errs), 1)
+        with self.assertRaises(SessionRetired):
+            a.alloc(1)
+
+    def test_waiters_are_served_in_order(self):
+        a = SpanAllocator(4 * ALIGN)
+        offs = [a.alloc(ALIGN) for _ in range(4)]
+        served = []
+
+        def want(n, name):
+            off = a.alloc(n, timeout=30)
+            served.append(name)
+            time.sleep(0.01)
+            a.free(off, n)
+
+        big = threading.Thread(target=want, args=(4 * ALIGN, "big"))
+        big.start()
+        harness.poll(lambda: a.waiting() == 1, what="the big request waiting")
+        small = threading.Thread(target=want, args=(ALIGN, "small"))
+        small.start()
+        harness.poll(lambda: a.waiting() == 2, what="the small request waiting")
+        # Room for the small request, but the big one came first: it waits.
+        a.free(offs[0], ALIGN)
+        time.sleep(0.02)
+        self.assertEqual(served, [])
+        for off in offs[1:]:
+            a.free(off, ALIGN)
+        big.join(30)
+        small.join(30)
+        self.assertEqual(served, ["big", "small"])
+        self.assertEqual(a.free_bytes(), 4 * ALIGN)
+
+    def test_a_timed_out_waiter_leaves_the_queue(self):
+        a = SpanAllocator(4 * ALIGN)
+        off = a.alloc(2 * ALIGN)
+        with self.assertRaises(tidepool.RegionTimeout):
+            a.alloc(4 * ALIGN, timeout=0.02)
+        self.assertEqual(a.waiting(), 0)
+        self.assertEqual(a.alloc(2 * ALIGN, timeout=0), 2 * ALIGN)  # not behind the one that gave up
+        a.free(off, 2 * ALIGN)
+
+    def test_a_whole_region_request_is_served_under_small_traffic(self):
+        # First fit without a queue starved it: while small extents were
+        # taken and given back with overlapping lifetimes, the region was
+        # never free at once.
+        KiB = 1024
+        a = SpanAllocator(1024 * KiB)
+        stop = threading.Event()
+
+        def small():
+            while not stop.is_set():
+                off = a.alloc(300 * KiB, timeout=5)
+                time.sleep(0.002)  # a small get's round trip
+                a.free(off, 300 * KiB)
+
+        threads = [threading.Thread(target=small) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(0.05)
+            for _ in range(3):
+                off = a.alloc(1024 * KiB, timeout=3)
+                a.free(off, 1024 * KiB)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        self.assertEqual(a.free_bytes(), 1024 * KiB)
+
     def test_concurrent_use_never_overlaps(self):
         size = 64 * ALIGN
         a = SpanAllocator(size)
@@ -113,6 +200,7 @@ class ErrorsTest(unittest.TestCase):
         self.assertEqual(e.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertEqual(e.message, "bad key")
         self.assertTrue(issubclass(tidepool.ValueTooLarge, tidepool.InvalidArgument))
+        self.assertTrue(issubclass(tidepool.RegionTimeout, tidepool.DeadlineExceeded))
 
 
 if __name__ == "__main__":

@@ -2,19 +2,25 @@
 `tidepool up` and `tidepool agent`."""
 
 import array
+import concurrent.futures
 import ctypes
+import gc
 import os
 import shutil
+import subprocess
 import tempfile
+import textwrap
 import threading
+import time
 import unittest
+from unittest import mock
 
 import grpc
 
 import harness
 import tidepool
 from tidepool import hashing
-from tidepool._proto import agent_pb2, agent_pb2_grpc
+from tidepool._proto import agent_pb2, agent_pb2_grpc, tidepool_pb2
 from tidepool.sglang import HiCacheStorage
 from tidepool.vllm import KVConnector
 
@@ -30,6 +36,31 @@ def value(i, n):
     """n bytes that differ from key to key."""
     b = bytes([(i * 7 + j) & 0xFF for j in range(min(n, 251))])
     return (b * (n // len(b) + 1))[:n]
+
+
+class RpcError(grpc.RpcError):
+    """A failed call as gRPC raises it."""
+
+    def __init__(self, code, details="injected"):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def end_session(socket, session):
+    """Asks the agent at socket to end session: the StatusCode it answers
+    (NOT_FOUND: no such session)."""
+    with grpc.insecure_channel("unix:" + socket) as ch:
+        try:
+            agent_pb2_grpc.AgentStub(ch).Close(agent_pb2.SessionRef(session=session), timeout=10)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
 
 
 @unittest.skipUnless(harness.have_go(), "needs go (or $TIDEPOOL_BIN) to build tidepool")
@@ -334,6 +365,164 @@ class ClientTest(ClusterTest):
             t.join(120)
         self.assertEqual(failures, [])
 
+    def test_close_waits_for_calls_in_flight(self):
+        c = tidepool.Client(self.agent.socket, shm_bytes=MiB)
+        self.addCleanup(c.close)
+        key = self.keys(1)[0]
+        self.assertEqual(c.batch_set([key], [b"value"]), [True])
+        session = c.session
+        stub = c._res.stub
+        real = stub.BatchGet
+        closer = threading.Thread(target=c.close)
+
+        def batch_get(req, **kw):
+            resp = real(req, **kw)
+            # Another thread closes the client while this answer is on its
+            # way back: close() waits for the call before unmapping.
+            closer.start()
+            harness.poll(lambda: c._closed, what="close() started")
+            time.sleep(0.05)
+            if not closer.is_alive():
+                raise AssertionError("close() returned under a call in flight")
+            return resp
+
+        stub.BatchGet = batch_get
+        buf = bytearray(16)
+        self.assertEqual(c.batch_get_into([key], [buf]), [5])
+        self.assertEqual(bytes(buf[:5]), b"value")
+        closer.join(30)
+        self.assertFalse(closer.is_alive())
+        with self.assertRaises(tidepool.ClientClosed):
+            c.batch_get_into([key], [buf])
+        self.assertEqual(end_session(self.agent.socket, session), grpc.StatusCode.NOT_FOUND)
+
+    def test_batch_set_reports_the_groups_stored_before_a_failure(self):
+        c = self.client(shm_bytes=256 * 1024)  # groups of at most half: 128 KiB
+        keys = self.keys(6)
+        vals = [value(i, 60 * 1024) for i in range(6)]  # two values a group
+        stub = c._res.stub
+        real = stub.BatchPut
+        calls = []
+        fail = {}
+
+        def batch_put(req, **kw):
+            calls.append(len(req.keys))
+            if len(calls) in fail:
+                raise RpcError(fail[len(calls)])
+            return real(req, **kw)
+
+        stub.BatchPut = batch_put
+        session = c.session
+        fail[2] = grpc.StatusCode.INVALID_ARGUMENT
+        res = c.batch_set(keys, vals, chain=True)
+        self.assertEqual(calls, [2, 2])
+        self.assertEqual(res[:2], [True, True])
+        for r in res[2:]:
+            self.assertIsInstance(r, tidepool.InvalidArgument)
+        self.assertEqual(c.batch_exists(keys), 2)
+        # The agent answered: its spans went back, and the session is kept.
+        self.assertEqual(c.session, session)
+        self.assertEqual(c._region.alloc.free_bytes(), c._region.size)
+
+        # A failure of the first group is raised: nothing was stored.
+        calls.clear()
+        fail = {1: grpc.StatusCode.INVALID_ARGUMENT}
+        with self.assertRaises(tidepool.InvalidArgument):
+            c.batch_set(keys[2:], vals[2:], chain=True, parent=keys[1])
+
+        # No answer (the deadline passed): the agent may still read the
+        # span, so the session is retired, and ended, before the call
+        # returns; the next call opens another.
+        calls.clear()
+        fail = {1: grpc.StatusCode.DEADLINE_EXCEEDED}
+        with self.assertRaises(tidepool.DeadlineExceeded):
+            c.batch_set(keys[2:], vals[2:], chain=True, parent=keys[1])
+        self.assertEqual(end_session(self.agent.socket, session), grpc.StatusCode.NOT_FOUND)
+        fail = {}
+        self.assertEqual(c.batch_set(keys[2:], vals[2:], chain=True, parent=keys[1]), [True] * 4)
+        self.assertNotEqual(c.session, session)
+        self.assertEqual(c.reopened, 1)
+        self.assertEqual(c.batch_get(keys), vals)
+
+    def test_an_abandoned_get_retires_its_session(self):
+        # The deadline of a get may pass while the agent copies into its
+        # span: the span must not go back to the allocator (another call
+        # would stage bytes there for the late copy to overwrite). The
+        # session is retired instead: the agent's Close waits for the copy.
+        size = 32 * MiB
+        key = self.keys(1)[0]
+        val = value(5, size)
+        self.assertEqual(self.c.batch_set([key], [val]), [True])
+        buf = bytearray(size)
+        abandoned = 0
+        for t in [0.0005 * 2 ** i for i in range(14)]:
+            c = self.client(shm_bytes=size + MiB, timeout=30)
+            old = c._region
+            # A view of the span's end outlives the unmap, as a late write
+            # would see it.
+            tail = old.view[size - 4096:size]
+            c._timeout = t
+            try:
+                got = c.batch_get_into([key], [buf])
+            except (tidepool.DeadlineExceeded, tidepool.Cancelled):
+                # Cancelled: the agent's gRPC reset the stream at the
+                # deadline before the client's own timer fired.
+                abandoned += 1
+            else:
+                self.assertEqual(got, [size])
+                tail.release()
+                break  # the deadline is longer than the get: done
+            finally:
+                c._timeout = 30
+            with self.subTest(timeout=t):
+                self.assertTrue(old.retired)
+                self.assertTrue(old.ended)
+                self.assertLess(old.alloc.free_bytes(), old.size, "the abandoned span was given back")
+                self.assertEqual(end_session(self.agent.socket, old.session), grpc.StatusCode.NOT_FOUND)
+                # Nothing writes into the span once the call has returned.
+                tail[:] = b"\xee" * 4096
+                time.sleep(0.05)
+                self.assertEqual(bytes(tail), b"\xee" * 4096)
+                # The next call opens a new session.
+                self.assertEqual(c.batch_get_into([key], [buf]), [size])
+                self.assertEqual(buf, val)
+                self.assertNotEqual(c.session, old.session)
+                self.assertEqual(c.reopened, 1)
+            tail.release()
+            c.close()
+        self.assertGreater(abandoned, 0, "no deadline was short enough")
+
+    def test_opening_a_session_does_not_hold_up_other_calls(self):
+        c = self.client(shm_bytes=MiB)
+        key = self.keys(1)[0]
+        c.set(key, b"v")
+        old = c._region
+        c._retire(old)  # the next call that needs a session opens one
+        stub = c._res.stub
+        real = stub.Open
+        opening, release = threading.Event(), threading.Event()
+
+        def open_(req, **kw):
+            opening.set()
+            release.wait(30)
+            return real(req, **kw)
+
+        stub.Open = open_
+        got = []
+        t = threading.Thread(target=lambda: got.append(c.get(key)))
+        t.start()
+        try:
+            self.assertTrue(opening.wait(30))
+            self.assertEqual(c.batch_exists([key]), 1)  # while the Open waits
+        finally:
+            release.set()
+            t.join(30)
+        self.assertEqual(got, [b"v"])
+        self.assertEqual(c.reopened, 1)
+        # The retired session was ended by the call that opened the next.
+        self.assertTrue(old.ended)
+        self.assertEqual(end_session(self.agent.socket, old.session), grpc.StatusCode.NOT_FOUND)
+
 
 class EngineFlowsTest(ClusterTest):
     def test_sglang_flow(self):
@@ -508,6 +697,239 @@ class SessionTest(ClusterTest):
         self.assertEqual(c.get(key), b"v")
         self.assertEqual(c.reopened, reopened + 1)
         self.assertNotEqual(c.session, session)
+
+
+    def test_a_dropped_client_ends_its_session(self):
+        c = tidepool.Client(self.agent.socket, shm_bytes=MiB)
+        session = c.session
+        self.assertEqual(c.batch_set(self.keys(1), [b"v"]), [True])
+        del c
+        gc.collect()
+        self.assertEqual(end_session(self.agent.socket, session), grpc.StatusCode.NOT_FOUND)
+
+    def test_a_forked_child_opens_a_session_of_its_own(self):
+        # gRPC works in a forked child only with its fork support on, which
+        # must be set before it is imported: hence a process of its own.
+        script = textwrap.dedent("""
+            import os, sys
+            sys.path.insert(0, %(path)r)
+            import tidepool
+
+            c = tidepool.Client(%(socket)r, shm_bytes=1 << 20)
+            c.set(%(key)r + "parent", b"p")
+            parent = c.session
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                try:
+                    ok = c.session != parent and c.get(%(key)r + "parent") == b"p"
+                    c.set(%(key)r + "child", b"c")
+                    msg = "child ok" if ok and c.reopened == 0 else "child shares the session"
+                except Exception as e:
+                    msg = "child failed: %%r" %% e
+                os.write(w, msg.encode())
+                sys.exit(0)  # its finalizers must not end the parent's session
+            os.close(w)
+            with os.fdopen(r) as f:
+                print(f.read())
+            os.waitpid(pid, 0)
+            # The parent's session is whole: same id, never reopened.
+            c.stats()
+            print("parent ok" if c.session == parent and c.reopened == 0 else "parent lost its session")
+            print("child's value", c.get(%(key)r + "child"))
+            c.close()
+        """) % {"path": harness.PYTHON_DIR, "socket": self.agent.socket, "key": self.prefix}
+        env = dict(os.environ, GRPC_ENABLE_FORK_SUPPORT="1")
+        p = subprocess.run([harness.sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                           timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.split("\n")[:3], ["child ok", "parent ok", "child's value b'c'"], p.stderr)
+
+
+class FakeAgent(agent_pb2_grpc.AgentServicer):
+    """Answers Open with a region of its choosing, as a process that bound
+    the agent's socket first could."""
+
+    def __init__(self, path, size):
+        self.path, self.size = path, size
+        self.opened, self.closed = 0, []
+
+    def Open(self, req, ctx):
+        self.opened += 1
+        return agent_pb2.OpenResponse(session=7, shm_path=self.path, shm_bytes=self.size, idle_timeout_ms=600000)
+
+    def BatchPut(self, req, ctx):
+        return tidepool_pb2.ItemsResponse(results=[tidepool_pb2.ItemStatus() for _ in req.keys])
+
+    def Close(self, req, ctx):
+        self.closed.append(req.session)
+        return req
+
+
+class TrustTest(unittest.TestCase):
+    """The client stages values only in a memfd of an agent of its own
+    user."""
+
+    SIZE = 1 << 20
+
+    def serve(self, path, size=SIZE):
+        d = tempfile.mkdtemp(prefix="tpt")
+        self.addCleanup(shutil.rmtree, d, True)
+        agent = FakeAgent(path, size)
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+        agent_pb2_grpc.add_AgentServicer_to_server(agent, server)
+        sock = os.path.join(d, "agent.sock")
+        server.add_insecure_port("unix:" + sock)
+        server.start()
+        self.addCleanup(server.stop, None)
+        return sock, agent
+
+    def memfd(self, size):
+        fd = os.memfd_create("tidepool-test")
+        self.addCleanup(os.close, fd)
+        os.ftruncate(fd, size)
+        return fd, "/proc/%d/fd/%d" % (os.getpid(), fd)
+
+    def test_a_plain_file_is_refused(self):
+        d = tempfile.mkdtemp(prefix="tpt")
+        self.addCleanup(shutil.rmtree, d, True)
+        region = os.path.join(d, "not-a-memfd")
+        with open(region, "wb") as f:
+            f.truncate(self.SIZE)
+        os.chmod(region, 0o666)  # what another user would leave for us
+        sock, agent = self.serve(region)
+        with self.assertRaises(tidepool.PermissionDenied) as cm:
+            tidepool.Client(sock, shm_bytes=self.SIZE)
+        self.assertIn("not an agent's", str(cm.exception))
+        self.assertEqual(agent.closed, [7])  # the session is ended
+
+    def test_a_memfd_of_another_size_is_refused(self):
+        _, path = self.memfd(self.SIZE // 2)
+        sock, agent = self.serve(path)
+        with self.assertRaises(tidepool.PermissionDenied) as cm:
+            tidepool.Client(sock, shm_bytes=self.SIZE)
+        self.assertIn("%d bytes" % (self.SIZE // 2), str(cm.exception))
+        self.assertEqual(agent.closed, [7])
+
+    def test_a_memfd_of_this_user_is_mapped(self):
+        fd, path = self.memfd(self.SIZE)
+        sock, agent = self.serve(path)
+        with tidepool.Client(sock, shm_bytes=self.SIZE) as c:
+            self.assertEqual(c.batch_set(["k"], [b"staged here"]), [True])
+        self.assertEqual(os.pread(fd, 11, 0), b"staged here")
+        self.assertEqual(agent.closed, [7])
+
+    def test_an_agent_of_another_user_is_refused(self):
+        _, path = self.memfd(self.SIZE)
+        sock, agent = self.serve(path)
+        with mock.patch("os.getuid", return_value=os.getuid() + 1):
+            with self.assertRaises(tidepool.PermissionDenied) as cm:
+                tidepool.Client(sock, shm_bytes=self.SIZE)
+        self.assertIn("runs as uid %d" % os.getuid(), str(cm.exception))
+        self.assertEqual(agent.opened, 0)  # refused before opening a session
+
+
+class DownClient:
+    """A tidepool.Client while its agent restarts: every call raises
+    Unavailable, as the real one does."""
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            raise tidepool.Unavailable("%s: failed to connect to all addresses" % name)
+        return call
+
+
+class StorageConfig:
+    """The fields of SGLang's HiCacheStorageConfig."""
+
+    def __init__(self, **kw):
+        self.model_name = "org/m"
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = 0, 1, 0, 1
+        self.attn_cp_rank, self.attn_cp_size = 0, 1
+        self.dp_rank, self.dp_size = 0, 1
+        self.is_mla_model = False
+        self.is_page_first_layout = False
+        self.enable_storage_metrics = False
+        self.extra_config = None
+        self.__dict__.update(kw)
+
+
+class AdapterTest(unittest.TestCase):
+    """The engine adapters' contracts, without an agent."""
+
+    PAGE = "ab" * 32
+
+    def test_sglang_backend_never_raises(self):
+        # SGLang's prefetch and backup threads catch nothing else: an
+        # exception would end them, and L3 with them, for the process's life.
+        s = HiCacheStorage("org/m", client=DownClient())
+        page = self.PAGE
+        with self.assertLogs("tidepool.sglang", "WARNING") as logs:
+            for name, call, want in [
+                ("batch_exists", lambda: s.batch_exists([page]), 0),
+                ("exists", lambda: s.exists(page), False),
+                ("batch_get_v1", lambda: s.batch_get_v1([page], [bytearray(8)]), [False]),
+                ("batch_set_v1", lambda: s.batch_set_v1([page], [bytearray(8)]), [False]),
+                ("get", lambda: s.get(page), None),
+                ("get into", lambda: s.get(page, bytearray(8)), None),
+                ("batch_get", lambda: s.batch_get([page, page]), [None, None]),
+                ("batch_get into", lambda: s.batch_get([page], [bytearray(8)]), [None]),
+                ("set", lambda: s.set(page, b"x"), False),
+                ("batch_set", lambda: s.batch_set([page], [b"x"]), False),
+                ("clear", s.clear, False),
+                ("get_stats", s.get_stats, None),
+            ]:
+                with self.subTest(name):
+                    self.assertEqual(call(), want)
+        self.assertIn("Unavailable", "\n".join(logs.output))
+
+    def test_vllm_connector_never_raises(self):
+        conn = KVConnector(DownClient(), model="org/m", block_size=4, seed="0")
+        tokens = list(range(12))
+        with self.assertLogs("tidepool.vllm", "WARNING"):
+            self.assertEqual(conn.get_num_matched_tokens(tokens), 0)
+            self.assertEqual(conn.get_num_new_matched_tokens(tokens, 0), (0, False))
+            self.assertEqual(conn.load(tokens, [bytearray(8)] * 3), 0)
+            self.assertEqual(conn.save(tokens, [b"x"] * 3), 0)
+
+        class Flaky:  # counting fails; storing works, or fails after two blocks are known stored
+            def __init__(self, exists=None):
+                self.exists = exists
+
+            def batch_exists(self, keys):
+                if self.exists is None:
+                    raise tidepool.Unavailable("down")
+                return self.exists
+
+            def batch_set(self, keys, values, chain=False, parent=None):
+                if self.exists is not None:
+                    raise tidepool.Unavailable("down")
+                return [True] * len(keys)
+
+        with self.assertLogs("tidepool.vllm", "WARNING"):
+            self.assertEqual(KVConnector(Flaky(), "org/m", 4, "0").save(tokens, [b"x"] * 3), 3)
+            self.assertEqual(KVConnector(Flaky(exists=2), "org/m", 4, "0").save(tokens, [b"x"] * 3), 2)
+
+    def test_sglang_namespace_from_config(self):
+        def prefix(**kw):
+            return HiCacheStorage.from_config(StorageConfig(**kw), client=object()).namespace.prefix
+
+        self.assertEqual(prefix(), "kv/sglang-sha256/org%2Fm@tp0-1//")
+        self.assertEqual(prefix(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2), "kv/sglang-sha256/org%2Fm@tp1-2@pp1-2//")
+        # Context-parallel ranks hold different slices of a page.
+        self.assertEqual(prefix(attn_cp_rank=1, attn_cp_size=2), "kv/sglang-sha256/org%2Fm@tp0-1@cp1-2//")
+        self.assertNotEqual(prefix(attn_cp_rank=0, attn_cp_size=2), prefix(attn_cp_rank=1, attn_cp_size=2))
+        self.assertEqual(prefix(is_mla_model=True, attn_cp_rank=1, attn_cp_size=2), "kv/sglang-sha256/org%2Fm@cp1-2//")
+        # The host pool's layout changes a page's bytes.
+        self.assertEqual(prefix(is_page_first_layout=True), "kv/sglang-sha256/org%2Fm@tp0-1@page-first//")
+        self.assertEqual(prefix(extra_config={"tenant": "acme"}), "kv/sglang-sha256/org%2Fm@tp0-1/acme/")
+
+    def test_sglang_registers_the_host_pool(self):
+        s = HiCacheStorage("org/m", client=object())
+        pool = object()
+        s.register_mem_pool_host(pool)  # SGLang calls it on every backend it attaches
+        self.assertIs(s.mem_pool_host, pool)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ from .client import (DEFAULT_SHM_BYTES, DEFAULT_SOCKET, MAX_BATCH_KEYS, BlockInf
                      Replica)
 from .errors import (Aborted, AlreadyExists, Cancelled, ClientClosed, DataLoss, DeadlineExceeded,
                      Error, FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange,
-                     PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable,
-                     Unimplemented, Unknown, ValueTooLarge)
+                     PermissionDenied, RegionTimeout, ResourceExhausted, Unauthenticated,
+                     Unavailable, Unimplemented, Unknown, ValueTooLarge)
 
 __all__ = [
     "Client", "Match", "BlockInfo", "Replica", "DEFAULT_SOCKET", "DEFAULT_SHM_BYTES", "MAX_BATCH_KEYS",
     "Error", "Aborted", "AlreadyExists", "Cancelled", "ClientClosed", "DataLoss", "DeadlineExceeded",
     "FailedPrecondition", "Internal", "InvalidArgument", "NotFound", "OutOfRange", "PermissionDenied",
-    "ResourceExhausted", "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "ValueTooLarge",
+    "RegionTimeout", "ResourceExhausted", "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "ValueTooLarge",
 ]

@@ -1,5 +1,6 @@
 """A span allocator over a session's shared-memory region."""
 
+import collections
 import threading
 import time
 
@@ -14,13 +15,23 @@ def align(n):
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
 
 
-class SpanAllocator:
-    """First-fit allocation of ranges of [0, size), safe for concurrent use.
+class SessionRetired(errors.Error):
+    """The region's session was retired while a call waited for room in it:
+    the call starts again on the client's next session. Internal: a Client
+    never lets it out."""
 
-    Each batch call takes one extent for all the values it stages and frees
-    it when the call returns, so a caller never holds one extent while
-    waiting for another: alloc waits for room (frees coalesce), and any
-    request no larger than the region is eventually served.
+
+class SpanAllocator:
+    """Allocation of ranges of [0, size), safe for concurrent use, served in
+    the order asked.
+
+    Each batch call takes one extent for all the values it stages and gives
+    it back when the agent has answered, so a caller never holds one extent
+    while waiting for another. Requests are served first come, first
+    served: while one waits for room, later ones queue behind it even when
+    they would fit, so a large request is not starved by a stream of small
+    ones. Any request no larger than the region is served once the extents
+    taken before it come back.
     """
 
     def __init__(self, size):
@@ -29,12 +40,30 @@ class SpanAllocator:
         self.size = size
         self._cond = threading.Condition()
         self._free = [(0, size)]  # (offset, length), sorted, coalesced; guarded by _cond
-        self._closed = False  # guarded by _cond
+        self._queue = collections.deque()  # tickets of the waiting allocs, first come first; guarded by _cond
+        self._closed = None  # the error class that waiters raise once closed; guarded by _cond
+
+    def _take(self, n):
+        """The offset of a free extent of n bytes taken first-fit, or None."""
+        for i, (off, length) in enumerate(self._free):
+            if length >= n:
+                if length == n:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + n, length - n)
+                return off
+        return None
+
+    def _check_open(self):
+        if self._closed is not None:
+            raise self._closed("client closed" if self._closed is errors.ClientClosed
+                               else "the session was retired")
 
     def alloc(self, n, timeout=None):
         """Returns the offset of a free extent of align(n) bytes, waiting up
-        to timeout seconds (None: for ever) for one. Raises ValueTooLarge
-        when the region is smaller than n, ResourceExhausted on timeout and
+        to timeout seconds (None: for ever) for it, after every request
+        that waited before. Raises ValueTooLarge when the region is smaller
+        than n, RegionTimeout (a DeadlineExceeded) on timeout, and
         ClientClosed once closed."""
         n = align(n)
         if n > self.size:
@@ -43,22 +72,31 @@ class SpanAllocator:
                 "open the Client with a larger shm_bytes" % (n, self.size))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                if self._closed:
-                    raise errors.ClientClosed("client closed")
-                for i, (off, length) in enumerate(self._free):
-                    if length >= n:
-                        if length == n:
-                            del self._free[i]
-                        else:
-                            self._free[i] = (off + n, length - n)
-                        return off
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise errors.ResourceExhausted(
-                        "no room for %d bytes in the shared-memory region of %d bytes after %.1fs"
-                        % (n, self.size, timeout))
-                self._cond.wait(left)
+            self._check_open()
+            if not self._queue:
+                off = self._take(n)
+                if off is not None:
+                    return off
+            ticket = object()
+            self._queue.append(ticket)
+            try:
+                while True:
+                    self._check_open()
+                    if self._queue[0] is ticket:
+                        off = self._take(n)
+                        if off is not None:
+                            return off
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise errors.RegionTimeout(
+                            "no room for %d bytes in the shared-memory region of %d bytes after waiting "
+                            "%gs (%d calls waiting); raise the Client's timeout or shm_bytes"
+                            % (n, self.size, timeout, len(self._queue) - 1))
+                    self._cond.wait(left)
+            finally:
+                self._queue.remove(ticket)
+                # The next in line may fit now.
+                self._cond.notify_all()
 
     def free(self, off, n):
         """Returns the extent alloc(n) gave at off."""
@@ -90,8 +128,16 @@ class SpanAllocator:
         with self._cond:
             return sum(length for _, length in self._free)
 
-    def close(self):
-        """Wakes every waiter with ClientClosed."""
+    def waiting(self):
+        """How many allocs wait for room."""
         with self._cond:
-            self._closed = True
+            return len(self._queue)
+
+    def close(self, error=errors.ClientClosed):
+        """Wakes every waiter, and fails every later alloc, with error (a
+        class: ClientClosed, or SessionRetired). Extents still out may be
+        freed."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = error
             self._cond.notify_all()

@@ -3,15 +3,20 @@ shared-memory region for the values."""
 
 import collections
 import ctypes
+import errno
 import mmap
 import os
+import socket
+import stat
+import struct
 import threading
 import time
+import weakref
 
 import grpc
 
 from . import errors
-from ._alloc import SpanAllocator, align
+from ._alloc import ALIGN, SessionRetired, SpanAllocator, align
 from ._proto import agent_pb2, agent_pb2_grpc, tidepool_pb2
 
 DEFAULT_SOCKET = "/tmp/tidepool-agent.sock"
@@ -26,6 +31,18 @@ MAX_KEY_LEN = 4096
 
 # Bounds a gRPC message: the agent's limit.
 _MAX_MESSAGE = 64 << 20
+
+# Bounds a Close, which the agent answers once the session's requests in
+# flight are done.
+_CLOSE_TIMEOUT = 5.0
+
+# The codes a get or put can end with while the agent's handler may still
+# be running: the client stopped waiting (a deadline, a cancellation) or
+# lost the connection. The agent itself fails a whole BatchGet or BatchPut
+# only with INVALID_ARGUMENT or NOT_FOUND (items fail one by one), so none
+# of these is its answer.
+_UNANSWERED = frozenset((grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                         grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN))
 
 _TIERS = {
     tidepool_pb2.TIER_HBM: "hbm",
@@ -88,27 +105,122 @@ class Match:
 
 
 class _Region:
-    """A session and its mapped shared-memory region."""
+    """A session and its mapped shared-memory region.
 
-    def __init__(self, resp):
+    ``users`` (the calls using it), ``retired`` (no new call takes it: the
+    session was abandoned mid-request or the agent forgot it), ``ending``
+    and ``ended`` (the agent answered Close, or does not know the session)
+    are guarded by the owning Client's lock.
+    """
+
+    def __init__(self, resp, want):
         self.session = resp.session
         self.size = resp.shm_bytes
         self.idle_timeout_ms = resp.idle_timeout_ms
-        fd = os.open(resp.shm_path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        if self.size < want:
+            raise errors.Internal("the agent made a region of %d bytes for a request of %d" % (self.size, want))
+        self._mm = _map_memfd(resp.shm_path, self.size)
         self.view = memoryview(self._mm)
         self.alloc = SpanAllocator(self.size)
+        self.users = 0
+        self.retired = False
+        self.ending = False
+        self.ended = False
+        self.unmapped = False
 
-    def close(self):
-        self.alloc.close()
+    def unmap(self, close_alloc=True):
+        """Unmaps the region (this process's view only: the agent's mapping
+        of the memfd is its own)."""
+        if self.unmapped:
+            return
+        self.unmapped = True
+        if close_alloc:
+            self.alloc.close()
         try:
             self.view.release()
             self._mm.close()
         except BufferError:
             pass  # a caller still holds a slice; the mapping goes with it
+
+
+def _refuse(path, why):
+    return errors.PermissionDenied(
+        "refusing to map the session's region %s: %s; only a region that `tidepool agent` running as "
+        "this user (uid %d) created is trusted with values" % (path, why, os.getuid()))
+
+
+def _map_memfd(path, size):
+    """Maps path, which must be a memfd owned by this user and size bytes
+    long, read-write and shared. Raises PermissionDenied for anything else,
+    Unavailable when it cannot be opened at all."""
+    try:
+        link = os.readlink(path)
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # not a link, so not /proc/PID/fd/N
+            raise _refuse(path, "it is not an agent's /proc/PID/fd/N") from None
+        raise errors.Unavailable("map the session's region %s: %s (the agent must run as this user, "
+                                 "in this pid namespace)" % (path, e)) from None
+    if not link.startswith("/memfd:"):
+        raise _refuse(path, "it names %r, not a memfd" % link)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as e:
+        raise errors.Unavailable("map the session's region %s: %s (the agent must run as this user, "
+                                 "in this pid namespace)" % (path, e)) from None
+    try:
+        # What was opened, not what the path named a moment before.
+        link = os.readlink("/proc/self/fd/%d" % fd)
+        st = os.fstat(fd)
+        if not link.startswith("/memfd:") or not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, "it opened %r, not a memfd" % link)
+        if st.st_uid != os.getuid():
+            raise _refuse(path, "it is owned by uid %d" % st.st_uid)
+        if st.st_size != size:
+            raise _refuse(path, "it is %d bytes, not the %d the agent announced" % (st.st_size, size))
+        try:
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise errors.Unavailable("map the session's region %s: %s" % (path, e)) from None
+    finally:
+        os.close(fd)
+
+
+def _socket_path(target):
+    """The filesystem path of a gRPC unix target."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            return target[len(prefix):]
+    return target
+
+
+def _check_peer(path, wait):
+    """Returns once the process listening on the unix socket path runs as
+    this user (its SO_PEERCRED uid). Raises PermissionDenied when it does
+    not, and Unavailable when nothing listens there within wait seconds."""
+    deadline = time.monotonic() + max(wait, 0.0)
+    delay = 0.01
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            s.settimeout(5.0)
+            s.connect(path)
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            break
+        except OSError as e:
+            err = e
+        finally:
+            s.close()
+        left = deadline - time.monotonic()
+        if left <= 0 or err.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN):
+            raise errors.Unavailable("open a session with the agent at %s: %s" % (path, err)) from None
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 0.2)
+    pid, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        raise errors.PermissionDenied(
+            "the process listening on %s (pid %d) runs as uid %d, not as this user (uid %d): not trusted "
+            "with values; run `tidepool agent` as this user, on a socket in a directory only it can write"
+            % (path, pid, uid, os.getuid()))
 
 
 def _tensor_view(obj, what):
@@ -205,6 +317,69 @@ def _item(st):
     return errors.from_code(st.code, st.message)
 
 
+class _Resources:
+    """What a Client gives back when it ends: its channel to the agent and
+    the regions it has mapped. Client.close() shuts them down or, for a
+    Client dropped without close(), a weakref.finalize does; never in a
+    forked child, whose parent still uses them."""
+
+    def __init__(self, target):
+        self.pid = os.getpid()
+        self.channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            # The agent is local: after it restarts, reconnect within a
+            # second rather than gRPC's default backoff of up to 2 minutes.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ])
+        self.stub = agent_pb2_grpc.AgentStub(self.channel)
+        # Every region mapped and not yet unmapped: the current one, and
+        # retired ones until the agent has ended their sessions. Guarded
+        # by the Client's lock while the Client lives.
+        self.regions = set()
+
+    def end_session(self, session, timeout=_CLOSE_TIMEOUT):
+        """Asks the agent to end session, which it does once the session's
+        requests in flight are done; True when it answered (NOT_FOUND
+        included: it no longer knows the session)."""
+        try:
+            self.stub.Close(agent_pb2.SessionRef(session=session), timeout=timeout)
+            return True
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.NOT_FOUND
+
+    def shutdown(self):
+        """Ends every session, unmaps every region and closes the channel.
+        Once only (a weakref.finalize calls it); a no-op in a forked
+        child."""
+        if os.getpid() != self.pid:
+            return
+        for region in list(self.regions):
+            try:
+                if not region.ended:
+                    region.ended = self.end_session(region.session, timeout=2.0)
+            except Exception:  # noqa: BLE001 - best effort: ending the rest matters more
+                pass
+            region.unmap()
+        self.regions.clear()
+        self.channel.close()
+
+
+# Clients of this process, for the fork handler.
+_clients = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    for c in list(_clients):
+        c._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Client:
     """A session with the local `tidepool agent`.
 
@@ -212,12 +387,26 @@ class Client:
     shared-memory region the agent creates for this session, through which
     every value moves (a value, or a get's buffer, must fit in it; bigger
     batches are split). ``timeout`` bounds each request in seconds (None:
-    no bound). ``wait`` is how long the constructor waits for the agent to
-    come up (0: fail at once with Unavailable).
+    no bound), and separately each wait for room in the region. ``wait``
+    is how long the constructor waits for the agent to come up (0: fail at
+    once with Unavailable).
+
+    The agent must run as this user: the client checks the uid of the
+    process on the socket (SO_PEERCRED) before opening a session, and that
+    the region it names is a memfd of this user and of the announced size
+    before mapping it (PermissionDenied otherwise).
 
     Safe for concurrent use by threads. Use it as a context manager, or
-    call close(). A session the agent forgot (it ended idle, or the agent
-    restarted) is reopened transparently by the next request that needs it.
+    call close(); a Client dropped without close() ends its session when
+    it is garbage-collected. A session the agent forgot (it ended idle, or
+    the agent restarted) is reopened transparently by the next request that
+    needs it. A get or put abandoned mid-request (its deadline passed, it
+    was cancelled or interrupted, the connection broke) may still be
+    running in the agent, writing or reading its span: the client then
+    retires the whole session (it asks the agent to end it, which waits for
+    such requests, and never reuses its region) and the next request opens
+    a new one. In a forked child the client opens a session of its own
+    (gRPC itself needs GRPC_ENABLE_FORK_SUPPORT=1 for a child to use it).
 
     Whole-request failures raise tidepool.Error subclasses; batch calls
     return one result per key, in order, where a failed item is the Error
@@ -232,113 +421,292 @@ class Client:
         self.client_name = client_name or "python-%d" % os.getpid()
         self._shm_bytes = shm_bytes
         self._timeout = timeout
+        self._target = socket if socket.startswith("unix:") else "unix:" + os.path.abspath(socket)
+        self._path = _socket_path(self._target)
         self._lock = threading.Lock()
-        self._closed = False  # guarded by _lock
-        self._region = None  # guarded by _lock
-        self.reopened = 0  # sessions reopened after the agent forgot one
-        target = socket if socket.startswith("unix:") else "unix:" + os.path.abspath(socket)
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
-            # The agent is local: after it restarts, reconnect within a
-            # second rather than gRPC's default backoff of up to 2 minutes.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ])
-        self._stub = agent_pb2_grpc.AgentStub(self._channel)
+        self._cond = threading.Condition(self._lock)
+        # Guarded by _lock:
+        self._closed = False  # close() called: calls raise ClientClosed
+        self._shut = False  # close() done
+        self._inflight = 0  # calls between _enter and _exit
+        self._opening = False  # a call is opening a session
+        self._region = None  # the current session; None: the next call that needs one opens it
+        self._opened = 0  # sessions opened by this process
+        self.reopened = 0  # sessions opened after the first (the agent forgot one, or one was retired)
+        self._orphans = []  # a forked child's inherited channels, never touched again
+        self._res = _Resources(self._target)
+        self._finalizer = weakref.finalize(self, self._res.shutdown)
         try:
-            self._region = self._open(wait)
+            region = self._open(self._res, wait)
         except BaseException:
-            self._channel.close()
+            self._finalizer()
             raise
+        self._res.regions.add(region)
+        self._region = region
+        self._opened = 1
+        _clients.add(self)
 
     # Sessions.
 
-    def _open(self, wait=0.0):
-        """Opens a session and maps its region."""
+    def _open(self, res, wait=0.0):
+        """Opens a session and maps its region, once the agent proved to
+        run as this user and the region to be its memfd. Called without
+        the lock."""
+        deadline = time.monotonic() + wait
+        _check_peer(self._path, wait)
         req = agent_pb2.OpenRequest(client=self.client_name, shm_bytes=self._shm_bytes)
         try:
             if wait > 0:
-                resp = self._stub.Open(req, timeout=wait, wait_for_ready=True)
+                resp = res.stub.Open(req, timeout=max(deadline - time.monotonic(), 0.5), wait_for_ready=True)
             else:
-                resp = self._stub.Open(req, timeout=self._timeout)
+                resp = res.stub.Open(req, timeout=self._timeout)
         except grpc.RpcError as e:
             raise errors.from_rpc(e, "open a session with the agent at %s" % self.socket) from None
         try:
-            return _Region(resp)
-        except OSError as e:
-            try:
-                self._stub.Close(agent_pb2.SessionRef(session=resp.session), timeout=5)
-            except grpc.RpcError:
-                pass
-            raise errors.Unavailable("map the session's region %s: %s (the agent must run as this user, "
-                                     "in this pid namespace)" % (resp.shm_path, e)) from None
+            return _Region(resp, self._shm_bytes)
+        except BaseException:
+            res.end_session(resp.session)
+            raise
 
-    def _current(self):
-        with self._lock:
-            if self._closed:
-                raise errors.ClientClosed("client closed")
-            return self._region
+    def _forked(self):
+        """In a forked child (from os.register_at_fork): forget the parent's
+        sessions, regions and channel, which the parent goes on using; the
+        child's next call opens a session of its own."""
+        self._lock = threading.Lock()  # the parent's may have been held by another thread
+        self._cond = threading.Condition(self._lock)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        old = self._res
+        if old is not None:
+            self._orphans.append(old.channel)
+            for region in old.regions:
+                region.unmap(close_alloc=False)  # the child's copy of the mapping only
+        self._res = None
+        self._finalizer = None
+        self._region = None
+        self._inflight = 0
+        self._opening = False
+        self._opened = 0
+        self.reopened = 0
 
-    def _reopen(self, failed):
-        """Opens a new session unless another thread already replaced the
-        failed one."""
-        with self._lock:
+    def _enter(self, need_region):
+        """Starts a call: returns (resources, region), where region is the
+        current session's (opened now if there is none) or None when
+        need_region is false. Raises ClientClosed once closed. Every
+        _enter that returns is paired with an _exit."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise errors.ClientClosed("client closed")
+                if self._res is None:  # a forked child's first call
+                    self._res = _Resources(self._target)
+                    self._finalizer = weakref.finalize(self, self._res.shutdown)
+                if not need_region or self._region is not None or not self._opening:
+                    break
+                self._cond.wait()  # for the call opening a session
+            self._inflight += 1
+            res = self._res
+            if not need_region:
+                return res, None
+            region = self._region
+            if region is not None:
+                region.users += 1
+                return res, region
+            self._opening = True
+        # Open without the lock: calls that need no session go on meanwhile.
+        try:
+            region = self._open(res)
+        except BaseException:
+            with self._cond:
+                self._opening = False
+                self._inflight -= 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._opening = False
+            self._cond.notify_all()
+            res.regions.add(region)  # close() ends it, whatever happens next
+            if self._opened:
+                self.reopened += 1
+            self._opened += 1
             if self._closed:
+                self._inflight -= 1
                 raise errors.ClientClosed("client closed")
-            if self._region is not failed:
-                return
-            region = self._open()
-            # The old region is unmapped once no request uses it.
             self._region = region
-            self.reopened += 1
+            region.users += 1
+            stale = [r for r in res.regions if r.retired and not r.ended and not r.ending]
+            for r in stale:
+                r.ending = True
+        # Sessions retired while the agent was unreachable: end them now.
+        for r in stale:
+            self._end(res, r)
+        return res, region
+
+    def _exit(self, res, region):
+        """Ends a call that _enter started. The call that retired a session
+        asks the agent to end it first."""
+        try:
+            if region is not None:
+                with self._cond:
+                    claim = region.retired and not region.ended and not region.ending
+                    if claim:
+                        region.ending = True
+                if claim:
+                    self._end(res, region)
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                if region is not None:
+                    region.users -= 1
+                    self._reap(res, region)
+                self._cond.notify_all()
+
+    def _end(self, res, region):
+        """Ends a retired region's session at the agent, then unmaps the
+        region once no call uses it. Called without the lock."""
+        ended = False
+        try:
+            ended = res.end_session(region.session)
+        finally:
+            with self._cond:
+                region.ending = False
+                region.ended = region.ended or ended
+                self._reap(res, region)
+
+    def _reap(self, res, region):
+        """Unmaps a retired region once its session ended and no call uses
+        it. Called with the lock held."""
+        if region.retired and region.ended and region.users == 0 and region in res.regions:
+            res.regions.discard(region)
+            region.unmap()
+
+    def _retire(self, region, forgotten=False):
+        """Takes region out of use: no call starts on it again and calls
+        waiting for room in it start over on the next session. forgotten:
+        the agent no longer knows the session (nothing to end)."""
+        with self._cond:
+            region.retired = True
+            if forgotten:
+                region.ended = True
+            if self._region is region:
+                self._region = None
+        region.alloc.close(SessionRetired)
 
     def _session_call(self, what, fn):
-        """Runs fn(region), reopening the session once if the agent no
-        longer knows it (NOT_FOUND for the whole request)."""
-        for attempt in range(2):
-            region = self._current()
+        """Runs fn(resources, region) on the current session. When the
+        agent no longer knows the session (NOT_FOUND for the whole
+        request), it is retired and fn runs once more on a new one; so it
+        does when the session was retired while fn waited for room."""
+        forgotten = False
+        for _ in range(4):
+            res, region = self._enter(True)
             try:
-                return fn(region)
+                return fn(res, region)
+            except SessionRetired:
+                continue
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND and attempt == 0:
-                    self._reopen(region)
+                if e.code() == grpc.StatusCode.NOT_FOUND and not forgotten:
+                    forgotten = True
+                    self._retire(region, forgotten=True)
                     continue
                 raise errors.from_rpc(e, what) from None
-        raise AssertionError("unreachable")
+            finally:
+                self._exit(res, region)
+        raise errors.Unavailable("%s: the session was retired under every attempt" % what)
+
+    def _transfer(self, res, region, total, method, build, finish):
+        """Holds an extent of total bytes of region for one request:
+        build(base) stages it and returns the request, finish(resp, base)
+        reads the answer. The extent goes back to the allocator only once
+        the agent answered (or was never asked). A request abandoned while
+        the agent may still be working on it (a deadline, a cancellation, a
+        lost connection, KeyboardInterrupt) keeps its extent and retires
+        the session, so that the agent's late writes (a get) or reads (a
+        put) never meet another call's bytes."""
+        base = region.alloc.alloc(total, self._timeout)
+        try:
+            req = build(base)
+        except BaseException:
+            region.alloc.free(base, total)
+            raise
+        try:
+            resp = getattr(res.stub, method)(req, timeout=self._timeout)
+        except grpc.RpcError as e:
+            if e.code() in _UNANSWERED:
+                self._retire(region)
+            else:
+                region.alloc.free(base, total)
+            raise
+        except BaseException:
+            self._retire(region)
+            raise
+        try:
+            return finish(resp, base)
+        finally:
+            region.alloc.free(base, total)
 
     def _call(self, method, req, what):
-        self._current()
+        """A request that uses no session."""
+        res, _ = self._enter(False)
         try:
-            return method(req, timeout=self._timeout)
+            return getattr(res.stub, method)(req, timeout=self._timeout)
         except grpc.RpcError as e:
             raise errors.from_rpc(e, what) from None
+        finally:
+            self._exit(res, None)
+
+    def _size(self):
+        """The region size that batches are split for."""
+        with self._cond:
+            if self._closed:
+                raise errors.ClientClosed("client closed")
+        return self._shm_bytes
 
     @property
     def shm_bytes(self):
         """The size of the session's shared-memory region."""
-        return self._current().size
+        with self._cond:
+            if self._closed:
+                raise errors.ClientClosed("client closed")
+            return self._region.size if self._region is not None else self._shm_bytes
 
     @property
     def session(self):
-        """The agent's id of the current session."""
-        return self._current().session
+        """The agent's id of the current session (opened now if the last
+        one was retired)."""
+        res, region = self._enter(True)
+        try:
+            return region.session
+        finally:
+            self._exit(res, region)
 
     def close(self):
-        """Ends the session and unmaps its region; later calls raise
-        ClientClosed. Safe to call more than once."""
-        with self._lock:
+        """Waits for the calls in flight (calls waiting for room in the
+        region give up with ClientClosed), then ends the session and unmaps
+        its region; later calls raise ClientClosed. Safe to call more than
+        once."""
+        with self._cond:
             if self._closed:
+                while not self._shut:
+                    self._cond.wait()
                 return
             self._closed = True
-            region, self._region = self._region, None
+            if self._res is not None:
+                for region in self._res.regions:
+                    region.alloc.close()
+            self._cond.notify_all()
+            while self._inflight:
+                self._cond.wait()
+            self._region = None
+            finalizer = self._finalizer
         try:
-            self._stub.Close(agent_pb2.SessionRef(session=region.session), timeout=min(self._timeout or 5.0, 5.0))
-        except grpc.RpcError:
-            pass  # ended idle, or the agent is gone: nothing to end
-        self._channel.close()
-        region.close()
+            if finalizer is not None:
+                finalizer()
+        finally:
+            with self._cond:
+                self._shut = True
+                self._cond.notify_all()
+            _clients.discard(self)
 
     def __enter__(self):
         return self
@@ -357,7 +725,7 @@ class Client:
         lease_ttl_ms, deadline = 0, None
         for lo, hi in _chunks(len(keys)):
             asked = time.monotonic()
-            resp = self._call(self._stub.Lookup, tidepool_pb2.LookupRequest(keys=keys[lo:hi]), "lookup")
+            resp = self._call("Lookup", tidepool_pb2.LookupRequest(keys=keys[lo:hi]), "lookup")
             n = resp.matched
             if (n > hi - lo or len(resp.sizes) != n or len(resp.checksums) != n
                     or len(resp.replica_counts) != n
@@ -388,7 +756,7 @@ class Client:
         keys = _keys(keys)
         count = 0
         for lo, hi in _chunks(len(keys)):
-            resp = self._call(self._stub.BatchExists, tidepool_pb2.KeysRequest(keys=keys[lo:hi]), "batch exists")
+            resp = self._call("BatchExists", tidepool_pb2.KeysRequest(keys=keys[lo:hi]), "batch exists")
             count += resp.count
             if resp.count < hi - lo:
                 break
@@ -401,12 +769,15 @@ class Client:
     # Gets.
 
     def _groups(self, idx, lengths, size):
-        """Splits the items idx into runs whose aligned lengths fit a
-        region of size bytes, at most MAX_BATCH_KEYS each."""
+        """Splits the items idx into runs whose aligned lengths add up to at
+        most half a region of size bytes (a longer value is a run of its
+        own), at most MAX_BATCH_KEYS each: a batch never waits for the
+        whole region, so two calls can always share it."""
+        cap = max(size // 2, ALIGN)
         group, total = [], 0
         for i in idx:
             n = align(lengths[i])
-            if group and (total + n > size or len(group) >= MAX_BATCH_KEYS):
+            if group and (total + n > cap or len(group) >= MAX_BATCH_KEYS):
                 yield group
                 group, total = [], 0
             group.append(i)
@@ -420,16 +791,18 @@ class Client:
         {i: Error} for the rest."""
         total = sum(align(lengths[i]) for i in group)
 
-        def attempt(region):
-            base = region.alloc.alloc(total, self._timeout)
-            try:
-                spans, off = [], base
+        def attempt(res, region):
+            spans = []
+
+            def build(base):
+                off = base
                 for i in group:
                     spans.append(agent_pb2.Span(offset=off, length=lengths[i]))
                     off += align(lengths[i])
-                resp = self._stub.BatchGet(agent_pb2.AgentGetRequest(
-                    session=region.session, keys=[keys[i] for i in group], spans=spans),
-                    timeout=self._timeout)
+                return agent_pb2.AgentGetRequest(session=region.session, keys=[keys[i] for i in group],
+                                                 spans=spans)
+
+            def finish(resp, base):
                 if len(resp.results) != len(group) or len(resp.sizes) != len(group):
                     raise errors.Internal("batch get: %d results and %d sizes for %d keys"
                                           % (len(resp.results), len(resp.sizes), len(group)))
@@ -443,8 +816,8 @@ class Client:
                         continue
                     deliver(i, region.view[sp.offset:sp.offset + n])
                 return failed
-            finally:
-                region.alloc.free(base, total)
+
+            return self._transfer(res, region, total, "BatchGet", build, finish)
 
         return self._session_call("batch get", attempt)
 
@@ -460,7 +833,7 @@ class Client:
         n = len(keys)
         out = [_key_error(k) for k in keys]  # a lookup would refuse the whole batch
         sizes = {}
-        size = self._current().size
+        size = self._size()
         i = 0
         while i < n:
             if out[i] is not None:
@@ -510,7 +883,7 @@ class Client:
             raise errors.InvalidArgument("%d keys and %d buffers" % (len(keys), len(buffers)))
         targets = [_target(b, i) for i, b in enumerate(buffers)]
         out = [0] * len(keys)
-        size = self._current().size
+        size = self._size()
         # A span longer than the region can't be; a value that long can't
         # be read either, and the agent says so (OutOfRange).
         lengths = [min(t.nbytes, size) for t in targets]
@@ -539,7 +912,11 @@ class Client:
         keys[i-1], so eviction takes a chain's leaves before their parents.
 
         Raises ValueTooLarge, storing nothing, when a value does not fit
-        the session's region.
+        the session's region. A batch larger than half the region is sent
+        in groups: when a group fails as a whole after others were stored,
+        batch_set returns the results so far and that failure in the place
+        of every item not yet stored (a failure of the first group is
+        raised).
         """
         keys = _keys(keys)
         values = list(values)
@@ -551,7 +928,7 @@ class Client:
             raise errors.InvalidArgument("a parent without chain=True")
         sources = [_source(v, i) for i, v in enumerate(values)]
         lengths = [s.nbytes for s in sources]
-        size = self._current().size
+        size = self._size()
         for i, n in enumerate(lengths):
             if n > size:
                 raise errors.ValueTooLarge(
@@ -559,27 +936,37 @@ class Client:
                     "%d bytes; open the Client with a larger shm_bytes" % (i, keys[i], n, size))
         out = [True] * len(keys)
         prev = parent or ""
-        for group in self._groups(range(len(keys)), lengths, size):
+        groups = list(self._groups(range(len(keys)), lengths, size))
+        for g, group in enumerate(groups):
             total = sum(align(lengths[i]) for i in group)
 
-            def attempt(region, group=group, total=total, prev=prev):
-                base = region.alloc.alloc(total, self._timeout)
-                try:
+            def attempt(res, region, group=group, total=total, prev=prev):
+                def build(base):
                     spans, off = [], base
                     for i in group:
                         n = lengths[i]
                         region.view[off:off + n] = sources[i]
                         spans.append(agent_pb2.Span(offset=off, length=n))
                         off += align(n)
-                    return self._stub.BatchPut(agent_pb2.AgentPutRequest(
+                    return agent_pb2.AgentPutRequest(
                         session=region.session, keys=[keys[i] for i in group], spans=spans,
-                        chain=chain, parent=prev if chain else ""), timeout=self._timeout)
-                finally:
-                    region.alloc.free(base, total)
+                        chain=chain, parent=prev if chain else "")
 
-            resp = self._session_call("batch set", attempt)
-            if len(resp.results) != len(group):
-                raise errors.Internal("batch set: %d results for %d keys" % (len(resp.results), len(group)))
+                return self._transfer(res, region, total, "BatchPut", build, lambda resp, base: resp)
+
+            try:
+                resp = self._session_call("batch set", attempt)
+                if len(resp.results) != len(group):
+                    raise errors.Internal("batch set: %d results for %d keys" % (len(resp.results), len(group)))
+            except errors.Error as e:
+                if g == 0:
+                    raise
+                # The groups before were stored: say so, and fail the rest
+                # item by item (a chain cannot go on past the gap).
+                for rest in groups[g:]:
+                    for i in rest:
+                        out[i] = e
+                return out
             for i, st in zip(group, resp.results):
                 err = _item(st)
                 if err is not None:
@@ -601,7 +988,7 @@ class Client:
         keys = _keys(keys)
         out = []
         for lo, hi in _chunks(len(keys)):
-            resp = self._call(self._stub.Remove, tidepool_pb2.KeysRequest(keys=keys[lo:hi]), "remove")
+            resp = self._call("Remove", tidepool_pb2.KeysRequest(keys=keys[lo:hi]), "remove")
             if len(resp.results) != hi - lo:
                 raise errors.Internal("remove: %d results for %d keys" % (len(resp.results), hi - lo))
             for st in resp.results:
@@ -614,7 +1001,7 @@ class Client:
         be empty) and returns how many."""
         if not isinstance(prefix, str) or not prefix:
             raise errors.InvalidArgument("clear needs a non-empty prefix")
-        resp = self._call(self._stub.Clear, agent_pb2.ClearRequest(prefix=prefix), "clear")
+        resp = self._call("Clear", agent_pb2.ClearRequest(prefix=prefix), "clear")
         return resp.removed
 
     def stats(self):
@@ -623,12 +1010,12 @@ class Client:
         sessions), plus this client's session and reopened count. Also
         keeps the session from ending idle."""
 
-        def attempt(region):
-            return self._stub.Stats(agent_pb2.SessionRef(session=region.session), timeout=self._timeout)
+        def attempt(res, region):
+            return res.stub.Stats(agent_pb2.SessionRef(session=region.session), timeout=self._timeout), region.session
 
-        resp = self._session_call("stats", attempt)
+        resp, session = self._session_call("stats", attempt)
         out = {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
-        out["session"] = self.session
+        out["session"] = session
         out["reopened"] = self.reopened
         return out
 

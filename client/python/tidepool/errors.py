@@ -111,6 +111,12 @@ class ValueTooLarge(InvalidArgument):
     Client with a larger ``shm_bytes``."""
 
 
+class RegionTimeout(DeadlineExceeded):
+    """Waiting for room in the session's shared-memory region timed out:
+    other calls of the Client held it for the whole ``timeout``. Nothing
+    was sent to the agent."""
+
+
 class ClientClosed(Error):
     """The Client was closed."""
     code = grpc.StatusCode.FAILED_PRECONDITION
