@@ -123,16 +123,7 @@ func (f *FSM) childrenOf(key string, limit int) ([]*pb.ObjectInfo, bool) {
 			}
 		}
 	}
-	slices.Sort(keys)
-	truncated := len(keys) > limit
-	if truncated {
-		keys = keys[:limit]
-	}
-	out := make([]*pb.ObjectInfo, len(keys))
-	for i, k := range keys {
-		out[i] = f.info(f.objects[k])
-	}
-	return out, truncated
+	return f.page(keys, limit)
 }
 
 // noteLookup counts a lookup's matched blocks served from SSD alone

@@ -75,6 +75,12 @@ func (f *FSM) list(prefix, after string, limit int) ([]*pb.ObjectInfo, bool) {
 			keys = append(keys, k)
 		}
 	}
+	return f.page(keys, limit)
+}
+
+// page describes the first limit of keys in key order, and reports
+// whether more follow; f.mu must be held.
+func (f *FSM) page(keys []string, limit int) ([]*pb.ObjectInfo, bool) {
 	slices.Sort(keys)
 	truncated := len(keys) > limit
 	if truncated {
@@ -82,8 +88,7 @@ func (f *FSM) list(prefix, after string, limit int) ([]*pb.ObjectInfo, bool) {
 	}
 	out := make([]*pb.ObjectInfo, len(keys))
 	for i, k := range keys {
-		o := f.objects[k]
-		out[i] = f.info(o)
+		out[i] = f.info(f.objects[k])
 	}
 	return out, truncated
 }
