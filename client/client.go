@@ -136,7 +136,7 @@ func (c *Client) Put(ctx context.Context, key string, value []byte) error {
 // BatchPut stores values[i] under keys[i] with one master round trip per
 // phase, and returns one error per key.
 func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) []error {
-	return c.batchPut(ctx, keys, values, func(int) string { return "" })
+	return c.BatchPutWith(ctx, keys, values, PutOptions{})
 }
 
 // BatchPutChain stores the blocks of a prefix chain: keys[0] continues
@@ -144,15 +144,33 @@ func (c *Client) BatchPut(ctx context.Context, keys []string, values [][]byte) [
 // The master records the links, so eviction takes a chain's leaves before
 // the blocks they continue.
 func (c *Client) BatchPutChain(ctx context.Context, parent string, keys []string, values [][]byte) []error {
-	return c.batchPut(ctx, keys, values, func(i int) string {
-		if i == 0 {
-			return parent
-		}
-		return keys[i-1]
-	})
+	return c.BatchPutWith(ctx, keys, values, PutOptions{Chain: true, Parent: parent})
 }
 
-func (c *Client) batchPut(ctx context.Context, keys []string, values [][]byte, parent func(i int) string) []error {
+// PutOptions shape one batch put.
+type PutOptions struct {
+	// Chain links the keys as BatchPutChain does, continuing Parent.
+	Chain  bool
+	Parent string
+	// Replicas overrides Config.Replicas when positive.
+	Replicas int
+}
+
+// BatchPutWith is BatchPut with options.
+func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byte, o PutOptions) []error {
+	replicas := c.replicas
+	if o.Replicas > 0 {
+		replicas = uint32(min(o.Replicas, maxReplicas))
+	}
+	parent := func(i int) string {
+		switch {
+		case !o.Chain:
+			return ""
+		case i == 0:
+			return o.Parent
+		}
+		return keys[i-1]
+	}
 	errs := make([]error, len(keys))
 	if len(keys) != len(values) {
 		for i := range errs {
@@ -169,7 +187,7 @@ func (c *Client) batchPut(ctx context.Context, keys []string, values [][]byte, p
 		}
 		if errs[i] == nil {
 			req.Items = append(req.Items, &pb.PutStartRequest{
-				Key: k, Size: uint64(len(values[i])), Checksum: Checksum(values[i]), Tier: c.tier, Replicas: c.replicas,
+				Key: k, Size: uint64(len(values[i])), Checksum: Checksum(values[i]), Tier: c.tier, Replicas: replicas,
 				Parent: parent(i), Tenant: c.tenant,
 			})
 			idx = append(idx, i)

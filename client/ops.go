@@ -34,8 +34,83 @@ func (c *Client) Remove(ctx context.Context, key string) error {
 	return c.BatchRemove(ctx, []string{key})[0]
 }
 
-// maxBatch is the most keys one request carries (the master's limit).
-const maxBatch = 16384
+const (
+	// maxBatch is the most keys one request carries (the master's limit).
+	maxBatch = 16384
+	// maxReplicas caps the copies one put asks for; placement gives at most
+	// one per store node anyway.
+	maxReplicas = 16
+)
+
+// Present reports, per key, whether a complete object has it, with one
+// master round trip per maxBatch keys. A key the master would refuse (empty,
+// too long) is absent.
+func (c *Client) Present(ctx context.Context, keys []string) ([]bool, error) {
+	out := make([]bool, len(keys))
+	var query []string
+	var idx []int
+	for i, k := range keys {
+		if validKey(k) == nil {
+			query, idx = append(query, k), append(idx, i)
+		}
+	}
+	for start := 0; start < len(query); start += maxBatch {
+		part := query[start:min(start+maxBatch, len(query))]
+		var resp *pb.ExistsResponse
+		if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+			resp, err = m.Exists(ctx, &pb.KeysRequest{Keys: part}, o...)
+			return err
+		}); err != nil {
+			return nil, err
+		}
+		if len(resp.Exists) != len(part) {
+			return nil, fmt.Errorf("%w: %d answers to %d exists", ErrProtocol, len(resp.Exists), len(part))
+		}
+		for j, ok := range resp.Exists {
+			out[idx[start+j]] = ok
+		}
+	}
+	return out, nil
+}
+
+// Describe returns each key's size, checksum and replicas (fastest tier
+// first), or its error (ErrNotFound when absent). The master leases what it
+// describes for its lease TTL.
+func (c *Client) Describe(ctx context.Context, keys []string) ([]Block, []error) {
+	blocks := make([]Block, len(keys))
+	errs := make([]error, len(keys))
+	var query []string
+	var idx []int
+	for i, k := range keys {
+		blocks[i].Key = k
+		if errs[i] = validKey(k); errs[i] == nil {
+			query, idx = append(query, k), append(idx, i)
+		}
+	}
+	for start := 0; start < len(query); start += maxBatch {
+		part := query[start:min(start+maxBatch, len(query))]
+		var resp *pb.GetReplicasResponse
+		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+			resp, err = m.GetReplicas(ctx, &pb.KeysRequest{Keys: part}, o...)
+			return err
+		})
+		if err == nil && len(resp.Results) != len(part) {
+			err = fmt.Errorf("%w: %d answers to %d describes", ErrProtocol, len(resp.Results), len(part))
+		}
+		for j := range part {
+			i := idx[start+j]
+			if err != nil {
+				errs[i] = err
+				continue
+			}
+			r := resp.Results[j]
+			if errs[i] = itemError(r.Status); errs[i] == nil {
+				blocks[i].Size, blocks[i].Checksum, blocks[i].Replicas = r.Size, r.Checksum, r.Replicas
+			}
+		}
+	}
+	return blocks, errs
+}
 
 // BatchRemove deletes objects with one master round trip per maxBatch
 // keys, and returns one error per key.
@@ -82,19 +157,27 @@ func (c *Client) List(ctx context.Context, prefix string) ([]*pb.ObjectInfo, err
 	var out []*pb.ObjectInfo
 	after := ""
 	for {
-		var resp *pb.ListResponse
-		if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
-			resp, err = m.List(ctx, &pb.ListRequest{Prefix: prefix, StartAfter: after}, o...)
-			return err
-		}); err != nil {
+		page, more, err := c.ListPage(ctx, prefix, after, 0)
+		out = append(out, page...)
+		if err != nil || !more {
 			return out, err
 		}
-		out = append(out, resp.Objects...)
-		if !resp.Truncated || len(resp.Objects) == 0 {
-			return out, nil
-		}
-		after = resp.Objects[len(resp.Objects)-1].Key
+		after = page[len(page)-1].Key
 	}
+}
+
+// ListPage returns up to limit objects (0: the master's default page)
+// whose key starts with prefix and sorts after startAfter, in key order,
+// and whether more follow.
+func (c *Client) ListPage(ctx context.Context, prefix, startAfter string, limit int) ([]*pb.ObjectInfo, bool, error) {
+	var resp *pb.ListResponse
+	if err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		resp, err = m.List(ctx, &pb.ListRequest{Prefix: prefix, StartAfter: startAfter, Limit: uint32(max(limit, 0))}, o...)
+		return err
+	}); err != nil {
+		return nil, false, err
+	}
+	return resp.Objects, resp.Truncated && len(resp.Objects) > 0, nil
 }
 
 // Status describes the cluster as the leader sees it.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
 	"slices"
 	"time"
 
@@ -298,12 +299,7 @@ func (a *service) BatchPut(ctx context.Context, req *pb.AgentPutRequest) (*pb.It
 	for i := range n {
 		values[i], spanErrs[i] = ss.span(req.Spans[i])
 	}
-	var errs []error
-	if req.Chain {
-		errs = s.c.BatchPutChain(ctx, req.Parent, req.Keys, values)
-	} else {
-		errs = s.c.BatchPut(ctx, req.Keys, values)
-	}
+	errs := s.c.BatchPutWith(ctx, req.Keys, values, client.PutOptions{Chain: req.Chain, Parent: req.Parent, Replicas: int(req.Replicas)})
 	for i := range n {
 		if spanErrs[i] != nil && validKey(req.Keys[i]) == nil {
 			errs[i] = spanErrs[i]
@@ -317,8 +313,8 @@ func (a *service) BatchPut(ctx context.Context, req *pb.AgentPutRequest) (*pb.It
 }
 
 // refuseOverlaps fails every get whose span overlaps another of the
-// request: two values written into the same bytes would fail their
-// checksums, and one would be lost.
+// request in the same region: two values written into the same bytes would
+// fail their checksums, and one would be lost.
 func refuseOverlaps(spans []*pb.Span, errs []error) {
 	var idx []int
 	for i, err := range errs {
@@ -326,18 +322,27 @@ func refuseOverlaps(spans []*pb.Span, errs []error) {
 			idx = append(idx, i)
 		}
 	}
-	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(spans[a].GetOffset(), spans[b].GetOffset()) })
-	end, last := uint64(0), -1 // the furthest end so far, and whose
+	slices.SortFunc(idx, func(a, b int) int {
+		return cmp.Or(cmp.Compare(spans[a].GetRegion(), spans[b].GetRegion()), cmp.Compare(spans[a].GetOffset(), spans[b].GetOffset()))
+	})
+	end, last := uint64(0), -1 // the furthest end so far in the region, and whose
 	for _, i := range idx {
 		sp := spans[i]
+		if last >= 0 && sp.GetRegion() != spans[last].GetRegion() {
+			end, last = 0, -1
+		}
 		if last >= 0 && sp.GetOffset() < end {
-			errs[i] = fmt.Errorf("%w: [%d, %d)", ErrOverlap, sp.GetOffset(), sp.GetOffset()+sp.GetLength())
-			errs[last] = fmt.Errorf("%w: [%d, %d)", ErrOverlap, spans[last].GetOffset(), spans[last].GetOffset()+spans[last].GetLength())
+			errs[i] = overlap(sp)
+			errs[last] = overlap(spans[last])
 		}
 		if e := sp.GetOffset() + sp.GetLength(); e > end {
 			end, last = e, i
 		}
 	}
+}
+
+func overlap(sp *pb.Span) error {
+	return fmt.Errorf("%w: [%d, %d) of region %d", ErrOverlap, sp.GetOffset(), sp.GetOffset()+sp.GetLength(), sp.GetRegion())
 }
 
 func (a *service) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
@@ -360,43 +365,61 @@ func (s *Server) remove(ctx context.Context, keys []string) []error {
 	return errs
 }
 
-// Clear removes the complete objects whose key has the prefix; objects
-// still being put are left alone.
+// clearPage is how many objects Clear lists and removes at a time, so its
+// memory does not grow with the pool.
+const clearPage = 1000
+
+// Clear removes the complete objects whose key has the prefix (and matches
+// the regex); objects still being put are left alone. It walks the table a
+// page at a time.
 func (a *service) Clear(ctx context.Context, req *pb.ClearRequest) (*pb.ClearResponse, error) {
 	s := a.s
-	if req.Prefix == "" {
-		return nil, s.fail(fmt.Errorf("%w: clear needs a prefix", client.ErrInvalidArgument))
+	if req.Prefix == "" && !req.All {
+		return nil, s.fail(fmt.Errorf("%w: clear needs a prefix (or all)", client.ErrInvalidArgument))
 	}
-	objs, err := s.c.List(ctx, req.Prefix)
-	if err != nil {
-		return nil, s.fail(fmt.Errorf("list %q: %w", req.Prefix, err))
-	}
-	var keys []string
-	for _, o := range objs {
-		if o.State == pb.ObjectState_OBJECT_STATE_COMPLETE {
-			keys = append(keys, o.Key)
+	var re *regexp.Regexp
+	if req.Regex != "" {
+		var err error
+		if re, err = regexp.Compile(req.Regex); err != nil {
+			return nil, s.fail(fmt.Errorf("%w: regex: %v", client.ErrInvalidArgument, err))
 		}
-	}
-	if len(keys) == 0 {
-		return &pb.ClearResponse{}, nil
 	}
 	var removed, failed uint64
 	var first error
-	for _, err := range s.remove(ctx, keys) {
-		switch {
-		case err == nil:
-			removed++
-		case miss(err): // removed meanwhile
-		default:
+	after := ""
+	for {
+		page, more, err := s.c.ListPage(ctx, req.Prefix, after, clearPage)
+		if err != nil {
+			first = cmp.Or(first, fmt.Errorf("list %q: %w", req.Prefix, err))
 			failed++
-			if first == nil {
-				first = err
+			break
+		}
+		var keys []string
+		for _, o := range page {
+			if o.State == pb.ObjectState_OBJECT_STATE_COMPLETE && (re == nil || re.MatchString(o.Key)) {
+				keys = append(keys, o.Key)
 			}
 		}
+		if len(keys) > 0 {
+			for _, err := range s.remove(ctx, keys) {
+				switch {
+				case err == nil:
+					removed++
+				case miss(err): // removed meanwhile
+				default:
+					failed++
+					first = cmp.Or(first, err)
+				}
+			}
+		}
+		if !more {
+			break
+		}
+		after = page[len(page)-1].Key
 	}
 	if first != nil {
 		s.stats.errors.Add(failed - 1)
-		return nil, s.fail(fmt.Errorf("removed %d of %d objects with prefix %q; %d failed, the first: %w", removed, len(keys), req.Prefix, failed, first))
+		return nil, s.fail(fmt.Errorf("removed %d objects matching prefix %q; %d failed, the first: %w", removed, req.Prefix, failed, first))
 	}
 	return &pb.ClearResponse{Removed: removed}, nil
 }
@@ -412,4 +435,55 @@ func (a *service) Stats(ctx context.Context, req *pb.SessionRef) (*pb.AgentStats
 		ss.release()
 	}
 	return a.s.statsResponse(), nil
+}
+
+func (a *service) Attach(ctx context.Context, req *pb.AttachRequest) (*pb.AttachResponse, error) {
+	id, err := a.s.attach(req.Session, req.Path, req.Size)
+	if err != nil {
+		return nil, a.s.fail(err)
+	}
+	a.s.log.Info("region attached", "session", req.Session, "region", id, "path", req.Path, "bytes", req.Size)
+	return &pb.AttachResponse{Region: id}, nil
+}
+
+func (a *service) Detach(ctx context.Context, req *pb.DetachRequest) (*pb.SessionRef, error) {
+	if err := a.s.detach(req.Session, req.Region); err != nil {
+		return nil, a.s.fail(err)
+	}
+	return &pb.SessionRef{Session: req.Session}, nil
+}
+
+// Exists answers per key; a key the pool would refuse is absent.
+func (a *service) Exists(ctx context.Context, req *pb.KeysRequest) (*pb.ExistsResponse, error) {
+	s := a.s
+	if err := checkKeys(req.Keys); err != nil {
+		return nil, s.fail(err)
+	}
+	ok, err := s.c.Present(ctx, req.Keys)
+	if err != nil {
+		return nil, s.fail(err)
+	}
+	n := 0
+	for _, b := range ok {
+		if b {
+			n++
+		}
+	}
+	s.stats.lookups.Add(1)
+	s.stats.probed.Add(uint64(len(req.Keys)))
+	s.stats.matched.Add(uint64(n))
+	return &pb.ExistsResponse{Exists: ok}, nil
+}
+
+func (a *service) Describe(ctx context.Context, req *pb.KeysRequest) (*pb.GetReplicasResponse, error) {
+	s := a.s
+	if err := checkKeys(req.Keys); err != nil {
+		return nil, s.fail(err)
+	}
+	blocks, errs := s.c.Describe(ctx, req.Keys)
+	resp := &pb.GetReplicasResponse{Results: make([]*pb.ObjectReplicas, len(blocks))}
+	for i, b := range blocks {
+		resp.Results[i] = &pb.ObjectReplicas{Status: itemStatus(errs[i]), Size: b.Size, Checksum: b.Checksum, Replicas: b.Replicas}
+	}
+	return resp, nil
 }

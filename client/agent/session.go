@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,9 +21,19 @@ var (
 	ErrUnknownSession = errors.New("unknown session")
 	// ErrClosed: the agent is shutting down.
 	ErrClosed = errors.New("agent closed")
+	// ErrTooManyRegions: Attach would exceed MaxAttached.
+	ErrTooManyRegions = errors.New("too many attached regions")
 )
 
-// session is one process's shared-memory region.
+const (
+	// MaxAttached is the most regions one session may attach.
+	MaxAttached = 64
+	// maxAttachBytes bounds one attached region: more than any host maps.
+	maxAttachBytes = 1 << 50
+)
+
+// session is one process's shared-memory region, and the regions of its
+// own that the process attached.
 type session struct {
 	id     uint64
 	client string // as the process named itself, for logs
@@ -30,42 +41,157 @@ type session struct {
 	path   string // /proc/<pid>/fd/<fd>: what the process maps
 	fd     int
 
-	// mu is read-held by every request using mem, write-held to unmap it,
-	// so a region is never unmapped under a transfer.
-	mu  sync.RWMutex
-	mem []byte // nil once ended
+	// mu is read-held by every request using mem or attached, write-held
+	// to change them, so a region is never unmapped under a transfer.
+	mu       sync.RWMutex
+	mem      []byte             // nil once ended
+	attached map[uint32]*region // by id, from 1
+	nextID   uint32
 
 	used   atomic.Int64 // unix nanoseconds of the last request's start or end
 	active atomic.Int32 // requests using the session; raised under Server.mu
 }
 
+// region is a memfd of the session's process, attached: gets land in it and
+// puts leave from it without a copy through the session's own region.
+type region struct {
+	mem []byte
+	fd  int
+}
+
+func (r *region) close() error { return errors.Join(unix.Munmap(r.mem), unix.Close(r.fd)) }
+
 func (ss *session) touch()              { ss.used.Store(time.Now().UnixNano()) }
 func (ss *session) lastUsed() time.Time { return time.Unix(0, ss.used.Load()) }
 
-// end unmaps the region and closes the memfd once no request uses them.
+// end unmaps the regions and closes the memfds once no request uses them.
 func (ss *session) end() error {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	if ss.mem == nil {
 		return nil
 	}
-	err := errors.Join(unix.Munmap(ss.mem), unix.Close(ss.fd))
-	ss.mem, ss.fd = nil, -1
-	if err != nil {
+	errs := []error{unix.Munmap(ss.mem), unix.Close(ss.fd)}
+	for _, r := range ss.attached {
+		errs = append(errs, r.close())
+	}
+	ss.mem, ss.fd, ss.attached = nil, -1, nil
+	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("session %d: %w", ss.id, err)
 	}
 	return nil
 }
 
-// span returns the bytes of sp in the region, capped at its length so
-// nothing beyond it is ever touched.
+// span returns the bytes of sp in its region, capped at its length so
+// nothing beyond it is ever touched. The caller read-holds ss.mu.
 func (ss *session) span(sp *pb.Span) ([]byte, error) {
-	size := uint64(len(ss.mem))
+	mem := ss.mem
+	if id := sp.GetRegion(); id != 0 {
+		r := ss.attached[id]
+		if r == nil {
+			return nil, fmt.Errorf("%w: no attached region %d in session %d", client.ErrInvalidArgument, id, ss.id)
+		}
+		mem = r.mem
+	}
+	size := uint64(len(mem))
 	off, n := sp.GetOffset(), sp.GetLength()
 	if n > size || off > size-n {
-		return nil, fmt.Errorf("%w: span of %d bytes at offset %d is outside the session's region of %d bytes", client.ErrInvalidArgument, n, off, size)
+		return nil, fmt.Errorf("%w: span of %d bytes at offset %d is outside region %d of %d bytes", client.ErrInvalidArgument, n, off, sp.GetRegion(), size)
 	}
-	return ss.mem[off : off+n : off+n], nil
+	return mem[off : off+n : off+n], nil
+}
+
+// attach maps the caller's memfd at path, which must be size bytes long,
+// and returns its region id. The agent seals it against shrinking and
+// growing first: a file shrunk under the agent's mapping would fault it.
+func (s *Server) attach(id uint64, path string, size uint64) (uint32, error) {
+	if size == 0 || size > maxAttachBytes {
+		return 0, fmt.Errorf("%w: attach %d bytes: want 1 to %d", client.ErrInvalidArgument, size, uint64(maxAttachBytes))
+	}
+	ss, err := s.acquire(id)
+	if err != nil {
+		return 0, err
+	}
+	n := len(ss.attached)
+	ss.release()
+	if n >= MaxAttached {
+		return 0, fmt.Errorf("%w: session %d has %d attached regions, the most it may", ErrTooManyRegions, id, n)
+	}
+	r, err := mapMemfd(path, size)
+	if err != nil {
+		return 0, err
+	}
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	switch {
+	case ss.mem == nil: // ended meanwhile
+		return 0, errors.Join(unknownSession(id), r.close())
+	case len(ss.attached) >= MaxAttached:
+		return 0, errors.Join(fmt.Errorf("%w: session %d has %d attached regions, the most it may", ErrTooManyRegions, id, len(ss.attached)), r.close())
+	}
+	if ss.attached == nil {
+		ss.attached = map[uint32]*region{}
+	}
+	ss.nextID++
+	ss.attached[ss.nextID] = r
+	return ss.nextID, nil
+}
+
+// detach unmaps region rid of session id once no request uses it.
+func (s *Server) detach(id uint64, rid uint32) error {
+	ss, err := s.acquire(id)
+	if err != nil {
+		return err
+	}
+	ss.release()
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	r := ss.attached[rid]
+	if r == nil {
+		return fmt.Errorf("%w: no attached region %d in session %d", client.ErrNotFound, rid, id)
+	}
+	delete(ss.attached, rid)
+	return r.close()
+}
+
+// mapMemfd opens path, checks that it is a memfd of size bytes, seals it
+// against shrinking and growing and maps it shared.
+func mapMemfd(path string, size uint64) (*region, error) {
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: open %s: %v (a region to attach is /proc/PID/fd/N of a memfd of a process of this user)", client.ErrInvalidArgument, path, err)
+	}
+	fail := func(err error) (*region, error) {
+		unix.Close(fd)
+		return nil, err
+	}
+	link, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd))
+	if err != nil {
+		return fail(fmt.Errorf("attach %s: %w", path, err))
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fail(fmt.Errorf("attach %s: %w", path, err))
+	}
+	switch {
+	case !strings.HasPrefix(link, "/memfd:") || st.Mode&unix.S_IFMT != unix.S_IFREG:
+		return fail(fmt.Errorf("%w: attach %s: it is %q, not a memfd", client.ErrInvalidArgument, path, link))
+	case uint64(st.Size) != size:
+		return fail(fmt.Errorf("%w: attach %s: the memfd is %d bytes, not %d", client.ErrInvalidArgument, path, st.Size, size))
+	}
+	const want = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, want); err != nil {
+		// Sealed already (F_SEAL_SEAL) is fine if it cannot change size.
+		seals, gerr := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+		if gerr != nil || seals&want != want {
+			return fail(fmt.Errorf("%w: attach %s: cannot seal it against resizing (%v): create it with MFD_ALLOW_SEALING", client.ErrInvalidArgument, path, err))
+		}
+	}
+	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fail(fmt.Errorf("attach %s: mmap %d bytes: %w", path, size, err))
+	}
+	return &region{mem: mem, fd: fd}, nil
 }
 
 // open creates a session with a region of size bytes.

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"net"
 	"os"
 	"syscall"
@@ -12,6 +14,7 @@ import (
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/client/agent"
 	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
 )
 
@@ -26,6 +29,12 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	idle := fs.Duration("session-idle", agent.DefaultSessionIdle, "end a session after this long without a request naming it")
 	maxBytes := fs.String("max-session-bytes", "4GiB", "largest shared-memory region one session may open")
 	maxSessions := fs.Int("max-sessions", agent.DefaultMaxSessions, "sessions open at once; Open beyond it answers RESOURCE_EXHAUSTED")
+	segment := fs.String("segment", "0", "DRAM this agent contributes to the pool as a store node of its own, as a Mooncake client's global_segment_size does (0: none)")
+	segListen := fs.String("segment-listen", "127.0.0.1:0", "with --segment: the store's transfer engine address (port 0: any free port)")
+	segAdvertise := fs.String("segment-advertise", "", "with --segment: the engine address peers dial (default: the address listened on)")
+	host, _ := os.Hostname()
+	segID := fs.String("segment-id", fmt.Sprintf("%s-agent-%d", host, os.Getpid()), "with --segment: the store node's id")
+	stdinLife := fs.Bool("exit-with-stdin", false, "shut down when standard input reaches its end: the process that started the agent with a pipe on it exited or closed it")
 	var cfg client.Config
 	putFlags(fs, &cfg)
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9092")
@@ -42,7 +51,14 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	if err != nil || limit <= 0 {
 		return fmt.Errorf("%w: --max-session-bytes %q: want a positive size such as 4GiB", errUsage, *maxBytes)
 	}
+	segBytes, err := tiers.ParseSize(*segment)
+	if err != nil || segBytes < 0 {
+		return fmt.Errorf("%w: --segment %q: want a size such as 4GiB, or 0", errUsage, *segment)
+	}
 	log := d.log
+	if *stdinLife {
+		ctx = untilEOF(ctx, e.stdin, log)
+	}
 
 	ln, err := listenUnix(*socket)
 	if err != nil {
@@ -56,25 +72,51 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 		ln.Close()
 		return err
 	}
+	var node *store.Node
+	if segBytes > 0 {
+		st := storeFlags{id: *segID, listen: *segListen, advertise: *segAdvertise, tiers: listFlag{"dram:" + *segment}, indexSync: 5 * time.Second, copies: 4}
+		if node, err = startStore(&st, cfg.Masters, d.reg, log); err != nil {
+			ln.Close()
+			return errors.Join(err, c.Close())
+		}
+	}
+	closeNode := func() error {
+		if node == nil {
+			return nil
+		}
+		return node.Close()
+	}
 	srv, err := agent.New(agent.Config{
 		Client: c, SessionIdle: *idle, MaxSessionBytes: uint64(limit), MaxSessions: *maxSessions,
 		Logger: log.With("component", "agent"), Registerer: d.reg,
 	})
 	if err != nil {
 		ln.Close()
-		return errors.Join(err, c.Close())
+		return errors.Join(err, closeNode(), c.Close())
 	}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
 	stop := func() error {
 		err := srv.Close() // closes ln, which removes the socket file
-		return errors.Join(err, <-served, c.Close())
+		return errors.Join(err, <-served, closeNode(), c.Close())
 	}
-	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return masterReachable(ctx, c) }, nil, log)
+	ready := func() error {
+		if node != nil {
+			if err := registered(node); err != nil {
+				return err
+			}
+		}
+		return masterReachable(ctx, c)
+	}
+	var rails func() []engine.RailInfo
+	if node != nil {
+		rails = node.Rails
+	}
+	stopHTTP, err := serveHTTP(d.http, d.reg, ready, rails, log)
 	if err != nil {
 		return errors.Join(err, stop())
 	}
-	log.Info("agent serving", "socket", *socket, "masters", cfg.Masters, "session_idle", *idle, "max_session_bytes", limit)
+	log.Info("agent serving", "socket", *socket, "masters", cfg.Masters, "session_idle", *idle, "max_session_bytes", limit, "segment", segBytes)
 	select {
 	case <-ctx.Done():
 	case err := <-served:
@@ -115,6 +157,18 @@ func listenUnix(path string) (net.Listener, error) {
 		return nil, fmt.Errorf("listen on %s: %w", path, err)
 	}
 	return ln, nil
+}
+
+// untilEOF returns a context canceled once r reaches its end (or fails):
+// the agent's lifeline to the process that started it.
+func untilEOF(ctx context.Context, r io.Reader, log *slog.Logger) context.Context {
+	ctx, cancel := context.WithCancel(ctx)
+	go func() {
+		defer cancel()
+		_, err := io.Copy(io.Discard, r)
+		log.Info("standard input closed; shutting down", "err", err)
+	}()
+	return ctx
 }
 
 // masterReachable is the agent's readiness: a master leader answers.

@@ -194,11 +194,14 @@ func (x *SessionRef) GetSession() uint64 {
 	return 0
 }
 
-// A range of the session's shared-memory region.
+// A range of bytes a request reads or writes: in the session's own
+// shared-memory region, or in a region the caller attached.
 type Span struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Offset        uint64                 `protobuf:"varint,1,opt,name=offset,proto3" json:"offset,omitempty"`
-	Length        uint64                 `protobuf:"varint,2,opt,name=length,proto3" json:"length,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Offset uint64                 `protobuf:"varint,1,opt,name=offset,proto3" json:"offset,omitempty"`
+	Length uint64                 `protobuf:"varint,2,opt,name=length,proto3" json:"length,omitempty"`
+	// 0: the session's region; otherwise a region Attach answered.
+	Region        uint32 `protobuf:"varint,3,opt,name=region,proto3" json:"region,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -247,6 +250,173 @@ func (x *Span) GetLength() uint64 {
 	return 0
 }
 
+func (x *Span) GetRegion() uint32 {
+	if x != nil {
+		return x.Region
+	}
+	return 0
+}
+
+type AttachRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Session uint64                 `protobuf:"varint,1,opt,name=session,proto3" json:"session,omitempty"`
+	// /proc/<caller pid>/fd/<fd> of a memfd the caller created with
+	// MFD_ALLOW_SEALING and maps itself; the agent seals it against
+	// shrinking and growing, then maps it too.
+	Path string `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// The memfd's size, which must match.
+	Size          uint64 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AttachRequest) Reset() {
+	*x = AttachRequest{}
+	mi := &file_agent_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttachRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttachRequest) ProtoMessage() {}
+
+func (x *AttachRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttachRequest.ProtoReflect.Descriptor instead.
+func (*AttachRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *AttachRequest) GetSession() uint64 {
+	if x != nil {
+		return x.Session
+	}
+	return 0
+}
+
+func (x *AttachRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *AttachRequest) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+type AttachResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Region        uint32                 `protobuf:"varint,1,opt,name=region,proto3" json:"region,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AttachResponse) Reset() {
+	*x = AttachResponse{}
+	mi := &file_agent_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttachResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttachResponse) ProtoMessage() {}
+
+func (x *AttachResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttachResponse.ProtoReflect.Descriptor instead.
+func (*AttachResponse) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *AttachResponse) GetRegion() uint32 {
+	if x != nil {
+		return x.Region
+	}
+	return 0
+}
+
+type DetachRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Session       uint64                 `protobuf:"varint,1,opt,name=session,proto3" json:"session,omitempty"`
+	Region        uint32                 `protobuf:"varint,2,opt,name=region,proto3" json:"region,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DetachRequest) Reset() {
+	*x = DetachRequest{}
+	mi := &file_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DetachRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DetachRequest) ProtoMessage() {}
+
+func (x *DetachRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DetachRequest.ProtoReflect.Descriptor instead.
+func (*DetachRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *DetachRequest) GetSession() uint64 {
+	if x != nil {
+		return x.Session
+	}
+	return 0
+}
+
+func (x *DetachRequest) GetRegion() uint32 {
+	if x != nil {
+		return x.Region
+	}
+	return 0
+}
+
 type AgentGetRequest struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Session uint64                 `protobuf:"varint,1,opt,name=session,proto3" json:"session,omitempty"`
@@ -260,7 +430,7 @@ type AgentGetRequest struct {
 
 func (x *AgentGetRequest) Reset() {
 	*x = AgentGetRequest{}
-	mi := &file_agent_proto_msgTypes[4]
+	mi := &file_agent_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -272,7 +442,7 @@ func (x *AgentGetRequest) String() string {
 func (*AgentGetRequest) ProtoMessage() {}
 
 func (x *AgentGetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[4]
+	mi := &file_agent_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -285,7 +455,7 @@ func (x *AgentGetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentGetRequest.ProtoReflect.Descriptor instead.
 func (*AgentGetRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{4}
+	return file_agent_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *AgentGetRequest) GetSession() uint64 {
@@ -320,7 +490,7 @@ type AgentGetResponse struct {
 
 func (x *AgentGetResponse) Reset() {
 	*x = AgentGetResponse{}
-	mi := &file_agent_proto_msgTypes[5]
+	mi := &file_agent_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -332,7 +502,7 @@ func (x *AgentGetResponse) String() string {
 func (*AgentGetResponse) ProtoMessage() {}
 
 func (x *AgentGetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[5]
+	mi := &file_agent_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -345,7 +515,7 @@ func (x *AgentGetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentGetResponse.ProtoReflect.Descriptor instead.
 func (*AgentGetResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{5}
+	return file_agent_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *AgentGetResponse) GetResults() []*ItemStatus {
@@ -370,15 +540,17 @@ type AgentPutRequest struct {
 	Spans []*Span `protobuf:"bytes,3,rep,name=spans,proto3" json:"spans,omitempty"`
 	// The keys form a chain: keys[0] continues parent (empty: a chain's
 	// first block), keys[i] continues keys[i-1]. Without chain, no parents.
-	Chain         bool   `protobuf:"varint,4,opt,name=chain,proto3" json:"chain,omitempty"`
-	Parent        string `protobuf:"bytes,5,opt,name=parent,proto3" json:"parent,omitempty"`
+	Chain  bool   `protobuf:"varint,4,opt,name=chain,proto3" json:"chain,omitempty"`
+	Parent string `protobuf:"bytes,5,opt,name=parent,proto3" json:"parent,omitempty"`
+	// Copies on distinct store nodes; 0: the agent's --replicas.
+	Replicas      uint32 `protobuf:"varint,6,opt,name=replicas,proto3" json:"replicas,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *AgentPutRequest) Reset() {
 	*x = AgentPutRequest{}
-	mi := &file_agent_proto_msgTypes[6]
+	mi := &file_agent_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -390,7 +562,7 @@ func (x *AgentPutRequest) String() string {
 func (*AgentPutRequest) ProtoMessage() {}
 
 func (x *AgentPutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[6]
+	mi := &file_agent_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -403,7 +575,7 @@ func (x *AgentPutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentPutRequest.ProtoReflect.Descriptor instead.
 func (*AgentPutRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{6}
+	return file_agent_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *AgentPutRequest) GetSession() uint64 {
@@ -441,6 +613,13 @@ func (x *AgentPutRequest) GetParent() string {
 	return ""
 }
 
+func (x *AgentPutRequest) GetReplicas() uint32 {
+	if x != nil {
+		return x.Replicas
+	}
+	return 0
+}
+
 type BatchExistsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// How many leading keys are present.
@@ -451,7 +630,7 @@ type BatchExistsResponse struct {
 
 func (x *BatchExistsResponse) Reset() {
 	*x = BatchExistsResponse{}
-	mi := &file_agent_proto_msgTypes[7]
+	mi := &file_agent_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -463,7 +642,7 @@ func (x *BatchExistsResponse) String() string {
 func (*BatchExistsResponse) ProtoMessage() {}
 
 func (x *BatchExistsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[7]
+	mi := &file_agent_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -476,7 +655,7 @@ func (x *BatchExistsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchExistsResponse.ProtoReflect.Descriptor instead.
 func (*BatchExistsResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{7}
+	return file_agent_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *BatchExistsResponse) GetCount() uint32 {
@@ -488,15 +667,22 @@ func (x *BatchExistsResponse) GetCount() uint32 {
 
 type ClearRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Remove every object whose key has this prefix; empty is refused.
-	Prefix        string `protobuf:"bytes,1,opt,name=prefix,proto3" json:"prefix,omitempty"`
+	// Remove every complete object whose key has this prefix; empty is
+	// refused unless all is set.
+	Prefix string `protobuf:"bytes,1,opt,name=prefix,proto3" json:"prefix,omitempty"`
+	// Of those, only keys this regular expression (RE2 syntax) matches
+	// somewhere; empty matches every key.
+	Regex string `protobuf:"bytes,2,opt,name=regex,proto3" json:"regex,omitempty"`
+	// Remove every complete object of the pool (prefix and regex may narrow
+	// it).
+	All           bool `protobuf:"varint,3,opt,name=all,proto3" json:"all,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ClearRequest) Reset() {
 	*x = ClearRequest{}
-	mi := &file_agent_proto_msgTypes[8]
+	mi := &file_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -508,7 +694,7 @@ func (x *ClearRequest) String() string {
 func (*ClearRequest) ProtoMessage() {}
 
 func (x *ClearRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[8]
+	mi := &file_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -521,7 +707,7 @@ func (x *ClearRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClearRequest.ProtoReflect.Descriptor instead.
 func (*ClearRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{8}
+	return file_agent_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ClearRequest) GetPrefix() string {
@@ -529,6 +715,20 @@ func (x *ClearRequest) GetPrefix() string {
 		return x.Prefix
 	}
 	return ""
+}
+
+func (x *ClearRequest) GetRegex() string {
+	if x != nil {
+		return x.Regex
+	}
+	return ""
+}
+
+func (x *ClearRequest) GetAll() bool {
+	if x != nil {
+		return x.All
+	}
+	return false
 }
 
 type ClearResponse struct {
@@ -540,7 +740,7 @@ type ClearResponse struct {
 
 func (x *ClearResponse) Reset() {
 	*x = ClearResponse{}
-	mi := &file_agent_proto_msgTypes[9]
+	mi := &file_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -552,7 +752,7 @@ func (x *ClearResponse) String() string {
 func (*ClearResponse) ProtoMessage() {}
 
 func (x *ClearResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[9]
+	mi := &file_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -565,7 +765,7 @@ func (x *ClearResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClearResponse.ProtoReflect.Descriptor instead.
 func (*ClearResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{9}
+	return file_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ClearResponse) GetRemoved() uint64 {
@@ -592,7 +792,7 @@ type AgentStatsResponse struct {
 
 func (x *AgentStatsResponse) Reset() {
 	*x = AgentStatsResponse{}
-	mi := &file_agent_proto_msgTypes[10]
+	mi := &file_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -604,7 +804,7 @@ func (x *AgentStatsResponse) String() string {
 func (*AgentStatsResponse) ProtoMessage() {}
 
 func (x *AgentStatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[10]
+	mi := &file_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -617,7 +817,7 @@ func (x *AgentStatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatsResponse.ProtoReflect.Descriptor instead.
 func (*AgentStatsResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{10}
+	return file_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *AgentStatsResponse) GetLookups() uint64 {
@@ -698,27 +898,40 @@ const file_agent_proto_rawDesc = "" +
 	"\x0fidle_timeout_ms\x18\x04 \x01(\x04R\ridleTimeoutMs\"&\n" +
 	"\n" +
 	"SessionRef\x12\x18\n" +
-	"\asession\x18\x01 \x01(\x04R\asession\"6\n" +
+	"\asession\x18\x01 \x01(\x04R\asession\"N\n" +
 	"\x04Span\x12\x16\n" +
 	"\x06offset\x18\x01 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x02 \x01(\x04R\x06length\"h\n" +
+	"\x06length\x18\x02 \x01(\x04R\x06length\x12\x16\n" +
+	"\x06region\x18\x03 \x01(\rR\x06region\"Q\n" +
+	"\rAttachRequest\x12\x18\n" +
+	"\asession\x18\x01 \x01(\x04R\asession\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
+	"\x04size\x18\x03 \x01(\x04R\x04size\"(\n" +
+	"\x0eAttachResponse\x12\x16\n" +
+	"\x06region\x18\x01 \x01(\rR\x06region\"A\n" +
+	"\rDetachRequest\x12\x18\n" +
+	"\asession\x18\x01 \x01(\x04R\asession\x12\x16\n" +
+	"\x06region\x18\x02 \x01(\rR\x06region\"h\n" +
 	"\x0fAgentGetRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\x04R\asession\x12\x12\n" +
 	"\x04keys\x18\x02 \x03(\tR\x04keys\x12'\n" +
 	"\x05spans\x18\x03 \x03(\v2\x11.tidepool.v1.SpanR\x05spans\"[\n" +
 	"\x10AgentGetResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\x12\x14\n" +
-	"\x05sizes\x18\x02 \x03(\x04R\x05sizes\"\x96\x01\n" +
+	"\x05sizes\x18\x02 \x03(\x04R\x05sizes\"\xb2\x01\n" +
 	"\x0fAgentPutRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\x04R\asession\x12\x12\n" +
 	"\x04keys\x18\x02 \x03(\tR\x04keys\x12'\n" +
 	"\x05spans\x18\x03 \x03(\v2\x11.tidepool.v1.SpanR\x05spans\x12\x14\n" +
 	"\x05chain\x18\x04 \x01(\bR\x05chain\x12\x16\n" +
-	"\x06parent\x18\x05 \x01(\tR\x06parent\"+\n" +
+	"\x06parent\x18\x05 \x01(\tR\x06parent\x12\x1a\n" +
+	"\breplicas\x18\x06 \x01(\rR\breplicas\"+\n" +
 	"\x13BatchExistsResponse\x12\x14\n" +
-	"\x05count\x18\x01 \x01(\rR\x05count\"&\n" +
+	"\x05count\x18\x01 \x01(\rR\x05count\"N\n" +
 	"\fClearRequest\x12\x16\n" +
-	"\x06prefix\x18\x01 \x01(\tR\x06prefix\")\n" +
+	"\x06prefix\x18\x01 \x01(\tR\x06prefix\x12\x14\n" +
+	"\x05regex\x18\x02 \x01(\tR\x05regex\x12\x10\n" +
+	"\x03all\x18\x03 \x01(\bR\x03all\")\n" +
 	"\rClearResponse\x12\x18\n" +
 	"\aremoved\x18\x01 \x01(\x04R\aremoved\"\x90\x02\n" +
 	"\x12AgentStatsResponse\x12\x18\n" +
@@ -730,7 +943,7 @@ const file_agent_proto_rawDesc = "" +
 	"\x04puts\x18\x06 \x01(\x04R\x04puts\x12\x1b\n" +
 	"\tput_bytes\x18\a \x01(\x04R\bputBytes\x12\x16\n" +
 	"\x06errors\x18\b \x01(\x04R\x06errors\x12\x1a\n" +
-	"\bsessions\x18\t \x01(\x04R\bsessions2\xdf\x04\n" +
+	"\bsessions\x18\t \x01(\x04R\bsessions2\xea\x06\n" +
 	"\x05Agent\x12;\n" +
 	"\x04Open\x12\x18.tidepool.v1.OpenRequest\x1a\x19.tidepool.v1.OpenResponse\x129\n" +
 	"\x05Close\x12\x17.tidepool.v1.SessionRef\x1a\x17.tidepool.v1.SessionRef\x12A\n" +
@@ -740,7 +953,11 @@ const file_agent_proto_rawDesc = "" +
 	"\bBatchPut\x12\x1c.tidepool.v1.AgentPutRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n" +
 	"\x06Remove\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n" +
 	"\x05Clear\x12\x19.tidepool.v1.ClearRequest\x1a\x1a.tidepool.v1.ClearResponse\x12A\n" +
-	"\x05Stats\x12\x17.tidepool.v1.SessionRef\x1a\x1f.tidepool.v1.AgentStatsResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
+	"\x05Stats\x12\x17.tidepool.v1.SessionRef\x1a\x1f.tidepool.v1.AgentStatsResponse\x12A\n" +
+	"\x06Attach\x12\x1a.tidepool.v1.AttachRequest\x1a\x1b.tidepool.v1.AttachResponse\x12=\n" +
+	"\x06Detach\x12\x1a.tidepool.v1.DetachRequest\x1a\x17.tidepool.v1.SessionRef\x12?\n" +
+	"\x06Exists\x12\x18.tidepool.v1.KeysRequest\x1a\x1b.tidepool.v1.ExistsResponse\x12F\n" +
+	"\bDescribe\x12\x18.tidepool.v1.KeysRequest\x1a .tidepool.v1.GetReplicasResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
 
 var (
 	file_agent_proto_rawDescOnce sync.Once
@@ -754,49 +971,62 @@ func file_agent_proto_rawDescGZIP() []byte {
 	return file_agent_proto_rawDescData
 }
 
-var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_agent_proto_goTypes = []any{
 	(*OpenRequest)(nil),         // 0: tidepool.v1.OpenRequest
 	(*OpenResponse)(nil),        // 1: tidepool.v1.OpenResponse
 	(*SessionRef)(nil),          // 2: tidepool.v1.SessionRef
 	(*Span)(nil),                // 3: tidepool.v1.Span
-	(*AgentGetRequest)(nil),     // 4: tidepool.v1.AgentGetRequest
-	(*AgentGetResponse)(nil),    // 5: tidepool.v1.AgentGetResponse
-	(*AgentPutRequest)(nil),     // 6: tidepool.v1.AgentPutRequest
-	(*BatchExistsResponse)(nil), // 7: tidepool.v1.BatchExistsResponse
-	(*ClearRequest)(nil),        // 8: tidepool.v1.ClearRequest
-	(*ClearResponse)(nil),       // 9: tidepool.v1.ClearResponse
-	(*AgentStatsResponse)(nil),  // 10: tidepool.v1.AgentStatsResponse
-	(*ItemStatus)(nil),          // 11: tidepool.v1.ItemStatus
-	(*LookupRequest)(nil),       // 12: tidepool.v1.LookupRequest
-	(*KeysRequest)(nil),         // 13: tidepool.v1.KeysRequest
-	(*LookupResponse)(nil),      // 14: tidepool.v1.LookupResponse
-	(*ItemsResponse)(nil),       // 15: tidepool.v1.ItemsResponse
+	(*AttachRequest)(nil),       // 4: tidepool.v1.AttachRequest
+	(*AttachResponse)(nil),      // 5: tidepool.v1.AttachResponse
+	(*DetachRequest)(nil),       // 6: tidepool.v1.DetachRequest
+	(*AgentGetRequest)(nil),     // 7: tidepool.v1.AgentGetRequest
+	(*AgentGetResponse)(nil),    // 8: tidepool.v1.AgentGetResponse
+	(*AgentPutRequest)(nil),     // 9: tidepool.v1.AgentPutRequest
+	(*BatchExistsResponse)(nil), // 10: tidepool.v1.BatchExistsResponse
+	(*ClearRequest)(nil),        // 11: tidepool.v1.ClearRequest
+	(*ClearResponse)(nil),       // 12: tidepool.v1.ClearResponse
+	(*AgentStatsResponse)(nil),  // 13: tidepool.v1.AgentStatsResponse
+	(*ItemStatus)(nil),          // 14: tidepool.v1.ItemStatus
+	(*LookupRequest)(nil),       // 15: tidepool.v1.LookupRequest
+	(*KeysRequest)(nil),         // 16: tidepool.v1.KeysRequest
+	(*LookupResponse)(nil),      // 17: tidepool.v1.LookupResponse
+	(*ItemsResponse)(nil),       // 18: tidepool.v1.ItemsResponse
+	(*ExistsResponse)(nil),      // 19: tidepool.v1.ExistsResponse
+	(*GetReplicasResponse)(nil), // 20: tidepool.v1.GetReplicasResponse
 }
 var file_agent_proto_depIdxs = []int32{
 	3,  // 0: tidepool.v1.AgentGetRequest.spans:type_name -> tidepool.v1.Span
-	11, // 1: tidepool.v1.AgentGetResponse.results:type_name -> tidepool.v1.ItemStatus
+	14, // 1: tidepool.v1.AgentGetResponse.results:type_name -> tidepool.v1.ItemStatus
 	3,  // 2: tidepool.v1.AgentPutRequest.spans:type_name -> tidepool.v1.Span
 	0,  // 3: tidepool.v1.Agent.Open:input_type -> tidepool.v1.OpenRequest
 	2,  // 4: tidepool.v1.Agent.Close:input_type -> tidepool.v1.SessionRef
-	12, // 5: tidepool.v1.Agent.Lookup:input_type -> tidepool.v1.LookupRequest
-	13, // 6: tidepool.v1.Agent.BatchExists:input_type -> tidepool.v1.KeysRequest
-	4,  // 7: tidepool.v1.Agent.BatchGet:input_type -> tidepool.v1.AgentGetRequest
-	6,  // 8: tidepool.v1.Agent.BatchPut:input_type -> tidepool.v1.AgentPutRequest
-	13, // 9: tidepool.v1.Agent.Remove:input_type -> tidepool.v1.KeysRequest
-	8,  // 10: tidepool.v1.Agent.Clear:input_type -> tidepool.v1.ClearRequest
+	15, // 5: tidepool.v1.Agent.Lookup:input_type -> tidepool.v1.LookupRequest
+	16, // 6: tidepool.v1.Agent.BatchExists:input_type -> tidepool.v1.KeysRequest
+	7,  // 7: tidepool.v1.Agent.BatchGet:input_type -> tidepool.v1.AgentGetRequest
+	9,  // 8: tidepool.v1.Agent.BatchPut:input_type -> tidepool.v1.AgentPutRequest
+	16, // 9: tidepool.v1.Agent.Remove:input_type -> tidepool.v1.KeysRequest
+	11, // 10: tidepool.v1.Agent.Clear:input_type -> tidepool.v1.ClearRequest
 	2,  // 11: tidepool.v1.Agent.Stats:input_type -> tidepool.v1.SessionRef
-	1,  // 12: tidepool.v1.Agent.Open:output_type -> tidepool.v1.OpenResponse
-	2,  // 13: tidepool.v1.Agent.Close:output_type -> tidepool.v1.SessionRef
-	14, // 14: tidepool.v1.Agent.Lookup:output_type -> tidepool.v1.LookupResponse
-	7,  // 15: tidepool.v1.Agent.BatchExists:output_type -> tidepool.v1.BatchExistsResponse
-	5,  // 16: tidepool.v1.Agent.BatchGet:output_type -> tidepool.v1.AgentGetResponse
-	15, // 17: tidepool.v1.Agent.BatchPut:output_type -> tidepool.v1.ItemsResponse
-	15, // 18: tidepool.v1.Agent.Remove:output_type -> tidepool.v1.ItemsResponse
-	9,  // 19: tidepool.v1.Agent.Clear:output_type -> tidepool.v1.ClearResponse
-	10, // 20: tidepool.v1.Agent.Stats:output_type -> tidepool.v1.AgentStatsResponse
-	12, // [12:21] is the sub-list for method output_type
-	3,  // [3:12] is the sub-list for method input_type
+	4,  // 12: tidepool.v1.Agent.Attach:input_type -> tidepool.v1.AttachRequest
+	6,  // 13: tidepool.v1.Agent.Detach:input_type -> tidepool.v1.DetachRequest
+	16, // 14: tidepool.v1.Agent.Exists:input_type -> tidepool.v1.KeysRequest
+	16, // 15: tidepool.v1.Agent.Describe:input_type -> tidepool.v1.KeysRequest
+	1,  // 16: tidepool.v1.Agent.Open:output_type -> tidepool.v1.OpenResponse
+	2,  // 17: tidepool.v1.Agent.Close:output_type -> tidepool.v1.SessionRef
+	17, // 18: tidepool.v1.Agent.Lookup:output_type -> tidepool.v1.LookupResponse
+	10, // 19: tidepool.v1.Agent.BatchExists:output_type -> tidepool.v1.BatchExistsResponse
+	8,  // 20: tidepool.v1.Agent.BatchGet:output_type -> tidepool.v1.AgentGetResponse
+	18, // 21: tidepool.v1.Agent.BatchPut:output_type -> tidepool.v1.ItemsResponse
+	18, // 22: tidepool.v1.Agent.Remove:output_type -> tidepool.v1.ItemsResponse
+	12, // 23: tidepool.v1.Agent.Clear:output_type -> tidepool.v1.ClearResponse
+	13, // 24: tidepool.v1.Agent.Stats:output_type -> tidepool.v1.AgentStatsResponse
+	5,  // 25: tidepool.v1.Agent.Attach:output_type -> tidepool.v1.AttachResponse
+	2,  // 26: tidepool.v1.Agent.Detach:output_type -> tidepool.v1.SessionRef
+	19, // 27: tidepool.v1.Agent.Exists:output_type -> tidepool.v1.ExistsResponse
+	20, // 28: tidepool.v1.Agent.Describe:output_type -> tidepool.v1.GetReplicasResponse
+	16, // [16:29] is the sub-list for method output_type
+	3,  // [3:16] is the sub-list for method input_type
 	3,  // [3:3] is the sub-list for extension type_name
 	3,  // [3:3] is the sub-list for extension extendee
 	0,  // [0:3] is the sub-list for field type_name
@@ -814,7 +1044,7 @@ func file_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_proto_rawDesc), len(file_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

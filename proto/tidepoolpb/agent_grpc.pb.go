@@ -32,6 +32,10 @@ const (
 	Agent_Remove_FullMethodName      = "/tidepool.v1.Agent/Remove"
 	Agent_Clear_FullMethodName       = "/tidepool.v1.Agent/Clear"
 	Agent_Stats_FullMethodName       = "/tidepool.v1.Agent/Stats"
+	Agent_Attach_FullMethodName      = "/tidepool.v1.Agent/Attach"
+	Agent_Detach_FullMethodName      = "/tidepool.v1.Agent/Detach"
+	Agent_Exists_FullMethodName      = "/tidepool.v1.Agent/Exists"
+	Agent_Describe_FullMethodName    = "/tidepool.v1.Agent/Describe"
 )
 
 // AgentClient is the client API for Agent service.
@@ -56,6 +60,17 @@ type AgentClient interface {
 	Remove(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
 	Clear(ctx context.Context, in *ClearRequest, opts ...grpc.CallOption) (*ClearResponse, error)
 	Stats(ctx context.Context, in *SessionRef, opts ...grpc.CallOption) (*AgentStatsResponse, error)
+	// Attach maps a memfd of the caller as a region of its session, so gets
+	// and puts name spans of it (Span.region) instead of staging values in
+	// the session's region.
+	Attach(ctx context.Context, in *AttachRequest, opts ...grpc.CallOption) (*AttachResponse, error)
+	// Detach unmaps an attached region once no request uses it.
+	Detach(ctx context.Context, in *DetachRequest, opts ...grpc.CallOption) (*SessionRef, error)
+	// Exists answers, per key, whether a complete object has it.
+	Exists(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ExistsResponse, error)
+	// Describe answers each key's size, checksum and replicas (a NOT_FOUND
+	// item when absent); the master leases what it describes.
+	Describe(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*GetReplicasResponse, error)
 }
 
 type agentClient struct {
@@ -156,6 +171,46 @@ func (c *agentClient) Stats(ctx context.Context, in *SessionRef, opts ...grpc.Ca
 	return out, nil
 }
 
+func (c *agentClient) Attach(ctx context.Context, in *AttachRequest, opts ...grpc.CallOption) (*AttachResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AttachResponse)
+	err := c.cc.Invoke(ctx, Agent_Attach_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) Detach(ctx context.Context, in *DetachRequest, opts ...grpc.CallOption) (*SessionRef, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SessionRef)
+	err := c.cc.Invoke(ctx, Agent_Detach_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) Exists(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ExistsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ExistsResponse)
+	err := c.cc.Invoke(ctx, Agent_Exists_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) Describe(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*GetReplicasResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetReplicasResponse)
+	err := c.cc.Invoke(ctx, Agent_Describe_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AgentServer is the server API for Agent service.
 // All implementations must embed UnimplementedAgentServer
 // for forward compatibility.
@@ -178,6 +233,17 @@ type AgentServer interface {
 	Remove(context.Context, *KeysRequest) (*ItemsResponse, error)
 	Clear(context.Context, *ClearRequest) (*ClearResponse, error)
 	Stats(context.Context, *SessionRef) (*AgentStatsResponse, error)
+	// Attach maps a memfd of the caller as a region of its session, so gets
+	// and puts name spans of it (Span.region) instead of staging values in
+	// the session's region.
+	Attach(context.Context, *AttachRequest) (*AttachResponse, error)
+	// Detach unmaps an attached region once no request uses it.
+	Detach(context.Context, *DetachRequest) (*SessionRef, error)
+	// Exists answers, per key, whether a complete object has it.
+	Exists(context.Context, *KeysRequest) (*ExistsResponse, error)
+	// Describe answers each key's size, checksum and replicas (a NOT_FOUND
+	// item when absent); the master leases what it describes.
+	Describe(context.Context, *KeysRequest) (*GetReplicasResponse, error)
 	mustEmbedUnimplementedAgentServer()
 }
 
@@ -214,6 +280,18 @@ func (UnimplementedAgentServer) Clear(context.Context, *ClearRequest) (*ClearRes
 }
 func (UnimplementedAgentServer) Stats(context.Context, *SessionRef) (*AgentStatsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Stats not implemented")
+}
+func (UnimplementedAgentServer) Attach(context.Context, *AttachRequest) (*AttachResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Attach not implemented")
+}
+func (UnimplementedAgentServer) Detach(context.Context, *DetachRequest) (*SessionRef, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Detach not implemented")
+}
+func (UnimplementedAgentServer) Exists(context.Context, *KeysRequest) (*ExistsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Exists not implemented")
+}
+func (UnimplementedAgentServer) Describe(context.Context, *KeysRequest) (*GetReplicasResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Describe not implemented")
 }
 func (UnimplementedAgentServer) mustEmbedUnimplementedAgentServer() {}
 func (UnimplementedAgentServer) testEmbeddedByValue()               {}
@@ -398,6 +476,78 @@ func _Agent_Stats_Handler(srv interface{}, ctx context.Context, dec func(interfa
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Agent_Attach_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AttachRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).Attach(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_Attach_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).Attach(ctx, req.(*AttachRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_Detach_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DetachRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).Detach(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_Detach_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).Detach(ctx, req.(*DetachRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_Exists_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(KeysRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).Exists(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_Exists_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).Exists(ctx, req.(*KeysRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_Describe_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(KeysRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).Describe(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_Describe_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).Describe(ctx, req.(*KeysRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Agent_ServiceDesc is the grpc.ServiceDesc for Agent service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -440,6 +590,22 @@ var Agent_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Stats",
 			Handler:    _Agent_Stats_Handler,
+		},
+		{
+			MethodName: "Attach",
+			Handler:    _Agent_Attach_Handler,
+		},
+		{
+			MethodName: "Detach",
+			Handler:    _Agent_Detach_Handler,
+		},
+		{
+			MethodName: "Exists",
+			Handler:    _Agent_Exists_Handler,
+		},
+		{
+			MethodName: "Describe",
+			Handler:    _Agent_Describe_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -61,6 +61,26 @@ class AgentStub(object):
                 request_serializer=agent__pb2.SessionRef.SerializeToString,
                 response_deserializer=agent__pb2.AgentStatsResponse.FromString,
                 )
+        self.Attach = channel.unary_unary(
+                '/tidepool.v1.Agent/Attach',
+                request_serializer=agent__pb2.AttachRequest.SerializeToString,
+                response_deserializer=agent__pb2.AttachResponse.FromString,
+                )
+        self.Detach = channel.unary_unary(
+                '/tidepool.v1.Agent/Detach',
+                request_serializer=agent__pb2.DetachRequest.SerializeToString,
+                response_deserializer=agent__pb2.SessionRef.FromString,
+                )
+        self.Exists = channel.unary_unary(
+                '/tidepool.v1.Agent/Exists',
+                request_serializer=tidepool__pb2.KeysRequest.SerializeToString,
+                response_deserializer=tidepool__pb2.ExistsResponse.FromString,
+                )
+        self.Describe = channel.unary_unary(
+                '/tidepool.v1.Agent/Describe',
+                request_serializer=tidepool__pb2.KeysRequest.SerializeToString,
+                response_deserializer=tidepool__pb2.GetReplicasResponse.FromString,
+                )
 
 
 class AgentServicer(object):
@@ -128,6 +148,37 @@ class AgentServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Attach maps a memfd of the caller as a region of its session, so gets
+        and puts name spans of it (Span.region) instead of staging values in
+        the session's region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """Detach unmaps an attached region once no request uses it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exists(self, request, context):
+        """Exists answers, per key, whether a complete object has it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """Describe answers each key's size, checksum and replicas (a NOT_FOUND
+        item when absent); the master leases what it describes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +226,26 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=agent__pb2.SessionRef.FromString,
                     response_serializer=agent__pb2.AgentStatsResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=agent__pb2.AttachRequest.FromString,
+                    response_serializer=agent__pb2.AttachResponse.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=agent__pb2.DetachRequest.FromString,
+                    response_serializer=agent__pb2.SessionRef.SerializeToString,
+            ),
+            'Exists': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exists,
+                    request_deserializer=tidepool__pb2.KeysRequest.FromString,
+                    response_serializer=tidepool__pb2.ExistsResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=tidepool__pb2.KeysRequest.FromString,
+                    response_serializer=tidepool__pb2.GetReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -337,5 +408,73 @@ class Agent(object):
         return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Agent/Stats',
             agent__pb2.SessionRef.SerializeToString,
             agent__pb2.AgentStatsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Agent/Attach',
+            agent__pb2.AttachRequest.SerializeToString,
+            agent__pb2.AttachResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Agent/Detach',
+            agent__pb2.DetachRequest.SerializeToString,
+            agent__pb2.SessionRef.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Exists(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Agent/Exists',
+            tidepool__pb2.KeysRequest.SerializeToString,
+            tidepool__pb2.ExistsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Agent/Describe',
+            tidepool__pb2.KeysRequest.SerializeToString,
+            tidepool__pb2.GetReplicasResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
