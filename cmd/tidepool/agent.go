@@ -51,9 +51,11 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	if err != nil || limit <= 0 {
 		return fmt.Errorf("%w: --max-session-bytes %q: want a positive size such as 4GiB", errUsage, *maxBytes)
 	}
-	segBytes, err := tiers.ParseSize(*segment)
-	if err != nil || segBytes < 0 {
-		return fmt.Errorf("%w: --segment %q: want a size such as 4GiB, or 0", errUsage, *segment)
+	var segBytes int64
+	if *segment != "0" {
+		if segBytes, err = tiers.ParseSize(*segment); err != nil {
+			return fmt.Errorf("%w: --segment %q: want a size such as 4GiB, or 0", errUsage, *segment)
+		}
 	}
 	log := d.log
 	if *stdinLife {

@@ -121,6 +121,9 @@ class _Region:
             raise errors.Internal("the agent made a region of %d bytes for a request of %d" % (self.size, want))
         self._mm = _map_memfd(resp.shm_path, self.size)
         self.view = memoryview(self._mm)
+        # For memmove; valid while mapped (unmap waits for the calls).
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self.attached = {}  # Attachment -> its region id in this session
         self.alloc = SpanAllocator(self.size)
         self.users = 0
         self.retired = False
@@ -286,12 +289,105 @@ def nbytes(buf):
         raise errors.InvalidArgument("%s does not support the buffer protocol" % type(buf).__name__) from None
 
 
+def _list(items, what):
+    """items as a list; a bare str, bytes or buffer is refused rather than
+    taken apart item by item."""
+    if isinstance(items, (str, bytes, bytearray, memoryview)):
+        raise errors.InvalidArgument("%s: want a list, not a bare %s" % (what, type(items).__name__))
+    try:
+        return list(items)
+    except TypeError:
+        raise errors.InvalidArgument("%s: want a list, not %s" % (what, type(items).__name__)) from None
+
+
 def _keys(keys):
-    keys = list(keys)
+    keys = _list(keys, "keys")
     for i, k in enumerate(keys):
         if not isinstance(k, str):
             raise errors.InvalidArgument("key %d is %s, not a str" % (i, type(k).__name__))
     return keys
+
+
+class Attachment:
+    """Memory of this process that the agent maps too: a memfd (created with
+    MFD_ALLOW_SEALING) of size bytes. Spans of it are read and written by
+    the agent directly (Client.attach)."""
+
+    def __init__(self, fd, size):
+        self.fd = fd
+        self.size = size
+        self.path = "/proc/%d/fd/%d" % (os.getpid(), fd)
+        self.closed = False  # set by its owner before it closes fd
+
+    def __repr__(self):
+        return "Attachment(%s, %d bytes)" % (self.path, self.size)
+
+
+#: Where one value of a get goes: att (an Attachment) and off, or else the
+#: address (addr) or writable view it is copied to; length is its capacity.
+_Dest = collections.namedtuple("_Dest", "att off length addr view")
+
+#: Where one value of a put comes from, as for _Dest.
+_Src = collections.namedtuple("_Src", "att off length addr view")
+
+
+def _address(mv):
+    """The address of a flat memoryview's first byte, or None where ctypes
+    cannot see it (a read-only view of something other than bytes)."""
+    if mv.nbytes == 0:
+        return None
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    except TypeError:
+        obj = mv.obj
+        if isinstance(obj, bytes) and mv.nbytes == len(obj):
+            return ctypes.cast(ctypes.c_char_p(obj), ctypes.c_void_p).value
+        return None
+
+
+def _dest(mv, cap=None):
+    n = mv.nbytes if cap is None else min(mv.nbytes, cap)
+    return _Dest(None, 0, n, _address(mv), mv)
+
+
+def _src(mv):
+    return _Src(None, 0, mv.nbytes, _address(mv), mv)
+
+
+def _copy_out(d, region, off, n):
+    """Copies n bytes at off of region to d; memmove releases the GIL."""
+    if n == 0:
+        return
+    if d.addr is not None:
+        ctypes.memmove(d.addr, region.base + off, n)
+    else:
+        d.view[:n] = region.view[off:off + n]
+
+
+def _copy_in(sc, region, off):
+    n = sc.length
+    if n == 0:
+        return
+    if sc.addr is not None:
+        ctypes.memmove(region.base + off, sc.addr, n)
+    else:
+        region.view[off:off + n] = sc.view
+
+
+def _region_item(item, kind, i):
+    """A _Dest or _Src from (Attachment, offset, length) or (address,
+    length)."""
+    if len(item) == 3 and isinstance(item[0], Attachment):
+        att, off, n = item
+        if off < 0 or n < 0 or off + n > att.size:
+            raise errors.InvalidArgument("item %d: [%d, %d) is outside the %d attached bytes" % (i, off, off + n, att.size))
+        return kind(att, off, n, None, None)
+    if len(item) == 2:
+        addr, n = item
+        if not addr or n < 0:
+            raise errors.InvalidArgument("item %d: address %r, %d bytes" % (i, addr, n))
+        return kind(None, 0, n, addr, None)
+    raise errors.InvalidArgument("item %d: want (Attachment, offset, length) or (address, length)" % i)
 
 
 def _chunks(n):
@@ -714,6 +810,57 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
+    # Attached memory.
+
+    def attach(self, fd, size):
+        """Returns an Attachment of the memfd fd (size bytes, created with
+        MFD_ALLOW_SEALING, mapped by the caller): the agent maps it too, on
+        first use in each session, and seals it against resizing. The fd
+        must stay open until detach(). See batch_get_regions and
+        batch_set_regions."""
+        if size <= 0:
+            raise errors.InvalidArgument("attach %d bytes" % size)
+        return Attachment(fd, size)
+
+    def detach(self, att):
+        """Ends every session's mapping of att; later uses of it fail."""
+        att.closed = True
+        with self._cond:
+            res = self._res
+            regions = list(res.regions) if res is not None else []
+        for region in regions:
+            rid = region.attached.pop(att, None)
+            if rid is None or region.ended:
+                continue
+            try:
+                res.stub.Detach(agent_pb2.DetachRequest(session=region.session, region=rid), timeout=_CLOSE_TIMEOUT)
+            except grpc.RpcError:
+                pass  # the session is gone, or will be: its mapping with it
+
+    def batch_get_regions(self, keys, dests):
+        """Reads each key's value into its dest, one of (Attachment, offset,
+        capacity) (the agent writes it there: no copy on this side) or
+        (address, capacity) (memory of this process: copied there from the
+        session's region with the GIL released). Returns per key the size
+        read or the item's Error (NotFound where absent, OutOfRange where
+        longer than its capacity)."""
+        keys = _keys(keys)
+        dests = [_region_item(d, _Dest, i) for i, d in enumerate(_list(dests, "dests"))]
+        if len(keys) != len(dests):
+            raise errors.InvalidArgument("%d keys and %d dests" % (len(keys), len(dests)))
+        got = self._read(keys, dests, range(len(keys)))
+        return [got[i] for i in range(len(keys))]
+
+    def batch_set_regions(self, keys, srcs, replicas=0):
+        """Stores each key's value from its src, (Attachment, offset,
+        length) or (address, length), as batch_set does; replicas
+        overrides the agent's --replicas when positive."""
+        keys = _keys(keys)
+        srcs = [_region_item(sc, _Src, i) for i, sc in enumerate(_list(srcs, "srcs"))]
+        if len(keys) != len(srcs):
+            raise errors.InvalidArgument("%d keys and %d srcs" % (len(keys), len(srcs)))
+        return self._write(keys, srcs, replicas=replicas)
+
     # Lookups.
 
     def lookup(self, keys):
@@ -768,15 +915,16 @@ class Client:
 
     # Gets.
 
-    def _groups(self, idx, lengths, size):
-        """Splits the items idx into runs whose aligned lengths add up to at
-        most half a region of size bytes (a longer value is a run of its
-        own), at most MAX_BATCH_KEYS each: a batch never waits for the
-        whole region, so two calls can always share it."""
+    def _groups(self, idx, lengths, size, staged=None):
+        """Splits the items idx into runs whose aligned staged lengths add up
+        to at most half a region of size bytes (a longer value is a run of
+        its own), at most MAX_BATCH_KEYS each: a batch never waits for the
+        whole region, so two calls can always share it. staged(i) says
+        whether item i goes through the region (default: all do)."""
         cap = max(size // 2, ALIGN)
         group, total = [], 0
         for i in idx:
-            n = align(lengths[i])
+            n = align(lengths[i]) if staged is None or staged(i) else 0
             if group and (total + n > cap or len(group) >= MAX_BATCH_KEYS):
                 yield group
                 group, total = [], 0
@@ -785,11 +933,33 @@ class Client:
         if group:
             yield group
 
-    def _get_group(self, keys, group, lengths, deliver):
-        """Reads keys[group] into spans of lengths[group] bytes and calls
-        deliver(i, view of the value) for each one read; returns
-        {i: Error} for the rest."""
-        total = sum(align(lengths[i]) for i in group)
+    def _attached(self, res, region, att):
+        """The region id of att in session region, attaching it now if this
+        session has not yet."""
+        rid = region.attached.get(att)
+        if rid is None:
+            if att.closed:
+                raise errors.InvalidArgument("the attached memory was freed")
+            resp = res.stub.Attach(agent_pb2.AttachRequest(session=region.session, path=att.path, size=att.size),
+                                   timeout=self._timeout)
+            rid = region.attached[att] = resp.region
+        return rid
+
+    def _read(self, keys, dests, idx):
+        """Reads keys[i] for i in idx into dests[i] and returns {i: size or
+        Error}. A dest is a _Dest: an attached region (the agent writes the
+        value there) or an address or view the value is copied to from the
+        session's region, with the GIL released."""
+        size = self._size()
+        out = {}
+        staged = lambda i: dests[i].att is None  # noqa: E731
+        lengths = {i: dests[i].length for i in idx}
+        for group in self._groups(idx, lengths, size, staged):
+            out.update(self._read_group(keys, group, dests))
+        return out
+
+    def _read_group(self, keys, group, dests):
+        total = sum(align(dests[i].length) for i in group if dests[i].att is None)
 
         def attempt(res, region):
             spans = []
@@ -797,8 +967,13 @@ class Client:
             def build(base):
                 off = base
                 for i in group:
-                    spans.append(agent_pb2.Span(offset=off, length=lengths[i]))
-                    off += align(lengths[i])
+                    d = dests[i]
+                    if d.att is not None:
+                        spans.append(agent_pb2.Span(offset=d.off, length=d.length,
+                                                    region=self._attached(res, region, d.att)))
+                    else:
+                        spans.append(agent_pb2.Span(offset=off, length=d.length))
+                        off += align(d.length)
                 return agent_pb2.AgentGetRequest(session=region.session, keys=[keys[i] for i in group],
                                                  spans=spans)
 
@@ -806,20 +981,79 @@ class Client:
                 if len(resp.results) != len(group) or len(resp.sizes) != len(group):
                     raise errors.Internal("batch get: %d results and %d sizes for %d keys"
                                           % (len(resp.results), len(resp.sizes), len(group)))
-                failed = {}
+                out = {}
                 for i, sp, st, n in zip(group, spans, resp.results, resp.sizes):
                     err = _item(st)
                     if err is None and n > sp.length:
                         err = errors.Internal("batch get: %d bytes read into a span of %d" % (n, sp.length))
                     if err is not None:
-                        failed[i] = err
+                        out[i] = err
                         continue
-                    deliver(i, region.view[sp.offset:sp.offset + n])
-                return failed
+                    d = dests[i]
+                    if d.att is None:
+                        _copy_out(d, region, sp.offset, n)
+                    out[i] = n
+                return out
 
             return self._transfer(res, region, total, "BatchGet", build, finish)
 
         return self._session_call("batch get", attempt)
+
+    def _write(self, keys, srcs, chain=False, parent=None, replicas=0):
+        """Stores srcs[i] (each a _Src: an attached region's span, or an
+        address or view copied into the session's region with the GIL
+        released) under keys[i]; per key True or the item's Error (see
+        batch_set for how a failing group is reported)."""
+        size = self._size()
+        for i, sc in enumerate(srcs):
+            if sc.att is None and sc.length > size:
+                raise errors.ValueTooLarge(
+                    "value %d (%r) is %d bytes, more than the session's shared-memory region of "
+                    "%d bytes; open the Client with a larger shm_bytes" % (i, keys[i], sc.length, size))
+        out = [True] * len(keys)
+        prev = parent or ""
+        staged = lambda i: srcs[i].att is None  # noqa: E731
+        groups = list(self._groups(range(len(keys)), [sc.length for sc in srcs], size, staged))
+        for g, group in enumerate(groups):
+            total = sum(align(srcs[i].length) for i in group if srcs[i].att is None)
+
+            def attempt(res, region, group=group, total=total, prev=prev):
+                def build(base):
+                    spans, off = [], base
+                    for i in group:
+                        sc = srcs[i]
+                        if sc.att is not None:
+                            spans.append(agent_pb2.Span(offset=sc.off, length=sc.length,
+                                                        region=self._attached(res, region, sc.att)))
+                            continue
+                        _copy_in(sc, region, off)
+                        spans.append(agent_pb2.Span(offset=off, length=sc.length))
+                        off += align(sc.length)
+                    return agent_pb2.AgentPutRequest(
+                        session=region.session, keys=[keys[i] for i in group], spans=spans,
+                        chain=chain, parent=prev if chain else "", replicas=replicas)
+
+                return self._transfer(res, region, total, "BatchPut", build, lambda resp, base: resp)
+
+            try:
+                resp = self._session_call("batch set", attempt)
+                if len(resp.results) != len(group):
+                    raise errors.Internal("batch set: %d results for %d keys" % (len(resp.results), len(group)))
+            except errors.Error as e:
+                if g == 0:
+                    raise
+                # The groups before were stored: say so, and fail the rest
+                # item by item (a chain cannot go on past the gap).
+                for rest in groups[g:]:
+                    for i in rest:
+                        out[i] = e
+                return out
+            for i, st in zip(group, resp.results):
+                err = _item(st)
+                if err is not None:
+                    out[i] = err
+            prev = keys[group[-1]]
+        return out
 
     def batch_get(self, keys):
         """Returns each key's value as bytes; None where the key is absent,
@@ -832,7 +1066,7 @@ class Client:
         keys = _keys(keys)
         n = len(keys)
         out = [_key_error(k) for k in keys]  # a lookup would refuse the whole batch
-        sizes = {}
+        bufs = {}
         size = self._size()
         i = 0
         while i < n:
@@ -849,16 +1083,15 @@ class Client:
                         "%r is %d bytes, more than the session's shared-memory region of %d bytes; "
                         "open the Client with a larger shm_bytes" % (b.key, b.size, size))
                 else:
-                    sizes[i + k] = b.size
+                    bufs[i + k] = bytearray(b.size)
             # Key i+matched, if any, is absent (or not complete yet): None.
             i += m.matched + (1 if m.matched < j - i else 0)
-
-        def deliver(j, view):
-            out[j] = bytes(view)
-
-        for group in self._groups(sorted(sizes), sizes, size):
-            for j, err in self._get_group(keys, group, sizes, deliver).items():
-                out[j] = None if isinstance(err, errors.NotFound) else err
+        dests = {j: _dest(memoryview(b)) for j, b in bufs.items()}
+        for j, r in self._read(keys, dests, sorted(bufs)).items():
+            if isinstance(r, errors.Error):
+                out[j] = None if isinstance(r, errors.NotFound) else r
+            else:
+                out[j] = bytes(bufs[j]) if r == len(bufs[j]) else bytes(memoryview(bufs[j])[:r])
         return out
 
     def get(self, key):
@@ -878,24 +1111,16 @@ class Client:
         Error where reading it failed otherwise (OutOfRange: the value is
         longer than its buffer)."""
         keys = _keys(keys)
-        buffers = list(buffers)
+        buffers = _list(buffers, "buffers")
         if len(keys) != len(buffers):
             raise errors.InvalidArgument("%d keys and %d buffers" % (len(keys), len(buffers)))
-        targets = [_target(b, i) for i, b in enumerate(buffers)]
-        out = [0] * len(keys)
         size = self._size()
         # A span longer than the region can't be; a value that long can't
         # be read either, and the agent says so (OutOfRange).
-        lengths = [min(t.nbytes, size) for t in targets]
-
-        def deliver(j, view):
-            n = view.nbytes
-            targets[j][:n] = view
-            out[j] = n
-
-        for group in self._groups(range(len(keys)), lengths, size):
-            for j, err in self._get_group(keys, group, lengths, deliver).items():
-                out[j] = 0 if isinstance(err, errors.NotFound) else err
+        dests = [_dest(_target(b, i), size) for i, b in enumerate(buffers)]
+        out = [0] * len(keys)
+        for j, r in self._read(keys, dests, range(len(keys))).items():
+            out[j] = 0 if isinstance(r, errors.NotFound) else r
         return out
 
     # Puts.
@@ -919,60 +1144,15 @@ class Client:
         raised).
         """
         keys = _keys(keys)
-        values = list(values)
+        values = _list(values, "values")
         if len(keys) != len(values):
             raise errors.InvalidArgument("%d keys and %d values" % (len(keys), len(values)))
         if parent is not None and not isinstance(parent, str):
             raise errors.InvalidArgument("parent is %s, not a str" % type(parent).__name__)
         if parent and not chain:
             raise errors.InvalidArgument("a parent without chain=True")
-        sources = [_source(v, i) for i, v in enumerate(values)]
-        lengths = [s.nbytes for s in sources]
-        size = self._size()
-        for i, n in enumerate(lengths):
-            if n > size:
-                raise errors.ValueTooLarge(
-                    "value %d (%r) is %d bytes, more than the session's shared-memory region of "
-                    "%d bytes; open the Client with a larger shm_bytes" % (i, keys[i], n, size))
-        out = [True] * len(keys)
-        prev = parent or ""
-        groups = list(self._groups(range(len(keys)), lengths, size))
-        for g, group in enumerate(groups):
-            total = sum(align(lengths[i]) for i in group)
-
-            def attempt(res, region, group=group, total=total, prev=prev):
-                def build(base):
-                    spans, off = [], base
-                    for i in group:
-                        n = lengths[i]
-                        region.view[off:off + n] = sources[i]
-                        spans.append(agent_pb2.Span(offset=off, length=n))
-                        off += align(n)
-                    return agent_pb2.AgentPutRequest(
-                        session=region.session, keys=[keys[i] for i in group], spans=spans,
-                        chain=chain, parent=prev if chain else "")
-
-                return self._transfer(res, region, total, "BatchPut", build, lambda resp, base: resp)
-
-            try:
-                resp = self._session_call("batch set", attempt)
-                if len(resp.results) != len(group):
-                    raise errors.Internal("batch set: %d results for %d keys" % (len(resp.results), len(group)))
-            except errors.Error as e:
-                if g == 0:
-                    raise
-                # The groups before were stored: say so, and fail the rest
-                # item by item (a chain cannot go on past the gap).
-                for rest in groups[g:]:
-                    for i in rest:
-                        out[i] = e
-                return out
-            for i, st in zip(group, resp.results):
-                err = _item(st)
-                if err is not None:
-                    out[i] = err
-            prev = keys[group[-1]]
-        return out
+        srcs = [_src(_source(v, i)) for i, v in enumerate(values)]
+        return self._write(keys, srcs, chain=chain, parent=parent)
 
     def set(self, key, value):
         """Stores value under key; raises on failure."""
