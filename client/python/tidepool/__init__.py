@@ -15,7 +15,7 @@ Needs Debian's python3-grpcio, python3-protobuf, python3-cbor2 and
 python3-xxhash.
 """
 
-from .client import (DEFAULT_SHM_BYTES, DEFAULT_SOCKET, MAX_BATCH_KEYS, BlockInfo, Client, Match,
+from .client import (DEFAULT_SHM_BYTES, DEFAULT_SOCKET, MAX_BATCH_KEYS, MAX_KEY_LEN, Attachment, BlockInfo, Client, Match,
                      Replica)
 from .errors import (Aborted, AlreadyExists, Cancelled, ClientClosed, DataLoss, DeadlineExceeded,
                      Error, FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange,
@@ -23,7 +23,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, ClientClosed, DataLoss, 
                      Unavailable, Unimplemented, Unknown, ValueTooLarge)
 
 __all__ = [
-    "Client", "Match", "BlockInfo", "Replica", "DEFAULT_SOCKET", "DEFAULT_SHM_BYTES", "MAX_BATCH_KEYS",
+    "Client", "Match", "BlockInfo", "Replica", "Attachment", "DEFAULT_SOCKET", "DEFAULT_SHM_BYTES", "MAX_BATCH_KEYS", "MAX_KEY_LEN",
     "Error", "Aborted", "AlreadyExists", "Cancelled", "ClientClosed", "DataLoss", "DeadlineExceeded",
     "FailedPrecondition", "Internal", "InvalidArgument", "NotFound", "OutOfRange", "PermissionDenied",
     "RegionTimeout", "ResourceExhausted", "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "ValueTooLarge",

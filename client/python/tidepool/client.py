@@ -323,12 +323,15 @@ class Attachment:
         return "Attachment(%s, %d bytes)" % (self.path, self.size)
 
 
-#: Where one value of a get goes: att (an Attachment) and off, or else the
-#: address (addr) or writable view it is copied to; length is its capacity.
-_Dest = collections.namedtuple("_Dest", "att off length addr view")
+#: Where one value of a get goes: att (an Attachment) and off, where the
+#: agent writes it; or else parts, [(address, length, move)], that it is
+#: scattered to from the session's region by move(dst, src, n) (memmove,
+#: which releases the GIL; or a CUDA copy), or a writable view; length is
+#: its capacity.
+_Dest = collections.namedtuple("_Dest", "att off length parts view")
 
-#: Where one value of a put comes from, as for _Dest.
-_Src = collections.namedtuple("_Src", "att off length addr view")
+#: Where one value of a put comes from, as for _Dest (parts are gathered).
+_Src = collections.namedtuple("_Src", "att off length parts view")
 
 
 def _address(mv):
@@ -345,49 +348,63 @@ def _address(mv):
         return None
 
 
+def _parts(mv):
+    addr = _address(mv)
+    return None if addr is None else [(addr, mv.nbytes, ctypes.memmove)]
+
+
 def _dest(mv, cap=None):
     n = mv.nbytes if cap is None else min(mv.nbytes, cap)
-    return _Dest(None, 0, n, _address(mv), mv)
+    return _Dest(None, 0, n, _parts(mv), mv)
 
 
 def _src(mv):
-    return _Src(None, 0, mv.nbytes, _address(mv), mv)
+    return _Src(None, 0, mv.nbytes, _parts(mv), mv)
 
 
 def _copy_out(d, region, off, n):
-    """Copies n bytes at off of region to d; memmove releases the GIL."""
-    if n == 0:
-        return
-    if d.addr is not None:
-        ctypes.memmove(d.addr, region.base + off, n)
-    else:
+    """Scatters n bytes at off of region to d."""
+    if d.parts is None:
         d.view[:n] = region.view[off:off + n]
+        return
+    src = region.base + off
+    for addr, length, move in d.parts:
+        k = min(length, n)
+        if k <= 0:
+            break
+        move(addr, src, k)
+        src += k
+        n -= k
 
 
 def _copy_in(sc, region, off):
-    n = sc.length
-    if n == 0:
+    """Gathers sc into the region at off."""
+    if sc.parts is None:
+        region.view[off:off + sc.length] = sc.view
         return
-    if sc.addr is not None:
-        ctypes.memmove(region.base + off, sc.addr, n)
-    else:
-        region.view[off:off + n] = sc.view
+    dst = region.base + off
+    for addr, length, move in sc.parts:
+        if length:
+            move(dst, addr, length)
+            dst += length
 
 
 def _region_item(item, kind, i):
-    """A _Dest or _Src from (Attachment, offset, length) or (address,
-    length)."""
-    if len(item) == 3 and isinstance(item[0], Attachment):
+    """A _Dest or _Src from (Attachment, offset, length), or from [(address,
+    length, move), ...] parts of this process's memory (move(dst, src, n)
+    copies; ctypes.memmove for host memory)."""
+    if isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], Attachment):
         att, off, n = item
         if off < 0 or n < 0 or off + n > att.size:
             raise errors.InvalidArgument("item %d: [%d, %d) is outside the %d attached bytes" % (i, off, off + n, att.size))
         return kind(att, off, n, None, None)
-    if len(item) == 2:
-        addr, n = item
+    parts = list(item)
+    total = 0
+    for addr, n, _ in parts:
         if not addr or n < 0:
             raise errors.InvalidArgument("item %d: address %r, %d bytes" % (i, addr, n))
-        return kind(None, 0, n, addr, None)
-    raise errors.InvalidArgument("item %d: want (Attachment, offset, length) or (address, length)" % i)
+        total += n
+    return kind(None, 0, total, parts, None)
 
 
 def _chunks(n):
@@ -838,12 +855,13 @@ class Client:
                 pass  # the session is gone, or will be: its mapping with it
 
     def batch_get_regions(self, keys, dests):
-        """Reads each key's value into its dest, one of (Attachment, offset,
-        capacity) (the agent writes it there: no copy on this side) or
-        (address, capacity) (memory of this process: copied there from the
-        session's region with the GIL released). Returns per key the size
-        read or the item's Error (NotFound where absent, OutOfRange where
-        longer than its capacity)."""
+        """Reads each key's value into its dest: (Attachment, offset,
+        capacity), where the agent writes it (no copy on this side); or a
+        list of parts [(address, length, move)] of this process's memory,
+        filled in order from the session's region by move(dst, src, n)
+        (ctypes.memmove, which releases the GIL, for host memory). Returns
+        per key the size read or the item's Error (NotFound where absent,
+        OutOfRange where longer than its capacity)."""
         keys = _keys(keys)
         dests = [_region_item(d, _Dest, i) for i, d in enumerate(_list(dests, "dests"))]
         if len(keys) != len(dests):
@@ -853,8 +871,9 @@ class Client:
 
     def batch_set_regions(self, keys, srcs, replicas=0):
         """Stores each key's value from its src, (Attachment, offset,
-        length) or (address, length), as batch_set does; replicas
-        overrides the agent's --replicas when positive."""
+        length) or parts [(address, length, move)] gathered in order, as
+        batch_set does; replicas overrides the agent's --replicas when
+        positive."""
         keys = _keys(keys)
         srcs = [_region_item(sc, _Src, i) for i, sc in enumerate(_list(srcs, "srcs"))]
         if len(keys) != len(srcs):
@@ -912,6 +931,38 @@ class Client:
     def exists(self, key):
         """Whether key is present."""
         return self.batch_exists([key]) == 1
+
+    def present(self, keys):
+        """Per key, whether it is present (a key the pool would refuse is
+        not)."""
+        keys = _keys(keys)
+        out = []
+        for lo, hi in _chunks(len(keys)):
+            resp = self._call("Exists", tidepool_pb2.KeysRequest(keys=keys[lo:hi]), "exists")
+            if len(resp.exists) != hi - lo:
+                raise errors.Internal("exists: %d answers for %d keys" % (len(resp.exists), hi - lo))
+            out.extend(resp.exists)
+        return out
+
+    def describe(self, keys):
+        """Per key, its BlockInfo (size, CRC-32C, replicas fastest tier
+        first) or the item's Error (NotFound where absent). The master
+        leases what it describes."""
+        keys = _keys(keys)
+        out = []
+        for lo, hi in _chunks(len(keys)):
+            resp = self._call("Describe", tidepool_pb2.KeysRequest(keys=keys[lo:hi]), "describe")
+            if len(resp.results) != hi - lo:
+                raise errors.Internal("describe: %d answers for %d keys" % (len(resp.results), hi - lo))
+            for k, r in zip(keys[lo:hi], resp.results):
+                err = _item(r.status)
+                if err is not None:
+                    out.append(err)
+                    continue
+                reps = tuple(Replica(x.node, _TIERS.get(x.tier, ""), x.segment, x.endpoint, x.offset)
+                             for x in r.replicas)
+                out.append(BlockInfo(k, r.size, r.checksum, reps))
+        return out
 
     # Gets.
 
@@ -1125,7 +1176,7 @@ class Client:
 
     # Puts.
 
-    def batch_set(self, keys, values, chain=False, parent=None):
+    def batch_set(self, keys, values, chain=False, parent=None, replicas=0):
         """Stores values (anything with the buffer protocol: bytes,
         bytearray, memoryview, numpy arrays; or CPU tensors with
         data_ptr()) under keys and returns, per
@@ -1141,7 +1192,8 @@ class Client:
         in groups: when a group fails as a whole after others were stored,
         batch_set returns the results so far and that failure in the place
         of every item not yet stored (a failure of the first group is
-        raised).
+        raised). replicas, when positive, overrides the agent's
+        --replicas for these values.
         """
         keys = _keys(keys)
         values = _list(values, "values")
@@ -1152,7 +1204,7 @@ class Client:
         if parent and not chain:
             raise errors.InvalidArgument("a parent without chain=True")
         srcs = [_src(_source(v, i)) for i, v in enumerate(values)]
-        return self._write(keys, srcs, chain=chain, parent=parent)
+        return self._write(keys, srcs, chain=chain, parent=parent, replicas=replicas)
 
     def set(self, key, value):
         """Stores value under key; raises on failure."""
@@ -1176,13 +1228,25 @@ class Client:
                 out.append(True if err is None else err)
         return out
 
-    def clear(self, prefix):
+    def clear(self, prefix, regex=None):
         """Removes every object whose key starts with prefix (which must not
-        be empty) and returns how many."""
+        be empty) and, given a regex (RE2 syntax), matches it somewhere;
+        returns how many."""
         if not isinstance(prefix, str) or not prefix:
             raise errors.InvalidArgument("clear needs a non-empty prefix")
-        resp = self._call("Clear", agent_pb2.ClearRequest(prefix=prefix), "clear")
-        return resp.removed
+        return self._clear(prefix, regex, False)
+
+    def clear_all(self, regex=None):
+        """Removes every object of the pool (of every client and tenant)
+        or, given a regex (RE2 syntax), every one whose key it matches
+        somewhere; returns how many."""
+        return self._clear("", regex, True)
+
+    def _clear(self, prefix, regex, everything):
+        if regex is not None and not isinstance(regex, str):
+            raise errors.InvalidArgument("regex is %s, not a str" % type(regex).__name__)
+        req = agent_pb2.ClearRequest(prefix=prefix, regex=regex or "", all=everything)
+        return self._call("Clear", req, "clear").removed
 
     def stats(self):
         """The agent's counters, as a dict (lookups, blocks_probed,

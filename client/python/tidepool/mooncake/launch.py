@@ -1,0 +1,199 @@
+"""How setup finds its `tidepool agent`, or starts one for the process.
+
+Mooncake's integrations pass their configuration to ``setup``; what is
+Tidepool's own comes from the environment or from the same JSON file the
+integration reads (``MOONCAKE_CONFIG_PATH``, or SGLang's
+``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``), under ``tidepool_*`` keys:
+
+- ``TIDEPOOL_AGENT_SOCKET`` / ``tidepool_agent_socket``: the agent to use
+  (default /tmp/tidepool-agent.sock). When none answers there, setup starts
+  a private agent for the process (on a socket of its own) and stops it at
+  close.
+- ``TIDEPOOL_BIN`` / ``tidepool_bin``: the tidepool binary that agent runs
+  (default: ``tidepool`` on PATH).
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+logger = logging.getLogger("tidepool.mooncake")
+
+DEFAULT_SOCKET = "/tmp/tidepool-agent.sock"
+
+# How long a started agent may take to serve and register its segment.
+_START_TIMEOUT = 30.0
+
+_CONFIG_ENVS = ("MOONCAKE_CONFIG_PATH", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(v):
+    """A byte count from an int or a string such as "4gb", "16MB", "1GiB"
+    (powers of 1024, as Mooncake reads them); ValueError otherwise."""
+    if isinstance(v, bool):
+        raise ValueError("size %r" % v)
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError("negative size %d" % v)
+        return v
+    m = _SIZE.match(str(v))
+    if not m:
+        raise ValueError("size %r: want bytes or a number with kb, mb, gb or tb" % v)
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "")[:1].lower()])
+
+
+def parse_masters(addr):
+    """Tidepool master addresses from Mooncake's master_server_addr:
+    host:port, several separated by commas or semicolons."""
+    addr = str(addr or "").strip()
+    for scheme in ("tidepool://", "grpc://"):
+        if addr.startswith(scheme):
+            addr = addr[len(scheme):]
+    masters = [a.strip() for a in re.split(r"[,;]", addr) if a.strip()]
+    for a in masters:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError("master_server_addr %r: want host:port[,host:port...] of Tidepool masters" % addr)
+    return ",".join(masters)
+
+
+def file_config():
+    """The tidepool_* keys of the first JSON file the Mooncake config
+    variables name ({} when none is set or readable)."""
+    for env in _CONFIG_ENVS:
+        path = os.environ.get(env)
+        if not path:
+            continue
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            logger.warning("cannot read %s=%s: %s", env, path, e)
+            return {}
+        return {k: v for k, v in cfg.items() if isinstance(k, str) and k.startswith("tidepool_")} \
+            if isinstance(cfg, dict) else {}
+    return {}
+
+
+def agent_socket(cfg):
+    return os.environ.get("TIDEPOOL_AGENT_SOCKET") or cfg.get("tidepool_agent_socket") or DEFAULT_SOCKET
+
+
+def answers(path):
+    """Whether something listens on the unix socket path."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(2.0)
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _segment_listen(local_hostname):
+    """Where a started agent's segment listens: local_hostname's port if it
+    names one, else any free port on its address."""
+    host, sep, port = local_hostname.rpartition(":")
+    if sep and port.isdigit() and host:
+        return "%s:%s" % (host, port)
+    host = local_hostname or "127.0.0.1"
+    if host == "localhost":
+        host = "127.0.0.1"
+    return "%s:0" % host
+
+
+class Agent:
+    """A `tidepool agent` this process started: on a private socket, with
+    a pipe on its standard input that ends it if this process dies."""
+
+    def __init__(self, binary, masters, segment, local_hostname, shm_bytes):
+        self.dir = tempfile.mkdtemp(prefix="tidepool-mooncake-")
+        self.socket = os.path.join(self.dir, "agent.sock")
+        self.log_path = os.path.join(self.dir, "agent.log")
+        self.proc = None
+        for attempt in range(3):
+            self.http = "127.0.0.1:%d" % _free_port()
+            args = [binary, "agent", "--socket", self.socket, "--masters", masters, "--http", self.http,
+                    "--exit-with-stdin", "--log-level", "warn",
+                    "--max-session-bytes", str(max(shm_bytes, 4 << 30))]
+            if segment > 0:
+                args += ["--segment", str(segment), "--segment-listen", _segment_listen(local_hostname)]
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True, close_fds=True)
+            if self._wait_ready():
+                logger.info("started tidepool agent (pid %d) on %s for masters %s, segment %d bytes",
+                            self.proc.pid, self.socket, masters, segment)
+                return
+            out = self.output()
+            self.stop()
+            if "address already in use" in out and attempt < 2:
+                continue  # the http port was taken between probing and binding
+            raise RuntimeError("tidepool agent did not become ready in %.0fs:\n%s" % (_START_TIMEOUT, out[-2000:]))
+
+    def _wait_ready(self):
+        """Polls the agent's /readyz: it serves, a master leader answers it,
+        and its segment (if any) is registered."""
+        deadline = time.monotonic() + _START_TIMEOUT
+        delay = 0.01
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen("http://%s/readyz" % self.http, timeout=1) as r:
+                    if r.status == 200 and answers(self.socket):
+                        return True
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(delay)
+            delay = min(2 * delay, 0.2)
+        return False
+
+    def output(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout=10.0):
+        """Closes the lifeline and waits; SIGKILL if it lingers."""
+        p, self.proc = self.proc, None
+        if p is not None:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def binary(cfg):
+    b = os.environ.get("TIDEPOOL_BIN") or cfg.get("tidepool_bin") or shutil.which("tidepool")
+    if not b:
+        raise RuntimeError("no running tidepool agent, and no tidepool binary to start one: "
+                           "set TIDEPOOL_AGENT_SOCKET to a running agent, or TIDEPOOL_BIN (or PATH) to the binary")
+    return b
