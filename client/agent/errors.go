@@ -32,7 +32,7 @@ func code(err error) codes.Code {
 		return codes.NotFound
 	case errors.Is(err, client.ErrInvalidArgument):
 		return codes.InvalidArgument
-	case errors.Is(err, client.ErrNoSpace), errors.Is(err, ErrTooManySessions):
+	case errors.Is(err, client.ErrNoSpace), errors.Is(err, ErrTooManySessions), errors.Is(err, ErrTooManyRegions):
 		return codes.ResourceExhausted
 	case errors.Is(err, client.ErrConflict), errors.Is(err, client.ErrLeaseExpired):
 		return codes.Aborted // retry the put or the read

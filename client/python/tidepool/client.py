@@ -869,16 +869,18 @@ class Client:
         got = self._read(keys, dests, range(len(keys)))
         return [got[i] for i in range(len(keys))]
 
-    def batch_set_regions(self, keys, srcs, replicas=0):
+    def batch_set_regions(self, keys, srcs, chain=False, parent=None, replicas=0):
         """Stores each key's value from its src, (Attachment, offset,
         length) or parts [(address, length, move)] gathered in order, as
-        batch_set does; replicas overrides the agent's --replicas when
-        positive."""
+        batch_set does (chain and parent too); replicas overrides the
+        agent's --replicas when positive."""
         keys = _keys(keys)
         srcs = [_region_item(sc, _Src, i) for i, sc in enumerate(_list(srcs, "srcs"))]
         if len(keys) != len(srcs):
             raise errors.InvalidArgument("%d keys and %d srcs" % (len(keys), len(srcs)))
-        return self._write(keys, srcs, replicas=replicas)
+        if parent and not chain:
+            raise errors.InvalidArgument("a parent without chain=True")
+        return self._write(keys, srcs, chain=chain, parent=parent, replicas=replicas)
 
     # Lookups.
 

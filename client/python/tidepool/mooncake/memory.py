@@ -1,5 +1,6 @@
 """Memory the store reads from and writes to: host memory shared with the
-agent (MooncakeHostMemAllocator), other host memory, and GPU memory.
+agent (MooncakeHostMemAllocator, from tidepool.hostmem), other host memory,
+and GPU memory.
 
 MooncakeHostMemAllocator hands out memfds of this process, mapped here and,
 once a store uses them, by the agent too: gets land there and puts leave
@@ -13,94 +14,12 @@ region).
 import bisect
 import ctypes
 import ctypes.util
-import fcntl
 import logging
-import mmap
-import os
 import threading
-import weakref
 
-from ..client import Attachment
+from ..hostmem import HOST
 
 logger = logging.getLogger("tidepool.mooncake")
-
-_PAGE = mmap.PAGESIZE
-
-
-class _Allocation:
-    """One MooncakeHostMemAllocator allocation: a sealed memfd mapped here."""
-
-    def __init__(self, size):
-        self.size = (size + _PAGE - 1) // _PAGE * _PAGE
-        self.fd = os.memfd_create("tidepool-host", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, self.size)
-            # Neither side can resize it under the other's mapping.
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self.mm.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
-        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-        self.att = Attachment(self.fd, self.size)
-
-    def close(self):
-        self.att.closed = True
-        try:
-            self.mm.close()
-        except BufferError:  # a view of it is still alive: the mapping goes with it
-            pass
-        os.close(self.fd)
-
-
-class _HostMemory:
-    """The process's allocations, by address; and the stores that may have
-    attached them, told when one is freed."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._starts = []  # sorted addresses; guarded by _lock
-        self._by_start = {}  # address -> _Allocation; guarded by _lock
-        self.stores = weakref.WeakSet()
-
-    def alloc(self, size):
-        a = _Allocation(size)
-        with self._lock:
-            bisect.insort(self._starts, a.addr)
-            self._by_start[a.addr] = a
-        return a
-
-    def free(self, addr):
-        with self._lock:
-            a = self._by_start.pop(addr, None)
-            if a is not None:
-                self._starts.remove(addr)
-        if a is None:
-            return False
-        for store in list(self.stores):
-            store._forget(a.att)
-        a.close()
-        return True
-
-    def find(self, addr, n):
-        """The allocation holding [addr, addr+n), or None."""
-        with self._lock:
-            i = bisect.bisect_right(self._starts, addr) - 1
-            if i < 0:
-                return None
-            a = self._by_start[self._starts[i]]
-        return a if addr + n <= a.addr + a.size else None
-
-
-#: The allocations of this process: MooncakeHostMemAllocator instances are
-#: made anywhere (SGLang makes one per host pool), stores find them here.
-HOST = _HostMemory()
-
 
 class MooncakeHostMemAllocator:
     """Host memory the agent shares, Mooncake's allocator for host KV pools:

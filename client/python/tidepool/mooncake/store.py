@@ -241,7 +241,7 @@ class MooncakeDistributedStore:
         self._hostname = ""
         self._pool = None  # setup_dummy's memory pool: (allocation, allocator)
         self._registry = memory.Registry()
-        memory.HOST.stores.add(self)
+        memory.HOST.users.add(self)
 
     # Lifecycle.
 
