@@ -122,3 +122,4 @@ for r in engine:
         note = f"{r['gbps']/iperf1:.0%} of iperf3 (one stream)"
     print(f"| {r['scenario']} | {r['mode']} | {r['gbps']:.3f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['ops']} | {r['errors']} | {note} |")
 PYEOF
+./docs/bench-mooncake.sh
