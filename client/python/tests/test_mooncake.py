@@ -145,7 +145,7 @@ class _Cluster(unittest.TestCase):
         """size bytes of ordinary host memory (not the allocator's): its
         address and the ctypes array keeping it alive."""
         buf = (ctypes.c_char * size)()
-        self.addCleanup(lambda b=buf: None)
+        self.addCleanup(lambda b=buf: None)  # alive until the test's stores are closed
         return ctypes.addressof(buf), buf
 
 
@@ -467,15 +467,6 @@ def storage_of(t):
 @unittest.skipUnless(torch is not None, "needs torch (python3-torch)")
 class VLLMTest(_Cluster):
     LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 16, 4, 2, 32
-
-    def kv_caches(self):
-        """FlashAttn-shaped host KV caches, (2, blocks, block, heads, dim)
-        per layer, registered one storage each, and the segments (K and V
-        halves) with their block_len, as register_kv_caches computes them."""
-        caches = [torch.zeros((2, self.BLOCKS, self.BLOCK, self.HEADS, self.DIM), dtype=torch.float16)
-                  for _ in range(self.LAYERS)]
-        segments, block_lens = [], []
-        return caches, segments, block_lens
 
     def test_worker_sequence(self):
         s = MooncakeDistributedStore()
@@ -938,10 +929,8 @@ class ErrorCodeTest(_Cluster):
         region, sized from local_buffer_size."""
         s = self.new_store(local_buffer_size=16 * MiB)
         n = 20 * MiB
-        src = torch.empty(n, dtype=torch.uint8) if torch is not None else None
-        if src is None:
-            self.skipTest("needs torch")
-        p = src.data_ptr()
+        buf = bytearray(n)
+        p = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         fill(p, rbytes(11, n))
         self.assertEqual(s.register_buffer(p, n), OK)
         key = self.keys(1)[0]
