@@ -320,11 +320,11 @@ func TestAttachSpanErrors(t *testing.T) {
 		resp, err := f.ac.BatchGet(ctx, &pb.AgentGetRequest{Session: r.id,
 			Keys: []string{"e/ok", "e/ok", "e/ok", "e/last", "e/ok", "e/ok", "e/last", "e/ok"},
 			Spans: []*pb.Span{
-				{Offset: size - 50, Length: 100, Region: rid},   // past the end
-				{Offset: 0, Length: 100, Region: rid + 100},     // unknown region
+				{Offset: size - 50, Length: 100, Region: rid},    // past the end
+				{Offset: 0, Length: 100, Region: rid + 100},      // unknown region
 				{Offset: math.MaxUint64, Length: 2, Region: rid}, // offset overflows
-				{Offset: size - 100, Length: 100, Region: rid},  // fine: the last bytes
-				{Offset: size / 2, Length: 100, Region: rid},    // fine
+				{Offset: size - 100, Length: 100, Region: rid},   // fine: the last bytes
+				{Offset: size / 2, Length: 100, Region: rid},     // fine
 				{Offset: 0, Length: 100, Region: otherID + 1000},
 				{Offset: size / 2, Length: 99, Region: rid + 1}, // neither is region rid+1 attached
 				{Offset: 0, Length: 100},                        // the session's region: fine
@@ -428,11 +428,13 @@ func TestAttachRefusals(t *testing.T) {
 		t.Fatal(err)
 	}
 	pid := os.Getpid()
+	// Refused before the agent opens the path: the memfd must keep its
+	// seals as they were.
+	early := map[string]bool{"size 0": true, "size implausible": true, "unknown session": true, "closed session": true, "no session": true}
 
 	for _, tc := range []struct {
 		name string
-		// setup answers the request, and the memfd it names if any, with
-		// whether the agent may have sealed it.
+		// setup answers the request, and the memfd it names if any.
 		setup func(t *testing.T) (req *pb.AttachRequest, m *memfd)
 		code  codes.Code
 		msg   string
@@ -550,33 +552,32 @@ func TestAttachRefusals(t *testing.T) {
 				wantMaps = 0
 			}
 			m.checkHeld(t, wantMaps, 1)
-			if got := m.seals(t); got != seals {
+			if got := m.seals(t); early[tc.name] && got != seals {
 				t.Fatalf("a refused memfd's seals went from %#x to %#x", seals, got)
 			}
 		})
 	}
 
+	// Sealed against writes, a memfd cannot be mapped for gets: refused,
+	// and nothing kept. (The agent answers INTERNAL for it, as for any
+	// mmap failure, though the memfd is the caller's mistake.)
+	t.Run("write-sealed memfd", func(t *testing.T) {
+		m := newMemfd(t, 4096, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING, true)
+		if _, err := unix.FcntlInt(uintptr(m.fd), unix.F_ADD_SEALS, unix.F_SEAL_WRITE); err != nil {
+			t.Fatal(err)
+		}
+		_, err := f.ac.Attach(ctx, &pb.AttachRequest{Session: r.id, Path: m.path, Size: m.size})
+		if status.Code(err) == codes.OK {
+			t.Fatal("a write-sealed memfd was attached")
+		}
+		t.Logf("write-sealed memfd: %v", err)
+		m.checkHeld(t, 0, 1)
+	})
+
 	// The session is untouched: a good memfd attaches as its first region.
 	if id := attach(t, f, r.id, sealable(t, 4096)); id != 1 {
 		t.Fatalf("after the refusals the first region is %d", id)
 	}
-}
-
-// TestAttachWriteSealed: a memfd sealed against writes cannot be mapped
-// for gets; Attach refuses it and keeps nothing.
-func TestAttachWriteSealed(t *testing.T) {
-	f := newFixture(t, agent.Config{})
-	r := f.open("wseal", 4096)
-	m := newMemfd(t, 4096, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING, true)
-	if _, err := unix.FcntlInt(uintptr(m.fd), unix.F_ADD_SEALS, unix.F_SEAL_WRITE); err != nil {
-		t.Fatal(err)
-	}
-	_, err := f.ac.Attach(testCtx(t), &pb.AttachRequest{Session: r.id, Path: m.path, Size: m.size})
-	if status.Code(err) == codes.OK {
-		t.Fatal("a write-sealed memfd was attached")
-	}
-	t.Logf("write-sealed memfd: %v", err)
-	m.checkHeld(t, 0, 1)
 }
 
 // TestAttachSealed: once attached, the memfd cannot shrink or grow, so the
@@ -1130,4 +1131,38 @@ func TestAttachResizeRace(t *testing.T) {
 		}
 	}
 	t.Logf("%d of 200 racing attachments succeeded, all at the announced size", attached)
+}
+
+// TestAttachAliases: memory that is already a region of the session (the
+// same memfd by another path, or the session's own region) is refused:
+// two regions over the same bytes would let two gets of one request land
+// in one place, past the overlap check.
+func TestAttachAliases(t *testing.T) {
+	f := newFixture(t, agent.Config{})
+	ctx := testCtx(t)
+	r := f.open("aliases", 1<<20)
+	m := sealable(t, 1<<20)
+	attach(t, f, r.id, m)
+	dup, err := unix.Dup(m.fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(dup)
+	for name, path := range map[string]string{
+		"same path":      m.path,
+		"another fd":     fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), dup),
+		"its own region": r.path,
+	} {
+		size := m.size
+		if name == "its own region" {
+			size = r.size
+		}
+		_, err := f.ac.Attach(ctx, &pb.AttachRequest{Session: r.id, Path: path, Size: size})
+		if status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: Attach = %v, want InvalidArgument", name, err)
+		}
+	}
+	// Another session may attach it: its requests are checked on their own.
+	other := f.open("aliases-2", 1<<20)
+	attach(t, f, other.id, m)
 }

@@ -36,6 +36,9 @@ const (
 type Config struct {
 	// Client reaches the cluster. The Server does not close it.
 	Client *client.Client
+	// Masters are the cluster's master addresses, told to each session so
+	// that a process can ask them directly what moves no bytes.
+	Masters []string
 	// SessionIdle ends a session after this long without a request that
 	// names it; 0 means DefaultSessionIdle.
 	SessionIdle time.Duration

@@ -71,7 +71,7 @@ func (a *service) Open(ctx context.Context, req *pb.OpenRequest) (*pb.OpenRespon
 	s.log.Info("session opened", "session", ss.id, "client", name, "bytes", ss.size, "path", ss.path)
 	return &pb.OpenResponse{
 		Session: ss.id, ShmPath: ss.path, ShmBytes: ss.size,
-		IdleTimeoutMs: uint64(s.cfg.SessionIdle.Milliseconds()),
+		IdleTimeoutMs: uint64(s.cfg.SessionIdle.Milliseconds()), Masters: s.cfg.Masters,
 	}, nil
 }
 

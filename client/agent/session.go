@@ -55,8 +55,34 @@ type session struct {
 // region is a memfd of the session's process, attached: gets land in it and
 // puts leave from it without a copy through the session's own region.
 type region struct {
-	mem []byte
-	fd  int
+	mem  []byte
+	fd   int
+	file fileID
+}
+
+// fileID names a file, whatever path or descriptor reaches it.
+type fileID struct{ dev, ino uint64 }
+
+func fileOf(fd int) (fileID, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fileID{}, err
+	}
+	return fileID{uint64(st.Dev), st.Ino}, nil
+}
+
+// aliases reports whether f is the session's own memfd or one it attached.
+// The caller holds ss.mu.
+func (ss *session) aliases(f fileID) bool {
+	if own, err := fileOf(ss.fd); err == nil && own == f {
+		return true
+	}
+	for _, r := range ss.attached {
+		if r.file == f {
+			return true
+		}
+	}
+	return false
 }
 
 func (r *region) close() error { return errors.Join(unix.Munmap(r.mem), unix.Close(r.fd)) }
@@ -128,6 +154,10 @@ func (s *Server) attach(id uint64, path string, size uint64) (uint32, error) {
 		return 0, errors.Join(unknownSession(id), r.close())
 	case len(ss.attached) >= MaxAttached:
 		return 0, errors.Join(fmt.Errorf("%w: session %d has %d attached regions, the most it may", ErrTooManyRegions, id, len(ss.attached)), r.close())
+	case ss.aliases(r.file):
+		// Two regions over the same bytes would defeat the overlap check:
+		// two values landing in one place, one of them lost.
+		return 0, errors.Join(fmt.Errorf("%w: attach %s: that memory is already a region of session %d", client.ErrInvalidArgument, path, id), r.close())
 	}
 	if ss.attached == nil {
 		ss.attached = map[uint32]*region{}
@@ -187,11 +217,17 @@ func mapMemfd(path string, size uint64) (*region, error) {
 			return fail(fmt.Errorf("%w: attach %s: cannot seal it against resizing (%v): create it with MFD_ALLOW_SEALING", client.ErrInvalidArgument, path, err))
 		}
 	}
+	// The size again, now that it cannot change: the caller may have
+	// resized it between the first look and the seal, and a mapping past
+	// the file's end would fault the agent.
+	if err := unix.Fstat(fd, &st); err != nil || uint64(st.Size) != size {
+		return fail(fmt.Errorf("%w: attach %s: the memfd is %d bytes, not %d", client.ErrInvalidArgument, path, st.Size, size))
+	}
 	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
-		return fail(fmt.Errorf("attach %s: mmap %d bytes: %w", path, size, err))
+		return fail(fmt.Errorf("%w: attach %s: map %d bytes read-write: %v (a memfd sealed against writes cannot be a region)", client.ErrInvalidArgument, path, size, err))
 	}
-	return &region{mem: mem, fd: fd}, nil
+	return &region{mem: mem, fd: fd, file: fileID{uint64(st.Dev), st.Ino}}, nil
 }
 
 // open creates a session with a region of size bytes.

@@ -89,7 +89,7 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 		return node.Close()
 	}
 	srv, err := agent.New(agent.Config{
-		Client: c, SessionIdle: *idle, MaxSessionBytes: uint64(limit), MaxSessions: *maxSessions,
+		Client: c, Masters: cfg.Masters, SessionIdle: *idle, MaxSessionBytes: uint64(limit), MaxSessions: *maxSessions,
 		Logger: log.With("component", "agent"), Registerer: d.reg,
 	})
 	if err != nil {

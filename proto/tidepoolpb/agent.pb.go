@@ -88,6 +88,9 @@ type OpenResponse struct {
 	ShmBytes uint64 `protobuf:"varint,3,opt,name=shm_bytes,json=shmBytes,proto3" json:"shm_bytes,omitempty"`
 	// The session ends after this long without a request.
 	IdleTimeoutMs uint64 `protobuf:"varint,4,opt,name=idle_timeout_ms,json=idleTimeoutMs,proto3" json:"idle_timeout_ms,omitempty"`
+	// The masters the agent uses: a process may ask them directly what
+	// moves no bytes (Exists), saving the hop through the agent.
+	Masters       []string `protobuf:"bytes,5,rep,name=masters,proto3" json:"masters,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -148,6 +151,13 @@ func (x *OpenResponse) GetIdleTimeoutMs() uint64 {
 		return x.IdleTimeoutMs
 	}
 	return 0
+}
+
+func (x *OpenResponse) GetMasters() []string {
+	if x != nil {
+		return x.Masters
+	}
+	return nil
 }
 
 type SessionRef struct {
@@ -890,12 +900,13 @@ const file_agent_proto_rawDesc = "" +
 	"\vagent.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"B\n" +
 	"\vOpenRequest\x12\x16\n" +
 	"\x06client\x18\x01 \x01(\tR\x06client\x12\x1b\n" +
-	"\tshm_bytes\x18\x02 \x01(\x04R\bshmBytes\"\x88\x01\n" +
+	"\tshm_bytes\x18\x02 \x01(\x04R\bshmBytes\"\xa2\x01\n" +
 	"\fOpenResponse\x12\x18\n" +
 	"\asession\x18\x01 \x01(\x04R\asession\x12\x19\n" +
 	"\bshm_path\x18\x02 \x01(\tR\ashmPath\x12\x1b\n" +
 	"\tshm_bytes\x18\x03 \x01(\x04R\bshmBytes\x12&\n" +
-	"\x0fidle_timeout_ms\x18\x04 \x01(\x04R\ridleTimeoutMs\"&\n" +
+	"\x0fidle_timeout_ms\x18\x04 \x01(\x04R\ridleTimeoutMs\x12\x18\n" +
+	"\amasters\x18\x05 \x03(\tR\amasters\"&\n" +
 	"\n" +
 	"SessionRef\x12\x18\n" +
 	"\asession\x18\x01 \x01(\x04R\asession\"N\n" +

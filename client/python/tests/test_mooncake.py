@@ -24,10 +24,14 @@ import textwrap
 import unittest
 import uuid
 
-import harness
-import tidepool
-from tidepool import mooncake
-from tidepool.mooncake import MooncakeDistributedStore, MooncakeHostMemAllocator, ReplicateConfig
+# Run from the repository root (python3 -m unittest client/python/tests/test_mooncake.py)
+# as well as by discovery in this directory.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+import tidepool  # noqa: E402
+from tidepool import mooncake  # noqa: E402
+from tidepool.mooncake import MooncakeDistributedStore, MooncakeHostMemAllocator, ReplicateConfig  # noqa: E402
 
 try:
     import torch
@@ -43,12 +47,12 @@ KiB, MiB = 1 << 10, 1 << 20
 COMPAT = os.path.join(harness.PYTHON_DIR, "compat")
 
 # Mooncake's codes.
-OK, NO_AVAILABLE_HANDLE, INVALID_PARAMS, OBJECT_NOT_FOUND, RPC_FAIL = 0, -200, -600, -704, -900
+OK, NO_AVAILABLE_HANDLE, INVALID_PARAMS, OBJECT_NOT_FOUND = 0, -200, -600, -704
 
 
 def rbytes(seed, n):
     """n pseudo-random bytes, different per seed."""
-    return random.Random(seed).randbytes(n)
+    return random.Random(repr(seed)).randbytes(n)
 
 
 def fill(ptr, data):
@@ -248,9 +252,12 @@ class SGLangTest(_Cluster):
         ptrs, sizes = mha_page_first_meta(kv, src, page)
         self.assertEqual(sizes, [page_bytes] * 8)
 
-        # An earlier backup stored page 0.
+        # An earlier backup stored page 0 (with group semantics: a 4th
+        # positional ReplicateConfig carrying group_ids).
         self.assertEqual(s.batch_is_exist(keys), [0] * 8)
-        self.assertEqual(s.batch_put_from(keys[:2], ptrs[:2], sizes[:2]), [OK, OK])
+        grouped = ReplicateConfig()
+        grouped.group_ids = ["sglang-hicache:%s" % stored[0]] * 2
+        self.assertEqual(s.batch_put_from(keys[:2], ptrs[:2], sizes[:2], grouped), [OK, OK])
         # batch_set_v1: only the missing objects are written.
         exist = s.batch_is_exist(keys)
         self.assertEqual(exist, [1, 1] + [0] * 6)
@@ -339,7 +346,7 @@ class PrivateAgentTest(_Cluster):
         rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 32 * MiB, 16 * MiB, "tcp", "", self.up.grpc, None,
                      enable_client_http_server=True, client_http_port=harness.free_addr().rsplit(":", 1)[1])
         self.assertEqual(rc, OK)
-        sock = s._agent.socket
+        sock, proc = s._agent.socket, s._agent.proc
         self.assertTrue(os.path.exists(sock))
         self.assertNotEqual(sock, os.environ["TIDEPOOL_AGENT_SOCKET"])
         key = "sglang_mooncake_store_warmup_key" + uuid.uuid4().hex
@@ -353,7 +360,7 @@ class PrivateAgentTest(_Cluster):
         self.assertEqual(s.get_into(self.prefix + "a", ptr + 32 * KiB, 32 * KiB), 30000)
         self.assertEqual(read(ptr + 32 * KiB, 30000), read(ptr, 30000))
         self.assertEqual(s.close(), OK)
-        harness.poll(lambda: not os.path.exists(sock), what="the private agent's socket gone")
+        harness.poll(lambda: proc.poll() is not None and not os.path.exists(sock), what="the private agent gone")
         self.assertEqual(s.put(key, b"x"), INVALID_PARAMS)
         self.assertEqual(s.close(), OK)
 
@@ -861,6 +868,14 @@ class ErrorCodeTest(_Cluster):
         self.assertEqual(got, [1, 0, 0])
         self.assertEqual([type(x) for x in got], [int] * 3)  # not bools, not negative
 
+    def test_concurrent_puts_of_one_key(self):
+        s = self.new_store()
+        key = self.keys(1)[0]
+        vals = [bytes([i]) * 50000 for i in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            self.assertEqual(list(ex.map(lambda v: s.put(key, v), vals)), [OK] * 8)
+        self.assertIn(s.get(key), vals)  # one of them, whole
+
     def test_bare_str_for_a_list_of_keys(self):
         s = self.new_store()
         p, _buf = self.plain(4096)
@@ -989,7 +1004,8 @@ class AgentRestartTest(_Cluster):
 
         self.agent.kill()
         self.assertEqual(s.health_check(), 2)
-        self.assertLess(s.is_exist(keys[0]), 0)
+        # Existence needs no agent: the client asks the master directly.
+        self.assertEqual(s.is_exist(keys[0]), 1)
         self.assertLess(s.put_from(keys[3], shared, 100), 0)
         self.assertLess(s.put_from(keys[3], plain, 100), 0)
         self.assertEqual(s.get(keys[2]), b"")

@@ -17,7 +17,7 @@ import grpc
 
 from . import errors
 from ._alloc import ALIGN, SessionRetired, SpanAllocator, align
-from ._proto import agent_pb2, agent_pb2_grpc, tidepool_pb2
+from ._proto import agent_pb2, agent_pb2_grpc, tidepool_pb2, tidepool_pb2_grpc
 
 DEFAULT_SOCKET = "/tmp/tidepool-agent.sock"
 DEFAULT_SHM_BYTES = 256 << 20
@@ -31,6 +31,9 @@ MAX_KEY_LEN = 4096
 
 # Bounds a gRPC message: the agent's limit.
 _MAX_MESSAGE = 64 << 20
+
+# The trailer in which a master that is not the leader names it.
+_LEADER_TRAILER = "tidepool-leader"
 
 # Bounds a Close, which the agent answers once the session's requests in
 # flight are done.
@@ -302,9 +305,10 @@ def _list(items, what):
 
 def _keys(keys):
     keys = _list(keys, "keys")
-    for i, k in enumerate(keys):
-        if not isinstance(k, str):
-            raise errors.InvalidArgument("key %d is %s, not a str" % (i, type(k).__name__))
+    if set(map(type, keys)) - {str}:
+        for i, k in enumerate(keys):
+            if not isinstance(k, str):
+                raise errors.InvalidArgument("key %d is %s, not a str" % (i, type(k).__name__))
     return keys
 
 
@@ -417,6 +421,8 @@ def _key_error(k):
     """The agent's verdict on a key it would refuse, or None."""
     if not k:
         return errors.InvalidArgument("empty key")
+    if len(k) * 4 <= MAX_KEY_LEN:  # no encoding is longer: skip encoding it
+        return None
     n = len(k.encode("utf-8", "surrogatepass"))
     if n > MAX_KEY_LEN:
         return errors.InvalidArgument("key of %d bytes exceeds the %d-byte limit" % (n, MAX_KEY_LEN))
@@ -452,6 +458,7 @@ class _Resources:
         # retired ones until the agent has ended their sessions. Guarded
         # by the Client's lock while the Client lives.
         self.regions = set()
+        self.masters = _Masters()
 
     def end_session(self, session, timeout=_CLOSE_TIMEOUT):
         """Asks the agent to end session, which it does once the session's
@@ -477,7 +484,76 @@ class _Resources:
                 pass
             region.unmap()
         self.regions.clear()
+        self.masters.close()
         self.channel.close()
+
+
+class _Masters:
+    """A direct line to the master leader for what moves no bytes (Exists):
+    one hop instead of two through the agent. Anything that goes wrong
+    (no masters announced, a follower with no leader to name, a timeout, a
+    refusal) makes the caller fall back to the agent, and keeps this path
+    off for a while; so it only ever saves time."""
+
+    # How long a failed direct path stays off.
+    _BACKOFF = 30.0
+    # A direct call that takes longer than this falls back to the agent.
+    _TIMEOUT = 2.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._addrs = []  # guarded by _lock
+        self._addr = None  # the master asked, a leader as far as known
+        self._channel = None
+        self._stub = None
+        self._off_until = 0.0
+
+    def set(self, addrs):
+        """The masters the agent announced."""
+        addrs = [a for a in addrs if a]
+        with self._lock:
+            if addrs == self._addrs:
+                return
+            self._addrs = addrs
+            self._switch(addrs[0] if addrs else None)
+
+    def _switch(self, addr):
+        """Called with the lock held."""
+        if self._channel is not None:
+            self._channel.close()
+        self._addr, self._channel, self._stub = addr, None, None
+        if addr:
+            self._channel = grpc.insecure_channel(addr, options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+            self._stub = tidepool_pb2_grpc.MasterStub(self._channel)
+
+    def exists(self, keys):
+        """resp.exists for keys from the leader, or None: ask the agent."""
+        for _ in range(2):  # the second after a follower named the leader
+            with self._lock:
+                stub, addr = self._stub, self._addr
+                if stub is None or time.monotonic() < self._off_until:
+                    return None
+            try:
+                return stub.Exists(tidepool_pb2.KeysRequest(keys=keys), timeout=self._TIMEOUT).exists
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    return None  # a bad key: the agent answers it absent
+                leader = dict(e.trailing_metadata() or ()).get(_LEADER_TRAILER) \
+                    if e.code() == grpc.StatusCode.UNAVAILABLE else None
+                with self._lock:
+                    if leader and leader != addr and self._addr == addr:
+                        self._switch(leader)
+                        continue
+                    self._off_until = time.monotonic() + self._BACKOFF
+                return None
+        return None
+
+    def close(self):
+        with self._lock:
+            self._switch(None)
+            self._addrs = []
 
 
 # Clients of this process, for the fork handler.
@@ -575,6 +651,7 @@ class Client:
                 resp = res.stub.Open(req, timeout=self._timeout)
         except grpc.RpcError as e:
             raise errors.from_rpc(e, "open a session with the agent at %s" % self.socket) from None
+        res.masters.set(list(resp.masters))
         try:
             return _Region(resp, self._shm_bytes)
         except BaseException:
@@ -872,15 +949,16 @@ class Client:
     def batch_set_regions(self, keys, srcs, chain=False, parent=None, replicas=0):
         """Stores each key's value from its src, (Attachment, offset,
         length) or parts [(address, length, move)] gathered in order, as
-        batch_set does (chain and parent too); replicas overrides the
-        agent's --replicas when positive."""
+        batch_set does (chain and parent too), except that a staged value
+        larger than the session's region is that item's ValueTooLarge;
+        replicas overrides the agent's --replicas when positive."""
         keys = _keys(keys)
         srcs = [_region_item(sc, _Src, i) for i, sc in enumerate(_list(srcs, "srcs"))]
         if len(keys) != len(srcs):
             raise errors.InvalidArgument("%d keys and %d srcs" % (len(keys), len(srcs)))
         if parent and not chain:
             raise errors.InvalidArgument("a parent without chain=True")
-        return self._write(keys, srcs, chain=chain, parent=parent, replicas=replicas)
+        return self._write(keys, srcs, chain=chain, parent=parent, replicas=replicas, per_item=True)
 
     # Lookups.
 
@@ -940,11 +1018,24 @@ class Client:
         keys = _keys(keys)
         out = []
         for lo, hi in _chunks(len(keys)):
-            resp = self._call("Exists", tidepool_pb2.KeysRequest(keys=keys[lo:hi]), "exists")
-            if len(resp.exists) != hi - lo:
-                raise errors.Internal("exists: %d answers for %d keys" % (len(resp.exists), hi - lo))
-            out.extend(resp.exists)
+            part = keys[lo:hi]
+            got = self._direct_exists(part)
+            if got is None:
+                got = self._call("Exists", tidepool_pb2.KeysRequest(keys=part), "exists").exists
+            if len(got) != hi - lo:
+                raise errors.Internal("exists: %d answers for %d keys" % (len(got), hi - lo))
+            out.extend(got)
         return out
+
+    def _direct_exists(self, keys):
+        """The master's answer, asked directly, or None. (The master refuses
+        a whole request holding a key it would refuse; the agent answers
+        such a key absent.)"""
+        res, _ = self._enter(False)
+        try:
+            return res.masters.exists(keys)
+        finally:
+            self._exit(res, None)
 
     def describe(self, keys):
         """Per key, its BlockInfo (size, CRC-32C, replicas fastest tier
@@ -1005,6 +1096,10 @@ class Client:
         session's region, with the GIL released."""
         size = self._size()
         out = {}
+        # A staged span is at most the region (a longer value can't be read
+        # through it anyway, and the agent says so: OutOfRange).
+        dests = {i: dests[i] if dests[i].att is not None or dests[i].length <= size
+                 else dests[i]._replace(length=size) for i in idx}
         staged = lambda i: dests[i].att is None  # noqa: E731
         lengths = {i: dests[i].length for i in idx}
         for group in self._groups(idx, lengths, size, staged):
@@ -1052,21 +1147,29 @@ class Client:
 
         return self._session_call("batch get", attempt)
 
-    def _write(self, keys, srcs, chain=False, parent=None, replicas=0):
+    def _write(self, keys, srcs, chain=False, parent=None, replicas=0, per_item=False):
         """Stores srcs[i] (each a _Src: an attached region's span, or an
         address or view copied into the session's region with the GIL
         released) under keys[i]; per key True or the item's Error (see
-        batch_set for how a failing group is reported)."""
+        batch_set for how a failing group is reported). A staged value
+        larger than the region raises ValueTooLarge, storing nothing, or
+        with per_item is that item's error alone."""
         size = self._size()
+        out = [True] * len(keys)
+        idx = []
         for i, sc in enumerate(srcs):
             if sc.att is None and sc.length > size:
-                raise errors.ValueTooLarge(
+                err = errors.ValueTooLarge(
                     "value %d (%r) is %d bytes, more than the session's shared-memory region of "
                     "%d bytes; open the Client with a larger shm_bytes" % (i, keys[i], sc.length, size))
-        out = [True] * len(keys)
+                if not per_item:
+                    raise err
+                out[i] = err
+            else:
+                idx.append(i)
         prev = parent or ""
         staged = lambda i: srcs[i].att is None  # noqa: E731
-        groups = list(self._groups(range(len(keys)), [sc.length for sc in srcs], size, staged))
+        groups = list(self._groups(idx, [sc.length for sc in srcs], size, staged))
         for g, group in enumerate(groups):
             total = sum(align(srcs[i].length) for i in group if srcs[i].att is None)
 
@@ -1264,6 +1367,11 @@ class Client:
         out["session"] = session
         out["reopened"] = self.reopened
         return out
+
+    def ping(self):
+        """Returns once the agent answers (raises Unavailable when it does
+        not)."""
+        self._call("Stats", agent_pb2.SessionRef(), "ping")
 
     def __repr__(self):
         return "Client(socket=%r, shm_bytes=%d)" % (self.socket, self._shm_bytes)

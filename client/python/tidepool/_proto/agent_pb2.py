@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 from . import tidepool_pb2 as tidepool__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x0btidepool.v1\x1a\x0etidepool.proto\"0\n\x0bOpenRequest\x12\x0e\n\x06\x63lient\x18\x01 \x01(\t\x12\x11\n\tshm_bytes\x18\x02 \x01(\x04\"]\n\x0cOpenResponse\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\x11\n\tshm_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fidle_timeout_ms\x18\x04 \x01(\x04\"\x1d\n\nSessionRef\x12\x0f\n\x07session\x18\x01 \x01(\x04\"6\n\x04Span\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0e\n\x06region\x18\x03 \x01(\r\"<\n\rAttachRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\" \n\x0e\x41ttachResponse\x12\x0e\n\x06region\x18\x01 \x01(\r\"0\n\rDetachRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0e\n\x06region\x18\x02 \x01(\r\"R\n\x0f\x41gentGetRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12 \n\x05spans\x18\x03 \x03(\x0b\x32\x11.tidepool.v1.Span\"K\n\x10\x41gentGetResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.tidepool.v1.ItemStatus\x12\r\n\x05sizes\x18\x02 \x03(\x04\"\x83\x01\n\x0f\x41gentPutRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12 \n\x05spans\x18\x03 \x03(\x0b\x32\x11.tidepool.v1.Span\x12\r\n\x05\x63hain\x18\x04 \x01(\x08\x12\x0e\n\x06parent\x18\x05 \x01(\t\x12\x10\n\x08replicas\x18\x06 \x01(\r\"$\n\x13\x42\x61tchExistsResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\":\n\x0c\x43learRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\" \n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\xb8\x01\n\x12\x41gentStatsResponse\x12\x0f\n\x07lookups\x18\x01 \x01(\x04\x12\x15\n\rblocks_probed\x18\x02 \x01(\x04\x12\x16\n\x0e\x62locks_matched\x18\x03 \x01(\x04\x12\x0c\n\x04gets\x18\x04 \x01(\x04\x12\x11\n\tget_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04puts\x18\x06 \x01(\x04\x12\x11\n\tput_bytes\x18\x07 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x08 \x01(\x04\x12\x10\n\x08sessions\x18\t \x01(\x04\x32\xea\x06\n\x05\x41gent\x12;\n\x04Open\x12\x18.tidepool.v1.OpenRequest\x1a\x19.tidepool.v1.OpenResponse\x12\x39\n\x05\x43lose\x12\x17.tidepool.v1.SessionRef\x1a\x17.tidepool.v1.SessionRef\x12\x41\n\x06Lookup\x12\x1a.tidepool.v1.LookupRequest\x1a\x1b.tidepool.v1.LookupResponse\x12I\n\x0b\x42\x61tchExists\x12\x18.tidepool.v1.KeysRequest\x1a .tidepool.v1.BatchExistsResponse\x12G\n\x08\x42\x61tchGet\x12\x1c.tidepool.v1.AgentGetRequest\x1a\x1d.tidepool.v1.AgentGetResponse\x12\x44\n\x08\x42\x61tchPut\x12\x1c.tidepool.v1.AgentPutRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n\x06Remove\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n\x05\x43lear\x12\x19.tidepool.v1.ClearRequest\x1a\x1a.tidepool.v1.ClearResponse\x12\x41\n\x05Stats\x12\x17.tidepool.v1.SessionRef\x1a\x1f.tidepool.v1.AgentStatsResponse\x12\x41\n\x06\x41ttach\x12\x1a.tidepool.v1.AttachRequest\x1a\x1b.tidepool.v1.AttachResponse\x12=\n\x06\x44\x65tach\x12\x1a.tidepool.v1.DetachRequest\x1a\x17.tidepool.v1.SessionRef\x12?\n\x06\x45xists\x12\x18.tidepool.v1.KeysRequest\x1a\x1b.tidepool.v1.ExistsResponse\x12\x46\n\x08\x44\x65scribe\x12\x18.tidepool.v1.KeysRequest\x1a .tidepool.v1.GetReplicasResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61gent.proto\x12\x0btidepool.v1\x1a\x0etidepool.proto\"0\n\x0bOpenRequest\x12\x0e\n\x06\x63lient\x18\x01 \x01(\t\x12\x11\n\tshm_bytes\x18\x02 \x01(\x04\"n\n\x0cOpenResponse\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\x11\n\tshm_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fidle_timeout_ms\x18\x04 \x01(\x04\x12\x0f\n\x07masters\x18\x05 \x03(\t\"\x1d\n\nSessionRef\x12\x0f\n\x07session\x18\x01 \x01(\x04\"6\n\x04Span\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0e\n\x06region\x18\x03 \x01(\r\"<\n\rAttachRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\" \n\x0e\x41ttachResponse\x12\x0e\n\x06region\x18\x01 \x01(\r\"0\n\rDetachRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0e\n\x06region\x18\x02 \x01(\r\"R\n\x0f\x41gentGetRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12 \n\x05spans\x18\x03 \x03(\x0b\x32\x11.tidepool.v1.Span\"K\n\x10\x41gentGetResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.tidepool.v1.ItemStatus\x12\r\n\x05sizes\x18\x02 \x03(\x04\"\x83\x01\n\x0f\x41gentPutRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12 \n\x05spans\x18\x03 \x03(\x0b\x32\x11.tidepool.v1.Span\x12\r\n\x05\x63hain\x18\x04 \x01(\x08\x12\x0e\n\x06parent\x18\x05 \x01(\t\x12\x10\n\x08replicas\x18\x06 \x01(\r\"$\n\x13\x42\x61tchExistsResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\":\n\x0c\x43learRequest\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\" \n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\xb8\x01\n\x12\x41gentStatsResponse\x12\x0f\n\x07lookups\x18\x01 \x01(\x04\x12\x15\n\rblocks_probed\x18\x02 \x01(\x04\x12\x16\n\x0e\x62locks_matched\x18\x03 \x01(\x04\x12\x0c\n\x04gets\x18\x04 \x01(\x04\x12\x11\n\tget_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04puts\x18\x06 \x01(\x04\x12\x11\n\tput_bytes\x18\x07 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x08 \x01(\x04\x12\x10\n\x08sessions\x18\t \x01(\x04\x32\xea\x06\n\x05\x41gent\x12;\n\x04Open\x12\x18.tidepool.v1.OpenRequest\x1a\x19.tidepool.v1.OpenResponse\x12\x39\n\x05\x43lose\x12\x17.tidepool.v1.SessionRef\x1a\x17.tidepool.v1.SessionRef\x12\x41\n\x06Lookup\x12\x1a.tidepool.v1.LookupRequest\x1a\x1b.tidepool.v1.LookupResponse\x12I\n\x0b\x42\x61tchExists\x12\x18.tidepool.v1.KeysRequest\x1a .tidepool.v1.BatchExistsResponse\x12G\n\x08\x42\x61tchGet\x12\x1c.tidepool.v1.AgentGetRequest\x1a\x1d.tidepool.v1.AgentGetResponse\x12\x44\n\x08\x42\x61tchPut\x12\x1c.tidepool.v1.AgentPutRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n\x06Remove\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n\x05\x43lear\x12\x19.tidepool.v1.ClearRequest\x1a\x1a.tidepool.v1.ClearResponse\x12\x41\n\x05Stats\x12\x17.tidepool.v1.SessionRef\x1a\x1f.tidepool.v1.AgentStatsResponse\x12\x41\n\x06\x41ttach\x12\x1a.tidepool.v1.AttachRequest\x1a\x1b.tidepool.v1.AttachResponse\x12=\n\x06\x44\x65tach\x12\x1a.tidepool.v1.DetachRequest\x1a\x17.tidepool.v1.SessionRef\x12?\n\x06\x45xists\x12\x18.tidepool.v1.KeysRequest\x1a\x1b.tidepool.v1.ExistsResponse\x12\x46\n\x08\x44\x65scribe\x12\x18.tidepool.v1.KeysRequest\x1a .tidepool.v1.GetReplicasResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agent_pb2', globals())
@@ -25,31 +25,31 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _OPENREQUEST._serialized_start=44
   _OPENREQUEST._serialized_end=92
   _OPENRESPONSE._serialized_start=94
-  _OPENRESPONSE._serialized_end=187
-  _SESSIONREF._serialized_start=189
-  _SESSIONREF._serialized_end=218
-  _SPAN._serialized_start=220
-  _SPAN._serialized_end=274
-  _ATTACHREQUEST._serialized_start=276
-  _ATTACHREQUEST._serialized_end=336
-  _ATTACHRESPONSE._serialized_start=338
-  _ATTACHRESPONSE._serialized_end=370
-  _DETACHREQUEST._serialized_start=372
-  _DETACHREQUEST._serialized_end=420
-  _AGENTGETREQUEST._serialized_start=422
-  _AGENTGETREQUEST._serialized_end=504
-  _AGENTGETRESPONSE._serialized_start=506
-  _AGENTGETRESPONSE._serialized_end=581
-  _AGENTPUTREQUEST._serialized_start=584
-  _AGENTPUTREQUEST._serialized_end=715
-  _BATCHEXISTSRESPONSE._serialized_start=717
-  _BATCHEXISTSRESPONSE._serialized_end=753
-  _CLEARREQUEST._serialized_start=755
-  _CLEARREQUEST._serialized_end=813
-  _CLEARRESPONSE._serialized_start=815
-  _CLEARRESPONSE._serialized_end=847
-  _AGENTSTATSRESPONSE._serialized_start=850
-  _AGENTSTATSRESPONSE._serialized_end=1034
-  _AGENT._serialized_start=1037
-  _AGENT._serialized_end=1911
+  _OPENRESPONSE._serialized_end=204
+  _SESSIONREF._serialized_start=206
+  _SESSIONREF._serialized_end=235
+  _SPAN._serialized_start=237
+  _SPAN._serialized_end=291
+  _ATTACHREQUEST._serialized_start=293
+  _ATTACHREQUEST._serialized_end=353
+  _ATTACHRESPONSE._serialized_start=355
+  _ATTACHRESPONSE._serialized_end=387
+  _DETACHREQUEST._serialized_start=389
+  _DETACHREQUEST._serialized_end=437
+  _AGENTGETREQUEST._serialized_start=439
+  _AGENTGETREQUEST._serialized_end=521
+  _AGENTGETRESPONSE._serialized_start=523
+  _AGENTGETRESPONSE._serialized_end=598
+  _AGENTPUTREQUEST._serialized_start=601
+  _AGENTPUTREQUEST._serialized_end=732
+  _BATCHEXISTSRESPONSE._serialized_start=734
+  _BATCHEXISTSRESPONSE._serialized_end=770
+  _CLEARREQUEST._serialized_start=772
+  _CLEARREQUEST._serialized_end=830
+  _CLEARRESPONSE._serialized_start=832
+  _CLEARRESPONSE._serialized_end=864
+  _AGENTSTATSRESPONSE._serialized_start=867
+  _AGENTSTATSRESPONSE._serialized_end=1051
+  _AGENT._serialized_start=1054
+  _AGENT._serialized_end=1928
 # @@protoc_insertion_point(module_scope)

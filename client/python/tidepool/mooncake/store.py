@@ -13,9 +13,11 @@ from . import codes, launch, memory
 
 logger = logging.getLogger("tidepool.mooncake")
 
-# The session's region when setup's local_buffer_size is smaller or absent:
-# staging for values whose memory the agent cannot map.
-_MIN_LOCAL_BUFFER = 16 << 20
+# The session's region when setup's local_buffer_size is smaller: staging
+# for values whose memory the agent cannot map (registered host and GPU
+# memory), which Mooncake moves without its local buffer. Pages are
+# committed as they are used.
+_MIN_LOCAL_BUFFER = 64 << 20
 _MAX_LOCAL_BUFFER = 4 << 30
 
 _warned = set()
@@ -186,6 +188,8 @@ def _key(k):
             return None
     if not isinstance(k, str) or not k:
         return None
+    if len(k) * 4 <= MAX_KEY_LEN:  # no encoding is longer: skip encoding it
+        return k
     try:
         if len(k.encode("utf-8")) > MAX_KEY_LEN:
             return None
@@ -408,6 +412,7 @@ class MooncakeDistributedStore:
         if c is None:
             return codes.NOT_INITIALIZED
         try:
+            c.ping()
             c.present(["tidepool-mooncake-health-probe"])
         except errors.Error:
             return codes.MASTER_UNREACHABLE
