@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"hash/crc32"
 	"log/slog"
+	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -127,6 +129,29 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // Checksum is the CRC-32C that Tidepool stores with every value.
 func Checksum(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 
+// forEach calls fn(0), ..., fn(n-1) on up to GOMAXPROCS goroutines and
+// returns when all have returned: for CPU-bound work on independent values
+// (checksums) that would otherwise use one core of several.
+func forEach(n int, fn func(int)) {
+	w := min(runtime.GOMAXPROCS(0), n)
+	if w <= 1 {
+		for i := range n {
+			fn(i)
+		}
+		return
+	}
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range w {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
+				fn(i)
+			}
+		})
+	}
+	wg.Wait()
+}
+
 // Put stores value under key. A key that is already complete is left as it
 // is and Put succeeds: objects are immutable.
 func (c *Client) Put(ctx context.Context, key string, value []byte) error {
@@ -187,12 +212,13 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		}
 		if errs[i] == nil {
 			req.Items = append(req.Items, &pb.PutStartRequest{
-				Key: k, Size: uint64(len(values[i])), Checksum: Checksum(values[i]), Tier: c.tier, Replicas: replicas,
+				Key: k, Size: uint64(len(values[i])), Tier: c.tier, Replicas: replicas,
 				Parent: parent(i), Tenant: c.tenant,
 			})
 			idx = append(idx, i)
 		}
 	}
+	forEach(len(idx), func(j int) { req.Items[j].Checksum = Checksum(values[idx[j]]) })
 	if len(idx) == 0 {
 		return errs
 	}

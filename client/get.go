@@ -131,8 +131,15 @@ func (c *Client) readReplicas(ctx context.Context, keys []string, objs []*pb.Obj
 			_ = batch.Wait(context.Background())
 		}
 	}
-	for _, r := range reads {
-		err := c.check(r.task.Err(), r.obj, vals[r.i], leaseEnd)
+	// The first replicas' checksums, in parallel: hashing is as costly as
+	// the copy, and the values are independent.
+	first := make([]error, len(reads))
+	forEach(len(reads), func(j int) {
+		r := reads[j]
+		first[j] = c.check(r.task.Err(), r.obj, vals[r.i], leaseEnd)
+	})
+	for j, r := range reads {
+		err := first[j]
 		c.reportCorrupt(err, keys[r.i], r.obj, r.obj.Replicas[0])
 		for _, rep := range r.obj.Replicas[1:] {
 			if err == nil {

@@ -1018,7 +1018,7 @@ class Client:
         keys = _keys(keys)
         out = []
         for lo, hi in _chunks(len(keys)):
-            part = keys[lo:hi]
+            part = keys if hi - lo == len(keys) else keys[lo:hi]
             got = self._direct_exists(part)
             if got is None:
                 got = self._call("Exists", tidepool_pb2.KeysRequest(keys=part), "exists").exists

@@ -376,7 +376,7 @@ class MooncakeDistributedStore:
 
     def _close_locked(self):
         client, agent, pool = self._client, self._agent, self._pool
-        self._client, self._agent, self._pool = None, None, None
+        self._client, self._agent, self._pool, self._hostname = None, None, None, ""
         if client is not None:
             try:
                 client.close()
@@ -523,10 +523,18 @@ class MooncakeDistributedStore:
             return [codes.INVALID_PARAMS] * len(ks)
         if not ks:
             return []
+        try:
+            # The engines' case, without a Python call per key: the client
+            # takes str keys and answers a key the pool refuses as absent.
+            return list(map(int, c.present(ks)))
+        except errors.InvalidArgument:
+            pass  # not all str: bytes keys, or keys Mooncake would refuse
+        except errors.Error as e:
+            return [codes.of(e)] * len(ks)
         norm = [_key(k) for k in ks]
         query = [k for k in norm if k is not None]
         try:
-            got = iter(c.present(query)) if query else iter(())
+            got = iter(c.present(query) if query else [])
         except errors.Error as e:
             return [codes.of(e)] * len(ks)
         return [0 if k is None else (1 if next(got) else 0) for k in norm]
