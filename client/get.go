@@ -124,20 +124,22 @@ func (c *Client) readReplicas(ctx context.Context, keys []string, objs []*pb.Obj
 		t := batch.Read(vals[i], target(rep), int64(rep.Offset), engine.Options{Priority: engine.High, Deadline: leaseEnd})
 		reads = append(reads, read{i, obj, t})
 	}
-	if len(reads) > 0 {
-		if err := batch.Submit(ctx); err == nil {
-			// Not ctx: Wait must see every task terminal (ctx cancels them), or
-			// bytes could still be landing after we revoke or read the buffer.
-			_ = batch.Wait(context.Background())
-		}
-	}
-	// The first replicas' checksums, in parallel: hashing is as costly as
+	submitted := len(reads) > 0 && batch.Submit(ctx) == nil
+	// The first replicas' checksums, in parallel and each as soon as its
+	// read is done, while the others still copy: hashing costs as much as
 	// the copy, and the values are independent.
 	first := make([]error, len(reads))
 	forEach(len(reads), func(j int) {
 		r := reads[j]
+		if submitted {
+			<-r.task.Done() // terminal: canceled with ctx at the latest
+		}
 		first[j] = c.check(r.task.Err(), r.obj, vals[r.i], leaseEnd)
 	})
+	if submitted {
+		// Every task is terminal already; Wait releases the batch.
+		_ = batch.Wait(context.Background())
+	}
 	for j, r := range reads {
 		err := first[j]
 		c.reportCorrupt(err, keys[r.i], r.obj, r.obj.Replicas[0])
