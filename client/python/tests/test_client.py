@@ -92,6 +92,24 @@ class ClusterTest(unittest.TestCase):
 
 
 class ClientTest(ClusterTest):
+    def test_present_asks_the_master_directly(self):
+        keys = self.keys(3)
+        self.assertEqual(self.c.batch_set(keys[:2], [b"a", b"b"]), [True, True])
+        # The agent announced its masters; once the line to the leader is up
+        # present() goes there, and the agent sees no Exists.
+        harness.poll(lambda: self.c._res.masters._ready, what="the direct line to the master")
+        before = self.c.stats()["lookups"]
+        self.assertEqual(self.c.present(keys), [True, True, False])
+        self.assertEqual(self.c.stats()["lookups"], before)
+        # A key the master refuses in a batch: the agent answers, it absent.
+        self.assertEqual(self.c.present(["", keys[0], "x" * 5000]), [False, True, False])
+        self.assertEqual(self.c.stats()["lookups"], before + 1)
+        # A bare str is refused, not taken apart.
+        with self.assertRaises(tidepool.InvalidArgument):
+            self.c.present(keys[0])
+        with self.assertRaises(tidepool.InvalidArgument):
+            self.c.remove(keys[0])
+
     def test_set_and_get(self):
         keys = self.keys(5)
         vals = [b"a", bytearray(b"bb" * 1000), memoryview(b"ccc"), array.array("i", range(100)),

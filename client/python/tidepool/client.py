@@ -490,10 +490,11 @@ class _Resources:
 
 class _Masters:
     """A direct line to the master leader for what moves no bytes (Exists):
-    one hop instead of two through the agent. Anything that goes wrong
-    (no masters announced, a follower with no leader to name, a timeout, a
-    refusal) makes the caller fall back to the agent, and keeps this path
-    off for a while; so it only ever saves time."""
+    one hop instead of two through the agent. It is used only while its
+    connection is up (gRPC's connectivity watch says READY), so an
+    unreachable master never delays a call; anything else that goes wrong
+    (a follower with no leader to name, a timeout, a refusal) makes the
+    caller fall back to the agent and keeps this path off for a while."""
 
     # How long a failed direct path stays off.
     _BACKOFF = 30.0
@@ -502,10 +503,11 @@ class _Masters:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._addrs = []  # guarded by _lock
+        self._addrs = []  # guarded by _lock, as are the fields below
         self._addr = None  # the master asked, a leader as far as known
         self._channel = None
         self._stub = None
+        self._ready = False  # the channel is connected
         self._off_until = 0.0
 
     def set(self, addrs):
@@ -520,35 +522,40 @@ class _Masters:
     def _switch(self, addr):
         """Called with the lock held."""
         if self._channel is not None:
+            self._channel.unsubscribe(self._watch)
             self._channel.close()
-        self._addr, self._channel, self._stub = addr, None, None
+        self._addr, self._channel, self._stub, self._ready = addr, None, None, False
         if addr:
             self._channel = grpc.insecure_channel(addr, options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE)])
             self._stub = tidepool_pb2_grpc.MasterStub(self._channel)
+            self._channel.subscribe(self._watch, try_to_connect=True)
+
+    def _watch(self, state):
+        """gRPC's connectivity callback (on a gRPC thread)."""
+        with self._lock:
+            self._ready = state == grpc.ChannelConnectivity.READY
 
     def exists(self, keys):
         """resp.exists for keys from the leader, or None: ask the agent."""
-        for _ in range(2):  # the second after a follower named the leader
-            with self._lock:
-                stub, addr = self._stub, self._addr
-                if stub is None or time.monotonic() < self._off_until:
-                    return None
-            try:
-                return stub.Exists(tidepool_pb2.KeysRequest(keys=keys), timeout=self._TIMEOUT).exists
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    return None  # a bad key: the agent answers it absent
-                leader = dict(e.trailing_metadata() or ()).get(_LEADER_TRAILER) \
-                    if e.code() == grpc.StatusCode.UNAVAILABLE else None
-                with self._lock:
-                    if leader and leader != addr and self._addr == addr:
-                        self._switch(leader)
-                        continue
-                    self._off_until = time.monotonic() + self._BACKOFF
+        with self._lock:
+            stub, addr = self._stub, self._addr
+            if stub is None or not self._ready or time.monotonic() < self._off_until:
                 return None
-        return None
+        try:
+            return stub.Exists(tidepool_pb2.KeysRequest(keys=keys), timeout=self._TIMEOUT).exists
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return None  # a bad key: the agent answers it absent
+            leader = dict(e.trailing_metadata() or ()).get(_LEADER_TRAILER) \
+                if e.code() == grpc.StatusCode.UNAVAILABLE else None
+            with self._lock:
+                if leader and leader != addr and self._addr == addr:
+                    self._switch(leader)  # the agent answers until its line is up
+                else:
+                    self._off_until = time.monotonic() + self._BACKOFF
+            return None
 
     def close(self):
         with self._lock:
