@@ -251,16 +251,21 @@ class MooncakeDistributedStore:
 
     def setup(self, local_hostname, metadata_server=None, global_segment_size=None, local_buffer_size=None,
               protocol=None, rdma_devices=None, master_server_addr=None, engine=None, enable_ssd_offload=False,
-              ssd_offload_path="", tenant_id="default", enable_client_http_server=False, client_http_port=9300):
+              ssd_offload_path="", tenant_id="default", enable_client_http_server=False, client_http_port=9300,
+              *, device_name=None, master_server_address=None):
         """Connects to the pool: setup(local_hostname, metadata_server,
         global_segment_size, local_buffer_size, protocol, rdma_devices,
         master_server_addr, engine=None, ...), or setup(config) with a dict
-        of those names (master_server_address and device_name accepted
-        too). master_server_addr names Tidepool masters. Returns 0, or
+        of those names; the config files' master_server_address and
+        device_name are accepted for master_server_addr and rdma_devices,
+        as keywords and as dict keys. master_server_addr names Tidepool masters. Returns 0, or
         -600 for bad arguments, -1 when no agent could be reached or
         started, -900 when no master answers."""
         if isinstance(local_hostname, dict) and metadata_server is None:
             return self._setup_dict(local_hostname)
+        # The config files' spellings, as keywords.
+        rdma_devices = rdma_devices if rdma_devices is not None else device_name
+        master_server_addr = master_server_addr if master_server_addr is not None else master_server_address
         positional = (metadata_server, global_segment_size, local_buffer_size, protocol, rdma_devices,
                       master_server_addr)
         if any(a is None for a in positional):
@@ -467,10 +472,10 @@ class MooncakeDistributedStore:
         except (errors.Error, TypeError, ValueError):
             return 0
 
-    def _where(self, addr, n, write):
+    def _where(self, addr, n):
         """How to move n bytes at addr: (Attachment, offset, n) for shared
         memory, or [(addr, n, move)] for other registered memory; None when
-        the range is not registered (or not writable for a get)."""
+        the range is not registered."""
         if n < 0 or addr <= 0:
             return None
         a = memory.HOST.find(addr, n)
@@ -486,11 +491,11 @@ class MooncakeDistributedStore:
     def _where_parts(self, ptrs, sizes):
         """One object's buffers: a single shared span when they are one
         contiguous range of an allocation, else their parts in order."""
-        if len(ptrs) == 1:
-            return self._where(ptrs[0], sizes[0], True)
+        if all(ptrs[i] + sizes[i] == ptrs[i + 1] for i in range(len(ptrs) - 1)):
+            return self._where(ptrs[0], sum(sizes))
         parts = []
         for p, n in zip(ptrs, sizes):
-            w = self._where(p, n, True)
+            w = self._where(p, n)
             if w is None:
                 return None
             if isinstance(w, tuple):  # shared memory: the agent could not scatter it, so copy
@@ -706,7 +711,7 @@ class MooncakeDistributedStore:
 
     # Zero-copy: registered memory.
 
-    def _read_into(self, keys, wheres, caps):
+    def _read_into(self, keys, wheres):
         """Per key the bytes read into its where, or a negative code."""
         c = self._c()
         out = [codes.INVALID_PARAMS] * len(keys)
@@ -776,7 +781,7 @@ class MooncakeDistributedStore:
             return [codes.INVALID_PARAMS]
         if ps is None or ns is None or not len(ks) == len(ps) == len(ns):
             return [codes.INVALID_PARAMS] * len(ks)
-        return self._read_into(ks, [self._where(p, n, True) for p, n in zip(ps, ns)], ns)
+        return self._read_into(ks, [self._where(p, n) for p, n in zip(ps, ns)])
 
     @_guard(_bad_list)
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node=False):
@@ -794,7 +799,7 @@ class MooncakeDistributedStore:
             if ps is None or ns is None or len(ps) != len(ns) or not ps:
                 return [codes.INVALID_PARAMS] * len(ks)
             wheres.append(self._where_parts(ps, ns))
-        return self._read_into(ks, wheres, None)
+        return self._read_into(ks, wheres)
 
     @_guard(_bad)
     def put_from(self, key, buffer_ptr, size, config=None):
@@ -811,7 +816,7 @@ class MooncakeDistributedStore:
             return [codes.INVALID_PARAMS]
         if ps is None or ns is None or not len(ks) == len(ps) == len(ns):
             return [codes.INVALID_PARAMS] * len(ks)
-        wheres = ["empty" if n == 0 else self._where(p, n, False) for p, n in zip(ps, ns)]
+        wheres = ["empty" if n == 0 else self._where(p, n) for p, n in zip(ps, ns)]
         return self._write_from(ks, wheres, config)
 
     @_guard(_bad_list)
