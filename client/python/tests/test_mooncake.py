@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import hashlib
+import inspect
 import logging
 import os
 import random
@@ -21,8 +22,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import unittest
 import uuid
+from unittest import mock
+
+import grpc
 
 # Run from the repository root (python3 -m unittest client/python/tests/test_mooncake.py)
 # as well as by discovery in this directory.
@@ -32,6 +37,8 @@ import harness  # noqa: E402
 import tidepool  # noqa: E402
 from tidepool import mooncake  # noqa: E402
 from tidepool.mooncake import MooncakeDistributedStore, MooncakeHostMemAllocator, ReplicateConfig  # noqa: E402
+from tidepool.mooncake import launch  # noqa: E402
+from tidepool.mooncake import store as mc_store  # noqa: E402
 
 try:
     import torch
@@ -1095,6 +1102,714 @@ class ReplicateConfigTest(unittest.TestCase):
         rc.group_ids = ["group-a", ""]
         self.assertIn("3", str(rc))
         self.assertIs(mooncake.MooncakeDistributedStore, MooncakeDistributedStore)
+
+
+# ---------------------------------------------------------------------------
+# 6. The return-code table of docs/engines.md, row by row. Each test is
+# named after its row (test_row_<code>_...) and asserts the exact code of
+# every "when" clause of that row: end to end where real processes provoke
+# it reliably, else with a fake client under the store (a per-item error,
+# or a whole request's raised), and codes.of itself over every error class.
+
+RPC_FAIL, RPC_TIMEOUT, INTERNAL_ERROR = -900, -901, -1
+LEASE_EXPIRED, TRANSFER_FAIL, CHECKSUM_MISMATCH = -707, -800, -801
+SLOW = bool(os.environ.get("TIDEPOOL_MOONCAKE_SLOW_TESTS"))
+
+
+def _short_client(timeout):
+    """A stand-in for tidepool.Client in tidepool.mooncake.store whose
+    requests time out after timeout seconds instead of setup's 60 s, so
+    that a master that does not answer costs a test seconds, not minutes."""
+
+    def make(*args, **kw):
+        kw["timeout"] = timeout
+        return tidepool.Client(*args, **kw)
+
+    return mock.patch.object(mc_store, "Client", make)
+
+
+def _exe(dir, name, body):
+    """An executable shell script in dir."""
+    path = os.path.join(dir, name)
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n" + body + "\n")
+    os.chmod(path, 0o755)
+    return path
+
+
+class _FakeClient:
+    """What MooncakeDistributedStore calls of tidepool.Client (set as a
+    store's _client): every item of every call answers `item` (a
+    tidepool.Error instance, as a batch call answers a failed item; None:
+    success), or every call raises `whole` (a whole request's failure, or
+    any other exception)."""
+
+    def __init__(self, item=None, whole=None, size=100):
+        self.item, self.whole, self.size = item, whole, size
+        self.calls = []
+        self.closed = False
+
+    def _answer(self, name, keys, ok):
+        self.calls.append(name)
+        if self.whole is not None:
+            raise self.whole
+        return [ok(k) if self.item is None else self.item for k in keys]
+
+    def batch_get_regions(self, keys, dests):
+        return self._answer("batch_get_regions", keys, lambda k: self.size)
+
+    def batch_set_regions(self, keys, srcs, chain=False, parent=None, replicas=0):
+        return self._answer("batch_set_regions", keys, lambda k: True)
+
+    def batch_set(self, keys, values, chain=False, parent=None, replicas=0):
+        return self._answer("batch_set", keys, lambda k: True)
+
+    def batch_get(self, keys):
+        return self._answer("batch_get", keys, lambda k: b"v" * self.size)
+
+    def present(self, keys, timeout=None):
+        return self._answer("present", keys, lambda k: True)
+
+    def describe(self, keys):
+        return self._answer("describe", keys, lambda k: tidepool.BlockInfo(k, self.size, 0, ()))
+
+    def remove(self, keys):
+        return self._answer("remove", keys, lambda k: True)
+
+    def clear_all(self, regex=None):
+        return len(self._answer("clear_all", ["*"], lambda k: 3)) * 3
+
+    def ping(self, timeout=None):
+        self._answer("ping", [], None)
+
+    def detach(self, att):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+class FakeClientCodeTest(unittest.TestCase):
+    """The rows real processes cannot provoke reliably (an expired lease, a
+    transfer or checksum failure, a deadline, a region timeout, a racing
+    put): the store runs on a _FakeClient answering them."""
+
+    K, K2 = "fake/k", "fake/k2"
+
+    def store(self, **kw):
+        """A store on a _FakeClient(**kw), with 16 KiB of plain host memory
+        registered: the store, its fake and the memory's address."""
+        s = MooncakeDistributedStore()
+        self.addCleanup(s.close)
+        fake = _FakeClient(**kw)
+        s._client = fake
+        buf = (ctypes.c_char * (16 * KiB))()
+        self.addCleanup(lambda b=buf: None)
+        p = ctypes.addressof(buf)
+        self.assertEqual(s.register_buffer(p, 16 * KiB), OK)
+        return s, fake, p
+
+    def reads(self, s, p):
+        """The reads that answer codes, by name."""
+        k, k2 = self.K, self.K2
+        return {
+            "get_into": s.get_into(k, p, 4096),
+            "batch_get_into": s.batch_get_into([k, k2], [p, p + 4096], [4096, 4096]),
+            "batch_get_into_multi_buffers": s.batch_get_into_multi_buffers([k, k2], [[p, p + 2048], [p + 4096]],
+                                                                           [[2048, 2048], [4096]]),
+        }
+
+    def puts(self, s, p):
+        """The puts, by name."""
+        k, k2 = self.K, self.K2
+        return {
+            "put": s.put(k, b"v" * 100),
+            "put_parts": s.put_parts(k, b"a" * 50, b"b" * 50),
+            "put_batch": s.put_batch([k, k2], [b"1" * 10, b"2" * 10]),
+            "put_from": s.put_from(k, p, 100),
+            "batch_put_from": s.batch_put_from([k, k2], [p, p + 100], [100, 100]),
+            "batch_put_from_multi_buffers": s.batch_put_from_multi_buffers([k, k2], [[p, p + 100], [p + 200]],
+                                                                           [[50, 50], [100]]),
+        }
+
+    def others(self, s):
+        """The other calls that reach the client and answer codes."""
+        k, k2 = self.K, self.K2
+        return {
+            "is_exist": s.is_exist(k),
+            "batch_is_exist": s.batch_is_exist([k, k2]),
+            "get_size": s.get_size(k),
+            "remove": s.remove(k),
+            "remove(force)": s.remove(k, force=True),
+            "batch_remove": s.batch_remove([k, k2]),
+            "remove_all": s.remove_all(),
+            "remove_by_regex": s.remove_by_regex("^fake/"),
+        }
+
+    def assert_codes(self, got, code, why):
+        """Every answer in got (a dict name: int or list of ints) is code."""
+        for name, v in got.items():
+            with self.subTest(call=name, why=why):
+                if isinstance(v, list):
+                    self.assertEqual(v, [code] * len(v), "%s: %r" % (name, v))
+                    self.assertTrue(v)
+                else:
+                    self.assertEqual(v, code, name)
+
+    def test_fake_success(self):
+        # The fake itself: what a healthy client answers.
+        s, fake, p = self.store()
+        self.assert_codes(self.puts(s, p), OK, "success")
+        got = self.reads(s, p)
+        self.assertEqual(got, {"get_into": 100, "batch_get_into": [100, 100],
+                               "batch_get_into_multi_buffers": [100, 100]})
+        self.assertEqual(s.is_exist(self.K), 1)
+        self.assertEqual(s.get_size(self.K), 100)
+        self.assertEqual(s.remove_all(), 3)
+        self.assertEqual(s.health_check(), 0)
+        self.assertIn("batch_set_regions", fake.calls)
+        self.assertIn("batch_get_regions", fake.calls)
+        self.assertEqual(s.close(), OK)
+        self.assertTrue(fake.closed)
+
+    def test_row_0_ok_put_that_races_another_put(self):
+        # Aborted on a put: another put of the key is under way (Mooncake
+        # answers a put of a key that exists 0); per item, or the whole request.
+        for how in ("item", "whole"):
+            s, _, p = self.store(**{how: tidepool.Aborted("put of the key in progress")})
+            self.assert_codes(self.puts(s, p), OK, "Aborted " + how)
+
+    def test_row_minus1_unexpected_failure(self):
+        # An error no row names (INTERNAL, UNKNOWN, ...) answered for an item.
+        for err in (tidepool.errors.Internal("boom"), tidepool.errors.Unknown("?")):
+            s, _, p = self.store(item=err)
+            self.assert_codes(self.puts(s, p), INTERNAL_ERROR, repr(err))
+            self.assert_codes(self.reads(s, p), INTERNAL_ERROR, repr(err))
+        # A Python exception inside the layer: logged with its traceback and
+        # answered -1, never raised into the engine's thread.
+        s, _, p = self.store(whole=RuntimeError("a bug in the layer"))
+        for group in (lambda: self.puts(s, p), lambda: self.reads(s, p), lambda: self.others(s)):
+            with self.assertLogs("tidepool.mooncake", "ERROR") as logs:
+                got = group()
+            self.assertTrue(all(r.exc_info for r in logs.records), logs.output)
+            self.assert_codes(got, INTERNAL_ERROR, "RuntimeError inside the layer")
+
+    def test_row_minus200_no_room(self):
+        # ResourceExhausted: no room and nothing evictable; OutOfRange on a
+        # put: larger than any segment. Per item and for the whole request.
+        for err in (tidepool.ResourceExhausted("no space"), tidepool.OutOfRange("larger than any segment")):
+            for how in ("item", "whole"):
+                s, _, p = self.store(**{how: err})
+                self.assert_codes(self.puts(s, p), NO_AVAILABLE_HANDLE, "%r %s" % (err, how))
+
+    def test_row_minus600_from_the_client(self):
+        # A value larger than the session's region (the client's
+        # ValueTooLarge), per item and whole.
+        for how in ("item", "whole"):
+            s, _, p = self.store(**{how: tidepool.errors.ValueTooLarge("larger than the region")})
+            self.assert_codes(self.puts(s, p), INVALID_PARAMS, "ValueTooLarge " + how)
+        # OutOfRange on a read: the value is longer than the buffer given.
+        s, _, p = self.store(item=tidepool.OutOfRange("value longer than its span"))
+        self.assert_codes(self.reads(s, p), INVALID_PARAMS, "OutOfRange on a read")
+        # A client closed under the store (after close).
+        s, _, p = self.store(whole=tidepool.errors.ClientClosed("client closed"))
+        self.assert_codes(self.puts(s, p), INVALID_PARAMS, "ClientClosed")
+        self.assert_codes(self.reads(s, p), INVALID_PARAMS, "ClientClosed")
+        self.assert_codes(self.others(s), INVALID_PARAMS, "ClientClosed")
+
+    def test_row_minus704_not_found(self):
+        s, _, p = self.store(item=tidepool.NotFound("no such key"))
+        self.assert_codes(self.reads(s, p), OBJECT_NOT_FOUND, "NotFound")
+        self.assert_codes({"get_size": s.get_size(self.K), "remove": s.remove(self.K),
+                           "batch_remove": s.batch_remove([self.K, self.K2])}, OBJECT_NOT_FOUND, "NotFound")
+
+    def test_row_minus707_lease_expired_on_a_read(self):
+        # Aborted on a read: it outlived its lease. Per item and whole.
+        for how in ("item", "whole"):
+            s, _, p = self.store(**{how: tidepool.Aborted("lease expired")})
+            self.assert_codes(self.reads(s, p), LEASE_EXPIRED, "Aborted " + how)
+
+    def test_row_minus800_transfer_fail(self):
+        # One value's bytes failed to move (its store went away, or the
+        # transfer timed out or was cancelled): that item alone, both ways.
+        for err in (tidepool.Unavailable("store gone"), tidepool.errors.DeadlineExceeded("copy timed out"),
+                    tidepool.errors.Cancelled("store closing")):
+            s, _, p = self.store(item=err)
+            self.assert_codes(self.reads(s, p), TRANSFER_FAIL, repr(err))
+            self.assert_codes(self.puts(s, p), TRANSFER_FAIL, repr(err))
+        # In a batch, only the failed item: the fake fails every item; here
+        # a client failing only the second.
+        s, fake, p = self.store()
+        fake.batch_get_regions = lambda keys, dests: [100, tidepool.Unavailable("store gone")]
+        self.assertEqual(s.batch_get_into([self.K, self.K2], [p, p + 4096], [4096, 4096]), [100, TRANSFER_FAIL])
+        fake.batch_set_regions = lambda keys, srcs, **kw: [tidepool.Unavailable("store gone"), True]
+        self.assertEqual(s.batch_put_from([self.K, self.K2], [p, p + 100], [100, 100]), [TRANSFER_FAIL, OK])
+
+    def test_row_minus801_checksum_mismatch(self):
+        for how in ("item", "whole"):
+            s, _, p = self.store(**{how: tidepool.DataLoss("no replica passed its checksum")})
+            self.assert_codes(self.reads(s, p), CHECKSUM_MISMATCH, "DataLoss " + how)
+
+    def test_row_minus900_rpc_fail(self):
+        # The agent, or the cluster behind it, did not answer: the whole request.
+        s, _, p = self.store(whole=tidepool.Unavailable("agent gone"))
+        self.assert_codes(self.puts(s, p), RPC_FAIL, "Unavailable whole")
+        self.assert_codes(self.reads(s, p), RPC_FAIL, "Unavailable whole")
+        self.assert_codes(self.others(s), RPC_FAIL, "Unavailable whole")
+        self.assertEqual(s.health_check(), 2)
+
+    def test_row_minus901_rpc_timeout(self):
+        # The request's deadline passed (or it was cancelled): the whole request.
+        for err in (tidepool.errors.DeadlineExceeded("Deadline Exceeded"), tidepool.errors.Cancelled("cancelled")):
+            s, _, p = self.store(whole=err)
+            self.assert_codes(self.puts(s, p), RPC_TIMEOUT, repr(err))
+            self.assert_codes(self.reads(s, p), RPC_TIMEOUT, repr(err))
+            self.assert_codes(self.others(s), RPC_TIMEOUT, repr(err))
+        # Waiting for room in the session's region timed out (RegionTimeout),
+        # raised whole or answered for an item.
+        for how in ("item", "whole"):
+            s, _, p = self.store(**{how: tidepool.RegionTimeout("region busy")})
+            self.assert_codes(self.puts(s, p), RPC_TIMEOUT, "RegionTimeout " + how)
+            self.assert_codes(self.reads(s, p), RPC_TIMEOUT, "RegionTimeout " + how)
+
+    def test_health_check_on_a_fake(self):
+        s, fake, _ = self.store()
+        self.assertEqual(s.health_check(), 0)
+        fake.whole = tidepool.Unavailable("agent gone")
+        self.assertEqual(s.health_check(), 2)
+        fake.whole = tidepool.errors.DeadlineExceeded("master silent")
+        self.assertEqual(s.health_check(), 2)
+        self.assertEqual(s.close(), OK)
+        self.assertEqual(s.health_check(), 1)
+
+
+class CodesOfTest(unittest.TestCase):
+    """codes.of over every error class of tidepool/errors.py: of a whole
+    request and of one item, on a read and on a put."""
+
+    # class: (read whole, read item, put whole, put item), from the table.
+    E = tidepool.errors
+    WANT = {
+        E.Error: (-1, -1, -1, -1),
+        E.Cancelled: (-901, -800, -901, -800),
+        E.Unknown: (-1, -1, -1, -1),
+        E.InvalidArgument: (-600, -600, -600, -600),
+        E.DeadlineExceeded: (-901, -800, -901, -800),
+        E.NotFound: (-704, -704, -704, -704),
+        E.AlreadyExists: (-1, -1, -1, -1),
+        E.PermissionDenied: (-1, -1, -1, -1),
+        E.ResourceExhausted: (-200, -200, -200, -200),
+        E.FailedPrecondition: (-1, -1, -1, -1),
+        E.Aborted: (-707, -707, 0, 0),
+        E.OutOfRange: (-600, -600, -200, -200),
+        E.Unimplemented: (-1, -1, -1, -1),
+        E.Internal: (-1, -1, -1, -1),
+        E.Unavailable: (-900, -800, -900, -800),
+        E.DataLoss: (-801, -801, -801, -801),
+        E.Unauthenticated: (-1, -1, -1, -1),
+        E.ValueTooLarge: (-600, -600, -600, -600),
+        E.RegionTimeout: (-901, -901, -901, -901),
+        E.ClientClosed: (-600, -600, -600, -600),
+    }
+
+    def test_every_error_class_is_in_the_table(self):
+        classes = {c for _, c in inspect.getmembers(self.E, inspect.isclass)
+                   if issubclass(c, self.E.Error) and c.__module__ == self.E.__name__}
+        self.assertEqual(classes, set(self.WANT))
+
+    def test_of(self):
+        from tidepool.mooncake import codes
+        for cls, want in self.WANT.items():
+            err = cls("message")
+            got = (codes.of(err), codes.of(err, item=True), codes.of(err, put=True),
+                   codes.of(err, item=True, put=True))
+            with self.subTest(error=cls.__name__):
+                self.assertEqual(got, want)
+        # As the client builds them from an item's status code.
+        for code in grpc.StatusCode:
+            err = self.E.from_code(code, "m")
+            with self.subTest(code=code):
+                self.assertEqual(codes.of(err, item=True), self.WANT[type(err)][1])
+        # Not a Tidepool error at all: unexpected.
+        self.assertEqual(codes.of(RuntimeError("x")), -1)
+        self.assertEqual(codes.of(RuntimeError("x"), item=True, put=True), -1)
+
+    def test_the_codes_are_mooncakes(self):
+        self.assertEqual((mooncake.OK, mooncake.INTERNAL_ERROR, mooncake.NO_AVAILABLE_HANDLE, mooncake.INVALID_PARAMS,
+                          mooncake.OBJECT_NOT_FOUND, mooncake.LEASE_EXPIRED, mooncake.TRANSFER_FAIL,
+                          mooncake.CHECKSUM_MISMATCH, mooncake.RPC_FAIL, mooncake.RPC_TIMEOUT),
+                         (0, -1, -200, -600, -704, -707, -800, -801, -900, -901))
+
+
+class SetupCodeTest(unittest.TestCase):
+    """setup's codes that need no cluster: -600 for bad arguments (answered
+    before any agent is looked for), -1 when no agent answers and none can
+    be started. No agent answers at TIDEPOOL_AGENT_SOCKET here."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="tidepool-mooncake-setup-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.masters = harness.free_addr()  # nobody listens there
+        self.env({"TIDEPOOL_AGENT_SOCKET": os.path.join(self.dir, "nobody.sock"),
+                  "TIDEPOOL_BIN": os.path.join(self.dir, "no-such-tidepool"),
+                  "MOONCAKE_CONFIG_PATH": None, "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": None})
+
+    def env(self, changes):
+        e = _Env(changes)
+        self.addCleanup(e.restore)
+
+    def setup_rc(self, *args, **kw):
+        """setup's answer, and that the store is left unusable."""
+        s = MooncakeDistributedStore()
+        self.addCleanup(s.close)
+        t0 = time.monotonic()
+        rc = s.setup(*args, **kw)
+        self.elapsed = time.monotonic() - t0
+        self.assertEqual(s.health_check(), 1)
+        self.assertIsNone(s._agent)
+        return rc
+
+    def args(self, gss=0, lbs=16 * MiB, masters=None):
+        return ("localhost", "P2PHANDSHAKE", gss, lbs, "tcp", "", self.masters if masters is None else masters)
+
+    def test_row_minus600_setup_with_a_bad_size(self):
+        for gss, lbs in (("lots", 16 * MiB), (0, "16 parsecs"), (-1, 16 * MiB), (0, -5), ("-1", 16 * MiB),
+                         ("1.5xb", 16 * MiB), (True, 16 * MiB), (0, "")):
+            with self.subTest(global_segment_size=gss, local_buffer_size=lbs):
+                self.assertEqual(self.setup_rc(*self.args(gss, lbs)), INVALID_PARAMS)
+        # The dict form too.
+        self.assertEqual(self.setup_rc({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                                        "global_segment_size": "huge", "master_server_address": self.masters}),
+                         INVALID_PARAMS)
+        self.assertEqual(self.setup_rc({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                                        "local_buffer_size": "-16mb", "master_server_address": self.masters}),
+                         INVALID_PARAMS)
+
+    def test_row_minus600_setup_with_an_empty_master_server_addr(self):
+        for addr in ("", "   ", ",", " ; ", "tidepool://"):
+            with self.subTest(master_server_addr=addr):
+                self.assertEqual(self.setup_rc(*self.args(masters=addr)), INVALID_PARAMS)
+                self.assertLess(self.elapsed, 5)
+        for key in ("master_server_addr", "master_server_address"):
+            with self.subTest(config_key=key):
+                self.assertEqual(self.setup_rc({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                                                key: ""}), INVALID_PARAMS)
+
+    def test_row_minus1_setup_with_no_binary(self):
+        # TIDEPOOL_BIN names no file.
+        self.assertEqual(self.setup_rc(*self.args()), INTERNAL_ERROR)
+        self.assertLess(self.elapsed, 5)
+        # No TIDEPOOL_BIN, and no tidepool on PATH.
+        empty = os.path.join(self.dir, "empty-bin")
+        os.mkdir(empty)
+        self.env({"TIDEPOOL_BIN": None, "PATH": empty})
+        self.assertEqual(self.setup_rc(*self.args()), INTERNAL_ERROR)
+        # The config file's tidepool_bin names no file.
+        cfg = os.path.join(self.dir, "mooncake.json")
+        with open(cfg, "w") as f:
+            f.write('{"tidepool_bin": "%s"}' % os.path.join(self.dir, "also-missing"))
+        self.env({"MOONCAKE_CONFIG_PATH": cfg})
+        self.assertEqual(self.setup_rc(*self.args()), INTERNAL_ERROR)
+
+    def test_row_minus1_setup_when_the_agent_does_not_become_ready(self):
+        # A binary that exits at once instead of serving.
+        self.env({"TIDEPOOL_BIN": _exe(self.dir, "tidepool", "exit 3")})
+        self.assertEqual(self.setup_rc(*self.args()), INTERNAL_ERROR)
+        self.assertLess(self.elapsed, 10)
+        # One that serves nothing until the start timeout (shortened here
+        # from launch's 30 s).
+        self.env({"TIDEPOOL_BIN": _exe(self.dir, "tidepool-waits", "exec cat >/dev/null")})  # ends with its stdin
+        with mock.patch.object(launch, "START_TIMEOUT", 1.0):
+            self.assertEqual(self.setup_rc(*self.args()), INTERNAL_ERROR)
+        self.assertLess(self.elapsed, 20)
+
+
+@unittest.skipUnless(harness.have_go(), "needs go (or $TIDEPOOL_BIN) to build tidepool")
+class DeadMastersTest(unittest.TestCase):
+    """An agent whose masters (a free port nobody listens on) do not
+    answer, and setup's -900."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="tidepool-mooncake-deadmasters-")
+        cls.addClassCleanup(shutil.rmtree, cls.dir, True)
+        cls.masters = harness.free_addr()
+        cls.socket = os.path.join(cls.dir, "agent.sock")
+        cls.proc = harness.Proc("agent", ["agent", "--socket", cls.socket, "--masters", cls.masters,
+                                          "--http", harness.free_addr()], cls.dir)
+        cls.addClassCleanup(cls.proc.stop)
+
+        def serving():
+            cls.proc.check_alive()
+            return launch.answers(cls.socket)
+
+        harness.poll(serving, what="the agent serving")
+        cls.env = _Env({"TIDEPOOL_AGENT_SOCKET": cls.socket, "MOONCAKE_CONFIG_PATH": None,
+                        "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": None})
+        cls.addClassCleanup(cls.env.restore)
+
+    def setup_rc(self):
+        s = MooncakeDistributedStore()
+        self.addCleanup(s.close)
+        t0 = time.monotonic()
+        rc = s.setup("localhost", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", self.masters)
+        self.elapsed = time.monotonic() - t0
+        self.assertEqual(s.health_check(), 1)
+        return rc
+
+    def test_row_minus900_setup_when_no_master_answers(self):
+        # Requests time out after 2 s here (setup's Client waits 20 s by
+        # default: see the slow test below).
+        with _short_client(2.0):
+            self.assertEqual(self.setup_rc(), RPC_FAIL)
+        self.assertLess(self.elapsed, 10)
+
+    @unittest.skipUnless(SLOW, "takes 20 s: set TIDEPOOL_MOONCAKE_SLOW_TESTS=1")
+    def test_setup_when_no_master_answers_is_bounded(self):
+        # setup as it is: bounded by its Client's 20 s request timeout.
+        self.assertEqual(self.setup_rc(), RPC_FAIL)
+        self.assertLess(self.elapsed, 25)
+
+    def test_row_minus900_setup_starting_an_agent_for_masters_that_do_not_answer(self):
+        # No agent answers at the socket: setup starts one for the masters
+        # named, which serves, but no master leader answers it: -900, after
+        # the request timeout (shortened here).
+        env = _Env({"TIDEPOOL_AGENT_SOCKET": os.path.join(self.dir, "nobody.sock"), "TIDEPOOL_BIN": harness.binary()})
+        self.addCleanup(env.restore)
+        with _short_client(2.0):
+            self.assertEqual(self.setup_rc(), RPC_FAIL)
+        self.assertLess(self.elapsed, 15)
+
+
+class CodeTableTest(_Cluster):
+    """The rows' clauses not covered end to end above."""
+
+    def test_row_0_ok_put_from_of_0_bytes_stores_nothing(self):
+        s = self.new_store()
+        p, _buf = self.plain(4096)
+        a = self.host_alloc(4096)
+        unregistered, _buf2 = self.plain(4096)
+        self.assertEqual(s.register_buffer(p, 4096), OK)
+        self.assertEqual(s.register_buffer(a, 4096), OK)
+        keys = self.keys(7)
+        self.assertEqual(s.put_from(keys[0], p, 0), OK)
+        self.assertEqual(s.put_from(keys[1], a, 0), OK)
+        self.assertEqual(s.put_from(keys[2], unregistered, 0), OK)
+        self.assertEqual(s.put_from(keys[3], p, 0, ReplicateConfig()), OK)
+        self.assertEqual(s.batch_put_from(keys[4:6], [p, a + 10], [0, 10]), [OK, OK])
+        self.assertEqual(s.batch_put_from_multi_buffers([keys[6]], [[p, a]], [[0, 0]]), [OK])
+        self.assertEqual(s.batch_is_exist(keys), [0, 0, 0, 0, 0, 1, 0])
+        for k in keys[:5] + keys[6:]:
+            self.assertIs(s.is_exist(k), 0)
+            self.assertEqual(s.get_size(k), OBJECT_NOT_FOUND)
+        self.assertEqual(s.get(keys[5]), read(a + 10, 10))
+        # put_parts of no bytes: 0, nothing stored, as Mooncake's.
+        self.assertEqual(s.put_parts(keys[0]), OK)
+        self.assertEqual(s.put_parts(keys[0], b"", bytearray()), OK)
+        self.assertIs(s.is_exist(keys[0]), 0)
+
+    def test_row_1_0_is_exist(self):
+        s = self.new_store()
+        k = self.keys(2)
+        self.assertEqual(s.put(k[0], b"here"), OK)
+        self.assertIs(s.is_exist(k[0]), 1)
+        self.assertIs(s.is_exist(k[0].encode()), 1)
+        self.assertIs(s.is_exist(k[1]), 0)
+        # A key the pool would refuse is absent.
+        refused = ["", self.prefix + "x" * 4096, b"\xff\xfe", b""]
+        for r in refused:
+            self.assertIs(s.is_exist(r), 0)
+        got = s.batch_is_exist([k[0], k[1]] + refused + [k[0].encode()])
+        self.assertEqual(got, [1, 0, 0, 0, 0, 0, 1])
+        self.assertEqual({type(x) for x in got}, {int})
+
+    def test_row_n_gt_0_lengths_sizes_and_counts(self):
+        s = self.new_store()
+        p, _buf = self.plain(64 * KiB)
+        self.assertEqual(s.register_buffer(p, 64 * KiB), OK)
+        keys = self.keys(3, "a") + self.keys(2, "b")
+        vals = [rbytes(("n", i), 1000 * (i + 1) + i) for i in range(5)]
+        for k, v in zip(keys, vals):
+            self.assertEqual(s.put(k, v), OK)
+        lens = [len(v) for v in vals]
+        # get_size: each size.
+        self.assertEqual([s.get_size(k) for k in keys], lens)
+        # get_into and the batches: each value's length (capacity larger).
+        d = p + 32 * KiB
+        self.assertEqual(s.get_into(keys[4], d, 8192), lens[4])
+        self.assertEqual(read(d, lens[4]), vals[4])
+        self.assertEqual(s.batch_get_into(keys, [d + i * 6000 for i in range(5)], [6000] * 5), lens)
+        for i in range(5):
+            self.assertEqual(read(d + i * 6000, lens[i]), vals[i])
+        self.assertEqual(s.batch_get_into_multi_buffers(keys[:2], [[d, d + 600], [d + 2000, d + 4000]],
+                                                        [[600, 600], [1500, 1500]]), lens[:2])
+        self.assertEqual(read(d, 600) + read(d + 600, 400), vals[0])
+        self.assertEqual(read(d + 2000, 1500) + read(d + 4000, 501), vals[1])
+        # remove_by_regex: how many it removed (RE2, matching anywhere).
+        self.assertEqual(s.remove_by_regex("^" + self.prefix + "a"), 3)
+        self.assertEqual(s.remove_by_regex(self.prefix + "a"), 0)
+        self.assertEqual(s.batch_is_exist(keys), [0, 0, 0, 1, 1])
+        # remove_all: how many it removed (every object of the pool).
+        s.remove_all()
+        more = self.keys(4, "c")
+        for k in more:
+            self.assertEqual(s.put(k, b"c"), OK)
+        self.assertEqual(s.remove_all(), 4)
+        self.assertEqual(s.remove_all(force=True), 0)
+
+    def test_row_minus600_unregister_buffer_of_an_address_not_registered(self):
+        s = self.new_store()
+        p, _buf = self.plain(8192)
+        a = self.host_alloc(8192)
+        self.assertEqual(s.register_buffer(p, 4096), OK)
+        self.assertEqual(s.register_buffer(a, 8192), OK)
+        self.assertEqual(s.unregister_buffer(p + 4096), INVALID_PARAMS)  # never registered
+        self.assertEqual(s.unregister_buffer(p + 1), INVALID_PARAMS)  # inside one, not its start
+        self.assertEqual(s.unregister_buffer(a + 4096), INVALID_PARAMS)
+        self.assertEqual(s.unregister_buffer(0), INVALID_PARAMS)
+        self.assertEqual(s.unregister_buffer(p), OK)
+        self.assertEqual(s.unregister_buffer(p), INVALID_PARAMS)  # no longer
+        self.assertEqual(s.unregister_buffer(a, 8192), OK)
+        self.assertEqual(s.unregister_buffer(a, 8192), INVALID_PARAMS)
+
+    def test_row_minus600_remove_by_regex_with_a_bad_pattern(self):
+        s = self.new_store()
+        k = self.keys(1)[0]
+        self.assertEqual(s.put(k, b"stays"), OK)
+        for pattern in ("(", "[", "a**", "(?<name", "", None, 5, b"^mc"):
+            with self.subTest(pattern=pattern):
+                self.assertEqual(s.remove_by_regex(pattern), INVALID_PARAMS)
+                self.assertEqual(s.remove_by_regex(pattern, force=True), INVALID_PARAMS)
+        self.assertIs(s.is_exist(k), 1)  # nothing removed
+        self.assertEqual(s.remove_by_regex("^" + k + "$"), 1)
+
+    def test_row_minus600_value_larger_than_the_sessions_region(self):
+        # local_buffer_size 16 MiB: the session's region is its floor, 64 MiB.
+        s = self.new_store(local_buffer_size=16 * MiB)
+        n = 64 * MiB + 1
+        big = bytes(n)
+        k = self.keys(3)
+        self.assertEqual(s.put(k[0], big), INVALID_PARAMS)
+        self.assertEqual(s.put_parts(k[0], big[:MiB], memoryview(big)[MiB:]), INVALID_PARAMS)
+        self.assertEqual(s.put_batch([k[1], k[0]], [b"small", big]), INVALID_PARAMS)
+        self.assertEqual(s.batch_is_exist(k[:2]), [0, 0])  # nothing stored: not even the small one
+        # get_buffer (and get) of a stored value larger than the region:
+        # stored zero-copy from the allocator's memory.
+        a = self.host_alloc(n)
+        self.assertEqual(s.register_buffer(a, n), OK)
+        self.assertEqual(s.put_from(k[2], a, n), OK)
+        self.assertEqual(s.get_size(k[2]), n)
+        self.assertIsNone(s.get_buffer(k[2]))  # get_buffer answers no code: None
+        self.assertEqual(s.batch_get_buffer([k[2]]), [None])
+        self.assertEqual(s.get(k[2]), b"")
+        # Raising local_buffer_size makes them fit.
+        s2 = self.new_store(local_buffer_size=n + MiB)
+        self.assertEqual(s2.put(k[0], big), OK)
+        self.assertEqual(s2.get_size(k[0]), n)
+        h = s2.get_buffer(k[2])
+        self.assertIsNotNone(h)
+        self.assertEqual(len(h), n)
+        self.assertEqual(s2.batch_remove([k[0], k[2]]), [OK, OK])
+
+    def test_row_minus600_bare_bytes_for_a_list(self):
+        s = self.new_store()
+        p, _buf = self.plain(4096)
+        self.assertEqual(s.register_buffer(p, 4096), OK)
+        for bare in (b"abc", bytearray(b"abc"), "abc"):
+            with self.subTest(bare=bare):
+                self.assertEqual(s.batch_is_exist(bare), [INVALID_PARAMS])
+                self.assertEqual(s.batch_remove(bare), [INVALID_PARAMS])
+                self.assertEqual(s.batch_get_into(bare, [p] * 3, [10] * 3), [INVALID_PARAMS])
+                self.assertEqual(s.batch_get_into_multi_buffers(bare, [[p]] * 3, [[10]] * 3), [INVALID_PARAMS])
+                self.assertEqual(s.batch_put_from(bare, [p] * 3, [10] * 3), [INVALID_PARAMS])
+                self.assertEqual(s.batch_put_from_multi_buffers(bare, [[p]] * 3, [[10]] * 3), [INVALID_PARAMS])
+        self.assertEqual(s.batch_is_exist(["a", "b", "c"]), [0, 0, 0])
+
+    def test_row_minus704_absent_key_with_an_empty_key(self):
+        # An empty key is -600 (its row), also where Mooncake answers -704.
+        s = self.new_store()
+        p, _buf = self.plain(4096)
+        self.assertEqual(s.register_buffer(p, 4096), OK)
+        self.assertEqual(s.get_into("", p, 4096), INVALID_PARAMS)
+        self.assertEqual(s.get_size(""), INVALID_PARAMS)
+        self.assertEqual(s.remove(""), INVALID_PARAMS)
+        self.assertEqual(s.batch_get_into(["", self.prefix + "absent"], [p, p], [4096, 4096]),
+                         [INVALID_PARAMS, OBJECT_NOT_FOUND])
+        self.assertEqual(s.batch_remove(["", self.prefix + "absent"]), [INVALID_PARAMS, OBJECT_NOT_FOUND])
+
+    def test_health_check_0_and_1(self):
+        self.assertEqual(MooncakeDistributedStore().health_check(), 1)
+        s = self.new_store()
+        self.assertEqual(s.health_check(), 0)
+        self.assertEqual(s.close(), OK)
+        self.assertEqual(s.health_check(), 1)
+
+
+class AgentGoneTest(_Cluster):
+    """-900 end to end: the agent is killed under a set-up store."""
+
+    def test_row_minus900_the_agent_does_not_answer(self):
+        s = self.new_store()
+        shared = self.host_alloc(64 * KiB)
+        plain, _buf = self.plain(64 * KiB)
+        fill(shared, rbytes(16, 64 * KiB))
+        fill(plain, rbytes(17, 64 * KiB))
+        self.assertEqual(s.register_buffer(shared, 64 * KiB), OK)
+        self.assertEqual(s.register_buffer(plain, 64 * KiB), OK)
+        k = self.keys(4)
+        self.assertEqual(s.put_from(k[0], shared, 1000), OK)
+        self.assertEqual(s.put_from(k[1], plain, 1000), OK)
+        self.agent.kill()
+        got = {
+            "put": s.put(k[2], b"v"),
+            "put_parts": s.put_parts(k[2], b"a", b"b"),
+            "put_batch": s.put_batch([k[2], k[3]], [b"1", b"2"]),
+            "put_from(shared)": s.put_from(k[2], shared, 100),
+            "put_from(plain)": s.put_from(k[2], plain, 100),
+            "batch_put_from": s.batch_put_from(k[2:], [shared, plain], [100, 100]),
+            "batch_put_from_multi_buffers": s.batch_put_from_multi_buffers(k[2:], [[shared], [plain, plain + 10]],
+                                                                           [[10], [10, 10]]),
+            "get_into(shared)": s.get_into(k[0], shared + 32 * KiB, 4096),
+            "get_into(plain)": s.get_into(k[1], plain + 32 * KiB, 4096),
+            "batch_get_into": s.batch_get_into(k[:2], [shared + 32 * KiB, plain + 32 * KiB], [4096, 4096]),
+            "batch_get_into_multi_buffers": s.batch_get_into_multi_buffers(
+                k[:2], [[shared + 32 * KiB], [plain + 32 * KiB, plain + 40 * KiB]], [[4096], [512, 512]]),
+            "get_size": s.get_size(k[0]),
+            "remove": s.remove(k[0]),
+            "batch_remove": s.batch_remove(k[:2]),
+            "remove_all": s.remove_all(),
+            "remove_by_regex": s.remove_by_regex("^" + self.prefix),
+        }
+        for name, v in got.items():
+            with self.subTest(call=name):
+                self.assertEqual(v, [RPC_FAIL] * len(v) if isinstance(v, list) else RPC_FAIL)
+        self.assertEqual(s.health_check(), 2)
+        self.assertEqual(s.get(k[0]), b"")
+
+
+class MasterGoneTest(_Cluster):
+    """The master (`tidepool up`) is killed under a set-up store: the
+    cluster behind the agent does not answer, and the agent keeps asking
+    (a failover would end) until the request's deadline: -901. The store's
+    requests time out after 1 s here (tidepool_timeout, 20 s by
+    default)."""
+
+    def test_row_minus901_the_cluster_does_not_answer(self):
+        with _short_client(1.0):
+            s = self.new_store()
+        p, _buf = self.plain(8192)
+        self.assertEqual(s.register_buffer(p, 8192), OK)
+        k = self.keys(2)
+        self.assertEqual(s.put(k[0], b"before"), OK)
+        self.assertEqual(s.health_check(), 0)
+        self.up.proc.kill()
+        t0 = time.monotonic()
+        self.assertEqual(s.health_check(), 2)
+        self.assertLess(time.monotonic() - t0, 10)
+        got = {"is_exist": s.is_exist(k[0]), "put": s.put(k[1], b"after"), "get_into": s.get_into(k[0], p, 8192)}
+        for name, v in got.items():
+            with self.subTest(call=name):
+                self.assertEqual(v, RPC_TIMEOUT)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import unittest
+import urllib.request
 
 import harness  # noqa: F401 - puts the SDK on sys.path
 
@@ -159,6 +160,14 @@ class HiCacheTest(unittest.TestCase):
         self.addCleanup(b.clear)
         return b
 
+    def leased_gets(self):
+        """The agent's count of values read under a lookup's lease."""
+        with urllib.request.urlopen("http://%s/metrics" % self.agent.http, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("tidepool_agent_leased_gets_total "):
+                    return float(line.split()[1])
+        raise AssertionError("no tidepool_agent_leased_gets_total")
+
     def flow(self, make_pool, layout, shared):
         P = 4
         src, dst = make_pool(layout, 12, shared=shared), make_pool(layout, 12, shared=shared)
@@ -188,7 +197,10 @@ class HiCacheTest(unittest.TestCase):
         hit = d.batch_exists(other_pages, ExtraInfo())
         self.assertEqual(hit, 5)
         into = [10, 3, 4, 11, 6]
+        leased = self.leased_gets()
         self.assertEqual(d.batch_get_v1(other_pages[:hit], indices(into, P), ExtraInfo()), [True] * hit)
+        # batch_exists leased what it reported: the get read under that lease.
+        self.assertEqual(self.leased_gets() - leased, hit * d._per_page)
         for page, (s, t) in enumerate(zip([0, 1, 2, 3, 7], into)):
             with self.subTest(page=page):
                 self.assertTrue(torch.equal(src.page(s * P), dst.page(t * P)), "page %d differs" % page)

@@ -490,11 +490,12 @@ class _Resources:
 
 class _Masters:
     """A direct line to the master leader for what moves no bytes (Exists):
-    one hop instead of two through the agent. It is used only while its
-    connection is up (gRPC's connectivity watch says READY), so an
-    unreachable master never delays a call; anything else that goes wrong
+    one hop instead of two through the agent. It is used only once a probe
+    (an Exists in the background) has found the master answering, so an
+    unreachable master never delays a call; anything that goes wrong later
     (a follower with no leader to name, a timeout, a refusal) makes the
-    caller fall back to the agent and keeps this path off for a while."""
+    caller fall back to the agent, and the line waits a while before it is
+    probed again."""
 
     # How long a failed direct path stays off.
     _BACKOFF = 30.0
@@ -502,13 +503,21 @@ class _Masters:
     _TIMEOUT = 2.0
 
     def __init__(self):
-        self._lock = threading.Lock()
+        # Reentrant: a probe that is over at once runs its callback in the
+        # thread that made it, under the lock.
+        self._lock = threading.RLock()
         self._addrs = []  # guarded by _lock, as are the fields below
         self._addr = None  # the master asked, a leader as far as known
         self._channel = None
         self._stub = None
-        self._ready = False  # the channel is connected
+        self._ready = False  # a probe of this channel was answered
+        self._probing = False
         self._off_until = 0.0
+
+    @property
+    def addrs(self):
+        with self._lock:
+            return list(self._addrs)
 
     def set(self, addrs):
         """The masters the agent announced."""
@@ -517,31 +526,50 @@ class _Masters:
             if addrs == self._addrs:
                 return
             self._addrs = addrs
-            self._switch(addrs[0] if addrs else None)
+            old = self._switch(addrs[0] if addrs else None)
+        if old is not None:
+            old.close()
 
     def _switch(self, addr):
-        """Called with the lock held."""
-        if self._channel is not None:
-            self._channel.unsubscribe(self._watch)
-            self._channel.close()
+        """Called with the lock held; returns the old channel, for the
+        caller to close once it has let go of the lock (closing cancels a
+        probe, whose callback takes the lock)."""
+        old = self._channel
         self._addr, self._channel, self._stub, self._ready = addr, None, None, False
+        self._off_until = 0.0
         if addr:
             self._channel = grpc.insecure_channel(addr, options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE)])
             self._stub = tidepool_pb2_grpc.MasterStub(self._channel)
-            self._channel.subscribe(self._watch, try_to_connect=True)
+            self._probe()
+        return old
 
-    def _watch(self, state):
-        """gRPC's connectivity callback (on a gRPC thread)."""
+    def _probe(self):
+        """Asks the master, in the background, whether it answers. Called
+        with the lock held."""
+        self._probing = True
+        stub = self._stub
+        f = stub.Exists.future(tidepool_pb2.KeysRequest(keys=["tidepool-probe"]), timeout=self._TIMEOUT)
+        f.add_done_callback(lambda f: self._probed(stub, f))
+
+    def _probed(self, stub, f):
+        """The probe's answer (on a gRPC thread)."""
         with self._lock:
-            self._ready = state == grpc.ChannelConnectivity.READY
+            if stub is not self._stub:
+                return  # switched meanwhile
+            self._probing = False
+            self._ready = not f.cancelled() and f.exception() is None
+            if not self._ready:
+                self._off_until = time.monotonic() + self._BACKOFF
 
     def exists(self, keys):
         """resp.exists for keys from the leader, or None: ask the agent."""
         with self._lock:
             stub, addr = self._stub, self._addr
-            if stub is None or not self._ready or time.monotonic() < self._off_until:
+            if stub is None or not self._ready:
+                if stub is not None and not self._probing and time.monotonic() >= self._off_until:
+                    self._probe()
                 return None
         try:
             return stub.Exists(tidepool_pb2.KeysRequest(keys=keys), timeout=self._TIMEOUT).exists
@@ -550,17 +578,25 @@ class _Masters:
                 return None  # a bad key: the agent answers it absent
             leader = dict(e.trailing_metadata() or ()).get(_LEADER_TRAILER) \
                 if e.code() == grpc.StatusCode.UNAVAILABLE else None
+            old = None
             with self._lock:
-                if leader and leader != addr and self._addr == addr:
-                    self._switch(leader)  # the agent answers until its line is up
+                if self._addr != addr:
+                    pass  # switched meanwhile
+                elif leader and leader != addr:
+                    old = self._switch(leader)  # the agent answers until the leader's line is probed
                 else:
+                    self._ready = False
                     self._off_until = time.monotonic() + self._BACKOFF
+            if old is not None:
+                old.close()
             return None
 
     def close(self):
         with self._lock:
-            self._switch(None)
+            old = self._switch(None)
             self._addrs = []
+        if old is not None:
+            old.close()
 
 
 # Clients of this process, for the fork handler.
@@ -842,11 +878,12 @@ class Client:
         finally:
             region.alloc.free(base, total)
 
-    def _call(self, method, req, what):
-        """A request that uses no session."""
+    def _call(self, method, req, what, timeout=None):
+        """A request that uses no session, bounded by timeout (default the
+        Client's)."""
         res, _ = self._enter(False)
         try:
-            return getattr(res.stub, method)(req, timeout=self._timeout)
+            return getattr(res.stub, method)(req, timeout=self._timeout if timeout is None else timeout)
         except grpc.RpcError as e:
             raise errors.from_rpc(e, what) from None
         finally:
@@ -1019,7 +1056,7 @@ class Client:
         """Whether key is present."""
         return self.batch_exists([key]) == 1
 
-    def present(self, keys):
+    def present(self, keys, timeout=None):
         """Per key, whether it is present (a key the pool would refuse is
         not)."""
         keys = _keys(keys)
@@ -1028,7 +1065,7 @@ class Client:
             part = keys if hi - lo == len(keys) else keys[lo:hi]
             got = self._direct_exists(part)
             if got is None:
-                got = self._call("Exists", tidepool_pb2.KeysRequest(keys=part), "exists").exists
+                got = self._call("Exists", tidepool_pb2.KeysRequest(keys=part), "exists", timeout).exists
             if len(got) != hi - lo:
                 raise errors.Internal("exists: %d answers for %d keys" % (len(got), hi - lo))
             out.extend(got)
@@ -1375,10 +1412,16 @@ class Client:
         out["reopened"] = self.reopened
         return out
 
-    def ping(self):
+    @property
+    def masters(self):
+        """The master addresses the agent announced (it uses them)."""
+        res = self._res
+        return list(res.masters.addrs) if res is not None else []
+
+    def ping(self, timeout=None):
         """Returns once the agent answers (raises Unavailable when it does
         not)."""
-        self._call("Stats", agent_pb2.SessionRef(), "ping")
+        self._call("Stats", agent_pb2.SessionRef(), "ping", timeout)
 
     def __repr__(self):
         return "Client(socket=%r, shm_bytes=%d)" % (self.socket, self._shm_bytes)

@@ -11,6 +11,8 @@ integration reads (``MOONCAKE_CONFIG_PATH``, or SGLang's
   close.
 - ``TIDEPOOL_BIN`` / ``tidepool_bin``: the tidepool binary that agent runs
   (default: ``tidepool`` on PATH).
+- ``TIDEPOOL_TIMEOUT`` / ``tidepool_timeout``: seconds one request may take
+  (default 20: a master failover fits; a pool that is gone answers -901).
 """
 
 import json
@@ -30,7 +32,7 @@ logger = logging.getLogger("tidepool.mooncake")
 DEFAULT_SOCKET = "/tmp/tidepool-agent.sock"
 
 # How long a started agent may take to serve and register its segment.
-_START_TIMEOUT = 30.0
+START_TIMEOUT = 30.0
 
 _CONFIG_ENVS = ("MOONCAKE_CONFIG_PATH", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
 
@@ -84,6 +86,17 @@ def file_config():
         return {k: v for k, v in cfg.items() if isinstance(k, str) and k.startswith("tidepool_")} \
             if isinstance(cfg, dict) else {}
     return {}
+
+
+def timeout(cfg, default):
+    """Seconds a request may take: $TIDEPOOL_TIMEOUT, the config file's
+    tidepool_timeout, else default."""
+    v = os.environ.get("TIDEPOOL_TIMEOUT") or cfg.get("tidepool_timeout")
+    try:
+        return float(v) if v else default
+    except ValueError:
+        logger.warning("tidepool_timeout %r is not a number of seconds; using %gs", v, default)
+        return default
 
 
 def agent_socket(cfg):
@@ -148,22 +161,37 @@ class Agent:
             self.stop()
             if "address already in use" in out and attempt < 2:
                 continue  # the http port was taken between probing and binding
-            raise RuntimeError("tidepool agent did not become ready in %.0fs:\n%s" % (_START_TIMEOUT, out[-2000:]))
+            raise RuntimeError("tidepool agent did not start serving in %.0fs:\n%s" % (START_TIMEOUT, out[-2000:]))
 
     def _wait_ready(self):
-        """Polls the agent's /readyz: it serves, a master leader answers it,
-        and its segment (if any) is registered."""
-        deadline = time.monotonic() + _START_TIMEOUT
+        """Polls until the agent serves its socket (whether a master answers
+        it is setup's next question)."""
+        return self._poll(lambda: answers(self.socket), START_TIMEOUT)
+
+    def wait_registered(self, timeout):
+        """Polls /readyz until the agent's segment is registered with a
+        master (and a master leader answers it)."""
+        return self._poll(lambda: self._readyz() == 200, timeout)
+
+    def _readyz(self):
+        """/readyz's status, or None when nothing answers."""
+        try:
+            # The agent's readiness asks a master, for up to 2 s.
+            with urllib.request.urlopen("http://%s/readyz" % self.http, timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def _poll(self, cond, timeout):
+        deadline = time.monotonic() + timeout
         delay = 0.01
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
-            try:
-                with urllib.request.urlopen("http://%s/readyz" % self.http, timeout=1) as r:
-                    if r.status == 200 and answers(self.socket):
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
+            if cond():
+                return True
             time.sleep(delay)
             delay = min(2 * delay, 0.2)
         return False

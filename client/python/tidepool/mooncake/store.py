@@ -20,6 +20,12 @@ logger = logging.getLogger("tidepool.mooncake")
 _MIN_LOCAL_BUFFER = 64 << 20
 _MAX_LOCAL_BUFFER = 4 << 30
 
+# A request's bound: long enough for a master failover, short enough that
+# an engine gives up on a pool that is gone and recomputes (-901).
+_TIMEOUT = 20.0
+# health_check's bound on each of its two probes.
+_HEALTH_TIMEOUT = 2.0
+
 _warned = set()
 _warned_lock = threading.Lock()
 
@@ -160,10 +166,14 @@ class BufferHandle(bytearray):
         return len(self)
 
 
-def _guard(failed):
-    """Wraps a store method: a Python error inside (a bug, or a bad argument
-    type) is logged and answered as failed(args), never raised into the
-    engine's thread."""
+def _guard(bad, internal=None):
+    """Wraps a store method so that a Python error inside is answered, never
+    raised into the engine's thread: a value that does not convert
+    (ValueError, OverflowError: a pointer or size that is no integer) as
+    bad(args) (-600), anything else, a bug, as internal(args) (-1), logged
+    with its traceback. A TypeError (the wrong arity or keywords) is
+    Python's own contract, as pybind11's is, and raised."""
+    internal = internal or bad
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -171,12 +181,19 @@ def _guard(failed):
             try:
                 return fn(self, *args, **kwargs)
             except TypeError:
-                raise  # wrong arity or keywords: Python's own contract, as pybind11's
+                raise
+            except (ValueError, OverflowError) as e:
+                logger.error("MooncakeDistributedStore.%s: %s", fn.__name__, e)
+                return bad(*args)
             except Exception as e:  # noqa: BLE001
                 logger.error("MooncakeDistributedStore.%s failed", fn.__name__, exc_info=e)
-                return failed(*args)
+                return internal(*args)
         return call
     return wrap
+
+
+def _nones(keys=None, *_):
+    return [None] * len(_seq(keys) or [])
 
 
 def _key(k):
@@ -222,9 +239,19 @@ def _bad(*_):
     return codes.INVALID_PARAMS
 
 
-def _bad_list(keys=None, *_):
-    keys = _seq(keys)
-    return [codes.INVALID_PARAMS] * (len(keys) if keys else 1)
+def _internal(*_):
+    return codes.INTERNAL_ERROR
+
+
+def _each(code):
+    """A list answer of code, one per key."""
+    def answer(keys=None, *_):
+        keys = _seq(keys)
+        return [code] * (len(keys) if keys else 1)
+    return answer
+
+
+_bad_list, _internal_list = _each(codes.INVALID_PARAMS), _each(codes.INTERNAL_ERROR)
 
 
 class MooncakeDistributedStore:
@@ -260,7 +287,8 @@ class MooncakeDistributedStore:
         device_name are accepted for master_server_addr and rdma_devices,
         as keywords and as dict keys. master_server_addr names Tidepool masters. Returns 0, or
         -600 for bad arguments, -1 when no agent could be reached or
-        started, -900 when no master answers."""
+        started (or its segment not registered), -900 when no master
+        leader answers the agent."""
         if isinstance(local_hostname, dict) and metadata_server is None:
             return self._setup_dict(local_hostname)
         # The config files' spellings, as keywords.
@@ -326,22 +354,42 @@ class MooncakeDistributedStore:
                 elif segment > 0:
                     _note_once("setup.segment", "setup: global_segment_size=%d is not contributed by this process: "
                                "it uses the running agent at %s, whose own --segment applies", segment, sock)
-                client = Client(sock, shm_bytes=shm, client_name="mooncake-%d" % os.getpid(), timeout=60.0)
+                client = Client(sock, shm_bytes=shm, client_name="mooncake-%d" % os.getpid(),
+                                timeout=launch.timeout(cfg, _TIMEOUT))
             except (RuntimeError, OSError, errors.Error) as e:
                 logger.error("setup: %s", e)
                 if agent is not None:
                     agent.stop()
                 return codes.INTERNAL_ERROR
-            try:
-                client.present(["tidepool-mooncake-setup-probe"])  # a master leader answers
-            except errors.Error as e:
-                logger.error("setup: no Tidepool master answers at %s: %s", masters, e)
+            rc = self._check(client, agent, masters, segment)
+            if rc != codes.OK:
                 client.close()
                 if agent is not None:
                     agent.stop()
-                return codes.RPC_FAIL
+                return rc
             self._client, self._agent, self._hostname = client, agent, str(local_hostname)
         logger.info("mooncake store set up on tidepool agent %s (masters %s)", sock, masters)
+        return codes.OK
+
+    @staticmethod
+    def _check(client, agent, masters, segment):
+        """setup's last look: a master leader answers the agent (-900 if
+        none does within the request timeout), the agent's masters are the
+        ones setup names (a warning if not), and a segment the agent runs
+        is registered (-1 if it is not in time)."""
+        try:
+            client.present(["tidepool-mooncake-setup-probe"])
+        except errors.Error as e:
+            logger.error("setup: no Tidepool master leader answers the agent (masters %s): %s", masters, e)
+            return codes.RPC_FAIL
+        theirs = set(client.masters)
+        if theirs and theirs != set(masters.split(",")):
+            logger.warning("setup: master_server_addr names %s, but the running agent uses %s: the agent's "
+                           "masters apply", masters, ",".join(sorted(theirs)))
+        if agent is not None and segment > 0 and not agent.wait_registered(launch.START_TIMEOUT):
+            logger.error("setup: the agent's segment of %d bytes did not register with a master:\n%s",
+                         segment, agent.output()[-2000:])
+            return codes.INTERNAL_ERROR
         return codes.OK
 
     def setup_dummy(self, mem_pool_size, local_buffer_size, server_address):
@@ -361,7 +409,8 @@ class MooncakeDistributedStore:
         with self._lock:
             self._close_locked()
             try:
-                client = Client(sock, shm_bytes=shm, client_name="mooncake-dummy-%d" % os.getpid(), timeout=60.0)
+                client = Client(sock, shm_bytes=shm, client_name="mooncake-dummy-%d" % os.getpid(),
+                                timeout=launch.timeout(launch.file_config(), _TIMEOUT))
             except errors.Error as e:
                 logger.error("setup_dummy: no tidepool agent at %s: %s", sock, e)
                 return codes.INTERNAL_ERROR
@@ -417,8 +466,8 @@ class MooncakeDistributedStore:
         if c is None:
             return codes.NOT_INITIALIZED
         try:
-            c.ping()
-            c.present(["tidepool-mooncake-health-probe"])
+            c.ping(timeout=_HEALTH_TIMEOUT)
+            c.present(["tidepool-mooncake-health-probe"], timeout=_HEALTH_TIMEOUT)
         except errors.Error:
             return codes.MASTER_UNREACHABLE
         return codes.HEALTHY
@@ -430,7 +479,7 @@ class MooncakeDistributedStore:
 
     # Memory.
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def register_buffer(self, buffer_ptr, size):
         """Registers [buffer_ptr, buffer_ptr+size) for the *_from and *_into
         calls: 0, or -600 when it overlaps a registered range or is neither
@@ -454,7 +503,7 @@ class MooncakeDistributedStore:
             return codes.INVALID_PARAMS
         return codes.OK
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def unregister_buffer(self, buffer_ptr, size=None):
         """0, or -600 for an address register_buffer did not take."""
         if self._c() is None:
@@ -505,7 +554,7 @@ class MooncakeDistributedStore:
 
     # Existence and sizes.
 
-    @_guard(lambda *a: codes.INTERNAL_ERROR)
+    @_guard(_bad, _internal)
     def is_exist(self, key, /):
         """1 present, 0 absent, or a negative code."""
         c, k = self._c(), _key(key)
@@ -518,7 +567,7 @@ class MooncakeDistributedStore:
         except errors.Error as e:
             return codes.of(e)
 
-    @_guard(_bad_list)
+    @_guard(_bad_list, _internal_list)
     def batch_is_exist(self, keys):
         """Per key 1, 0 or a negative code; [] for no keys."""
         c, ks = self._c(), _seq(keys)
@@ -544,7 +593,7 @@ class MooncakeDistributedStore:
             return [codes.of(e)] * len(ks)
         return [0 if k is None else (1 if next(got) else 0) for k in norm]
 
-    @_guard(lambda *a: codes.INTERNAL_ERROR)
+    @_guard(_bad, _internal)
     def get_size(self, key, /):
         """The object's size, or a negative code (-704 absent)."""
         c, k = self._c(), _key(key)
@@ -610,13 +659,13 @@ class MooncakeDistributedStore:
             out[i] = codes.OK if r is True else codes.of(r, item=True, put=True)
         return out
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def put(self, key, value, config=None):
         """Stores value (bytes-like); 0 (also when the key exists: it is left
         as it is) or a negative code."""
         return self._put_values([key], [value], config)[0]
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def put_parts(self, key, *parts, config=None):
         """Stores the concatenation of parts (1-D bytes-like each) as one
         value; 0 with nothing stored when they are empty."""
@@ -649,7 +698,7 @@ class MooncakeDistributedStore:
             off += n
         return self._put_values([key], [value], config)[0]
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def put_batch(self, keys, values, config=None):
         """Stores values under keys: 0 when all were stored, else the first
         failing key's code."""
@@ -701,7 +750,7 @@ class MooncakeDistributedStore:
         """A BufferHandle of the value, or None."""
         return self.batch_get_buffer([key])[0]
 
-    @_guard(lambda keys=None, *a: [None] * len(_seq(keys) or []))
+    @_guard(_nones)
     def batch_get_buffer(self, keys, /):
         """Per key a BufferHandle of the value, or None."""
         ks = _seq(keys)
@@ -765,14 +814,14 @@ class MooncakeDistributedStore:
             out[i] = codes.OK if r is True else codes.of(r, item=True, put=True)
         return out
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def get_into(self, key, buffer_ptr, size):
         """Reads the value into registered memory at buffer_ptr of size
         bytes (its capacity): the value's length, or a negative code (-600:
         the buffer is too small or not registered; -704 absent)."""
         return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
-    @_guard(_bad_list)
+    @_guard(_bad_list, _internal_list)
     def batch_get_into(self, keys, buffer_ptrs, sizes):
         """Per key the bytes read into its registered buffer, or a negative
         code; all -600 when the lists differ in length."""
@@ -783,7 +832,7 @@ class MooncakeDistributedStore:
             return [codes.INVALID_PARAMS] * len(ks)
         return self._read_into(ks, [self._where(p, n) for p, n in zip(ps, ns)])
 
-    @_guard(_bad_list)
+    @_guard(_bad_list, _internal_list)
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node=False):
         """Per key its value scattered over its buffers in order: the
         value's length, or a negative code (-600 when it is longer than the
@@ -801,13 +850,13 @@ class MooncakeDistributedStore:
             wheres.append(self._where_parts(ps, ns))
         return self._read_into(ks, wheres)
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def put_from(self, key, buffer_ptr, size, config=None):
         """Stores size bytes of registered memory at buffer_ptr: 0 (and
         nothing stored for size 0) or a negative code."""
         return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
 
-    @_guard(_bad_list)
+    @_guard(_bad_list, _internal_list)
     def batch_put_from(self, keys, buffer_ptrs, sizes, config=None):
         """Per key 0 or a negative code (-200: no room, nothing evictable);
         all -600 when the lists differ in length."""
@@ -819,7 +868,7 @@ class MooncakeDistributedStore:
         wheres = ["empty" if n == 0 else self._where(p, n) for p, n in zip(ps, ns)]
         return self._write_from(ks, wheres, config)
 
-    @_guard(_bad_list)
+    @_guard(_bad_list, _internal_list)
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, config=None):
         """Per key the concatenation of its buffers stored as one value: 0
         or a negative code; all -600 when any list's length differs."""
@@ -857,13 +906,13 @@ class MooncakeDistributedStore:
             out.append(codes.OK if r is True else codes.of(r, item=True))
         return out
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def remove(self, key, force=False):
         """0, or -704 when absent. A key under a read lease is removed too
         (force or not): readers holding the lease finish first."""
         return self._remove([key])[0]
 
-    @_guard(_bad_list)
+    @_guard(_bad_list, _internal_list)
     def batch_remove(self, keys, force=False):
         """Per key 0 or a negative code."""
         ks = _seq(keys)
@@ -880,7 +929,7 @@ class MooncakeDistributedStore:
         except errors.Error as e:
             return codes.of(e)
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def remove_by_regex(self, regex_pattern, force=False):
         """Removes every object whose key the pattern (RE2 syntax) matches
         somewhere: how many, or a negative code (-600: a bad pattern)."""
@@ -888,7 +937,7 @@ class MooncakeDistributedStore:
             return codes.INVALID_PARAMS
         return self._clear(regex_pattern)
 
-    @_guard(_bad)
+    @_guard(_bad, _internal)
     def remove_all(self, force=False):
         """Removes every object of the pool: how many, or a negative code."""
         return self._clear(None)
