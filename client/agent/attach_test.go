@@ -1133,34 +1133,32 @@ func TestAttachResizeRace(t *testing.T) {
 	t.Logf("%d of 200 racing attachments succeeded, all at the announced size", attached)
 }
 
-// TestAttachAliases: memory that is already a region of the session (the
-// same memfd by another path, or the session's own region) is refused:
-// two regions over the same bytes would let two gets of one request land
-// in one place, past the overlap check.
+// TestAttachAliases: memory that is already a region of the session is the
+// same region again (the same memfd by another path: a retry of an Attach
+// whose answer was lost), and the session's own region is refused: two
+// regions over the same bytes would let two gets of one request land in
+// one place, past the overlap check.
 func TestAttachAliases(t *testing.T) {
 	f := newFixture(t, agent.Config{})
 	ctx := testCtx(t)
 	r := f.open("aliases", 1<<20)
 	m := sealable(t, 1<<20)
-	attach(t, f, r.id, m)
+	rid := attach(t, f, r.id, m)
 	dup, err := unix.Dup(m.fd)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer unix.Close(dup)
-	for name, path := range map[string]string{
-		"same path":      m.path,
-		"another fd":     fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), dup),
-		"its own region": r.path,
-	} {
-		size := m.size
-		if name == "its own region" {
-			size = r.size
+	for name, path := range map[string]string{"same path": m.path, "another fd": fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), dup)} {
+		resp, err := f.ac.Attach(ctx, &pb.AttachRequest{Session: r.id, Path: path, Size: m.size})
+		if err != nil || resp.Region != rid {
+			t.Errorf("%s: Attach = %v, %v; want region %d again", name, resp, err, rid)
 		}
-		_, err := f.ac.Attach(ctx, &pb.AttachRequest{Session: r.id, Path: path, Size: size})
-		if status.Code(err) != codes.InvalidArgument {
-			t.Errorf("%s: Attach = %v, want InvalidArgument", name, err)
-		}
+	}
+	m.checkHeld(t, 2, 3) // the test's mapping, fd and dup, and the agent's one region: nothing more
+	_, err = f.ac.Attach(ctx, &pb.AttachRequest{Session: r.id, Path: r.path, Size: r.size})
+	if status.Code(err) != codes.InvalidArgument {
+		t.Errorf("its own region: Attach = %v, want InvalidArgument", err)
 	}
 	// Another session may attach it: its requests are checked on their own.
 	other := f.open("aliases-2", 1<<20)

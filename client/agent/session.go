@@ -71,18 +71,10 @@ func fileOf(fd int) (fileID, error) {
 	return fileID{uint64(st.Dev), st.Ino}, nil
 }
 
-// aliases reports whether f is the session's own memfd or one it attached.
-// The caller holds ss.mu.
-func (ss *session) aliases(f fileID) bool {
-	if own, err := fileOf(ss.fd); err == nil && own == f {
-		return true
-	}
-	for _, r := range ss.attached {
-		if r.file == f {
-			return true
-		}
-	}
-	return false
+// isOwn reports whether f is the session's own memfd.
+func (ss *session) isOwn(f fileID) bool {
+	own, err := fileOf(ss.fd)
+	return err == nil && own == f
 }
 
 func (r *region) close() error { return errors.Join(unix.Munmap(r.mem), unix.Close(r.fd)) }
@@ -154,10 +146,16 @@ func (s *Server) attach(id uint64, path string, size uint64) (uint32, error) {
 		return 0, errors.Join(unknownSession(id), r.close())
 	case len(ss.attached) >= MaxAttached:
 		return 0, errors.Join(fmt.Errorf("%w: session %d has %d attached regions, the most it may", ErrTooManyRegions, id, len(ss.attached)), r.close())
-	case ss.aliases(r.file):
-		// Two regions over the same bytes would defeat the overlap check:
-		// two values landing in one place, one of them lost.
-		return 0, errors.Join(fmt.Errorf("%w: attach %s: that memory is already a region of session %d", client.ErrInvalidArgument, path, id), r.close())
+	case ss.isOwn(r.file):
+		return 0, errors.Join(fmt.Errorf("%w: attach %s: that is session %d's own region", client.ErrInvalidArgument, path, id), r.close())
+	}
+	// The same memory again (a retry of an Attach whose answer was lost)
+	// is the same region: two regions over the same bytes would defeat the
+	// overlap check, two values landing in one place.
+	for rid, old := range ss.attached {
+		if old.file == r.file { // sealed: of the same size too
+			return rid, r.close()
+		}
 	}
 	if ss.attached == nil {
 		ss.attached = map[uint32]*region{}

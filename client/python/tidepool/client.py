@@ -320,8 +320,13 @@ class Attachment:
     def __init__(self, fd, size):
         self.fd = fd
         self.size = size
-        self.path = "/proc/%d/fd/%d" % (os.getpid(), fd)
         self.closed = False  # set by its owner before it closes fd
+
+    @property
+    def path(self):
+        """Where the agent opens it: this process's fd (in a forked child,
+        the child's own copy of it)."""
+        return "/proc/%d/fd/%d" % (os.getpid(), self.fd)
 
     def __repr__(self):
         return "Attachment(%s, %d bytes)" % (self.path, self.size)
@@ -482,6 +487,10 @@ class _Resources:
                     region.ended = self.end_session(region.session, timeout=2.0)
             except Exception:  # noqa: BLE001 - best effort: ending the rest matters more
                 pass
+            if region.users:
+                # A call still copies into or out of it (a daemon thread, at
+                # interpreter exit): the mapping goes with the process.
+                continue
             region.unmap()
         self.regions.clear()
         self.masters.close()
@@ -492,12 +501,13 @@ class _Masters:
     """A direct line to the master leader for what moves no bytes (Exists):
     one hop instead of two through the agent. It is used only once a probe
     (an Exists in the background) has found the master answering, so an
-    unreachable master never delays a call; anything that goes wrong later
-    (a follower with no leader to name, a timeout, a refusal) makes the
-    caller fall back to the agent, and the line waits a while before it is
-    probed again."""
+    unreachable master never delays a call. A probe that finds a follower
+    goes on to the leader it names; one that finds no master goes on to
+    the next address, waiting a while once all were tried. Anything that
+    goes wrong on a call falls back to the agent, and the line is probed
+    again."""
 
-    # How long a failed direct path stays off.
+    # How long the direct path stays off once every master failed a probe.
     _BACKOFF = 30.0
     # A direct call that takes longer than this falls back to the agent.
     _TIMEOUT = 2.0
@@ -512,7 +522,9 @@ class _Masters:
         self._stub = None
         self._ready = False  # a probe of this channel was answered
         self._probing = False
-        self._off_until = 0.0
+        self._next = None  # the address to probe next, and not before:
+        self._not_before = 0.0
+        self._failed = 0  # probes failed in a row
 
     @property
     def addrs(self):
@@ -525,70 +537,78 @@ class _Masters:
         with self._lock:
             if addrs == self._addrs:
                 return
-            self._addrs = addrs
+            self._addrs, self._failed = addrs, 0
             old = self._switch(addrs[0] if addrs else None)
         if old is not None:
             old.close()
 
     def _switch(self, addr):
-        """Called with the lock held; returns the old channel, for the
-        caller to close once it has let go of the lock (closing cancels a
-        probe, whose callback takes the lock)."""
+        """Dials addr and probes it. Called with the lock held; returns the
+        old channel, for the caller to close once it has let go of the lock
+        (closing cancels a probe, whose callback takes the lock)."""
         old = self._channel
-        self._addr, self._channel, self._stub, self._ready = addr, None, None, False
-        self._off_until = 0.0
+        self._addr, self._channel, self._stub, self._ready, self._next = addr, None, None, False, None
         if addr:
             self._channel = grpc.insecure_channel(addr, options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE)])
             self._stub = tidepool_pb2_grpc.MasterStub(self._channel)
-            self._probe()
+            self._probing = True
+            stub = self._stub
+            f = stub.Exists.future(tidepool_pb2.KeysRequest(keys=["tidepool-probe"]), timeout=self._TIMEOUT)
+            f.add_done_callback(lambda f: self._probed(stub, f))
         return old
 
-    def _probe(self):
-        """Asks the master, in the background, whether it answers. Called
-        with the lock held."""
-        self._probing = True
-        stub = self._stub
-        f = stub.Exists.future(tidepool_pb2.KeysRequest(keys=["tidepool-probe"]), timeout=self._TIMEOUT)
-        f.add_done_callback(lambda f: self._probed(stub, f))
-
     def _probed(self, stub, f):
-        """The probe's answer (on a gRPC thread)."""
+        """The probe's answer (on a gRPC thread, or at once in _switch)."""
         with self._lock:
             if stub is not self._stub:
                 return  # switched meanwhile
             self._probing = False
-            self._ready = not f.cancelled() and f.exception() is None
-            if not self._ready:
-                self._off_until = time.monotonic() + self._BACKOFF
+            err = True if f.cancelled() else f.exception()
+            if err is None:
+                self._ready, self._failed = True, 0
+                return
+            self._failed_over(err)
+
+    def _failed_over(self, err):
+        """The current master did not answer: next, the leader it named, or
+        the next address (after a backoff once all were tried). Called with
+        the lock held."""
+        self._ready = False
+        leader = _leader_of(err)
+        if leader and leader != self._addr:
+            self._next, self._not_before = leader, 0.0
+            return
+        self._failed += 1
+        addrs = self._addrs or [self._addr]
+        i = addrs.index(self._addr) if self._addr in addrs else -1
+        self._next = addrs[(i + 1) % len(addrs)]
+        wait = self._BACKOFF if self._failed >= len(addrs) else 0.0
+        if wait:
+            self._failed = 0
+        self._not_before = time.monotonic() + wait
 
     def exists(self, keys):
         """resp.exists for keys from the leader, or None: ask the agent."""
+        old = None
         with self._lock:
             stub, addr = self._stub, self._addr
             if stub is None or not self._ready:
-                if stub is not None and not self._probing and time.monotonic() >= self._off_until:
-                    self._probe()
-                return None
+                if self._next and not self._probing and time.monotonic() >= self._not_before:
+                    old = self._switch(self._next)
+                stub = None
+        if old is not None:
+            old.close()
+        if stub is None:
+            return None
         try:
             return stub.Exists(tidepool_pb2.KeysRequest(keys=keys), timeout=self._TIMEOUT).exists
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                return None  # a bad key: the agent answers it absent
-            leader = dict(e.trailing_metadata() or ()).get(_LEADER_TRAILER) \
-                if e.code() == grpc.StatusCode.UNAVAILABLE else None
-            old = None
-            with self._lock:
-                if self._addr != addr:
-                    pass  # switched meanwhile
-                elif leader and leader != addr:
-                    old = self._switch(leader)  # the agent answers until the leader's line is probed
-                else:
-                    self._ready = False
-                    self._off_until = time.monotonic() + self._BACKOFF
-            if old is not None:
-                old.close()
+            if e.code() != grpc.StatusCode.INVALID_ARGUMENT:  # a bad key: the agent answers it absent
+                with self._lock:
+                    if self._addr == addr:
+                        self._failed_over(e)
             return None
 
     def close(self):
@@ -597,6 +617,13 @@ class _Masters:
             self._addrs = []
         if old is not None:
             old.close()
+
+
+def _leader_of(err):
+    """The leader a follower's UNAVAILABLE names, if any."""
+    if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE:
+        return dict(err.trailing_metadata() or ()).get(_LEADER_TRAILER)
+    return None
 
 
 # Clients of this process, for the fork handler.

@@ -76,9 +76,11 @@ class _HostMemory:
                 self._starts.remove(addr)
         if a is None:
             return False
-        for user in list(self.users):
-            user._forget(a.att)
-        a.close()
+        try:
+            for user in list(self.users):
+                user._forget(a.att)
+        finally:
+            a.close()
         return True
 
     def find(self, addr, n):

@@ -124,6 +124,14 @@ class HiCacheStorage(_Base):
         self._stats_lock = threading.Lock()
         self._stats = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._page_gb = 0.0
+        HOST.users.add(self)  # told when shared memory it attached is freed
+
+    def _forget(self, att):
+        """Shared memory is being freed: the agent lets go of it too."""
+        try:
+            self.client.detach(att)
+        except Exception as e:  # noqa: BLE001
+            self._failed("detach", e)
 
     @classmethod
     def from_config(cls, storage_config, client=None, **kwargs):

@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 
 logger = logging.getLogger("tidepool.mooncake")
 
@@ -134,11 +135,39 @@ def _segment_listen(local_hostname):
     return "%s:0" % host
 
 
+# The agents this process started, for the fork handler.
+_agents = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    # A child holding the lifeline's write end would keep its parent's
+    # agent alive after the parent died.
+    for a in list(_agents):
+        a.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _loopback(host):
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def loopback_only(local_hostname, masters):
+    """Whether a segment on local_hostname would listen on loopback while
+    the masters (and so, likely, other hosts' clients) are elsewhere."""
+    if not _loopback(_segment_listen(local_hostname).rpartition(":")[0]):
+        return False
+    return any(not _loopback(m.rpartition(":")[0]) for m in masters.split(","))
+
+
 class Agent:
     """A `tidepool agent` this process started: on a private socket, with
     a pipe on its standard input that ends it if this process dies."""
 
     def __init__(self, binary, masters, segment, local_hostname, shm_bytes):
+        self.pid = os.getpid()  # a forked child must not stop its parent's agent
         self.dir = tempfile.mkdtemp(prefix="tidepool-mooncake-")
         self.socket = os.path.join(self.dir, "agent.sock")
         self.log_path = os.path.join(self.dir, "agent.log")
@@ -154,6 +183,7 @@ class Agent:
                 self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                              start_new_session=True, close_fds=True)
             if self._wait_ready():
+                _agents.add(self)
                 logger.info("started tidepool agent (pid %d) on %s for masters %s, segment %d bytes",
                             self.proc.pid, self.socket, masters, segment)
                 return
@@ -203,9 +233,22 @@ class Agent:
         except OSError:
             return ""
 
-    def stop(self, timeout=10.0):
-        """Closes the lifeline and waits; SIGKILL if it lingers."""
+    def forget(self):
+        """In a forked child: let go of the parent's agent (and close this
+        process's copy of its lifeline)."""
         p, self.proc = self.proc, None
+        if p is not None and p.stdin is not None:
+            try:
+                os.close(p.stdin.fileno())
+            except OSError:
+                pass
+
+    def stop(self, timeout=10.0):
+        """Closes the lifeline and waits; SIGKILL if it lingers. In a forked
+        child, only forgets it: the parent goes on using it."""
+        p, self.proc = self.proc, None
+        if os.getpid() != self.pid:
+            return
         if p is not None:
             try:
                 p.stdin.close()

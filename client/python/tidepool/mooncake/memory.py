@@ -44,7 +44,7 @@ class MooncakeHostMemAllocator:
 
 
 # Kinds of registered memory.
-HOST_KIND, CUDA_KIND = "host", "cuda"
+HOST_KIND, READ_ONLY_KIND, CUDA_KIND = "host", "read-only", "cuda"
 
 
 def mapped(addr, n, writable):

@@ -342,6 +342,10 @@ class MooncakeDistributedStore:
                 _note_once("setup." + what, "setup: %s=%r is accepted and ignored: Tidepool's agent moves the "
                            "bytes over shared memory or TCP and keeps no metadata server", what, v)
         shm = min(max(local, _MIN_LOCAL_BUFFER), _MAX_LOCAL_BUFFER)
+        if segment > 0 and launch.loopback_only(str(local_hostname), masters):
+            logger.warning("setup: local_hostname %r is a loopback address but the masters %s are not: the "
+                           "segment this process contributes is reachable from this host only", local_hostname,
+                           masters)
         with self._lock:
             self._close_locked()
             cfg = launch.file_config()
@@ -489,8 +493,10 @@ class MooncakeDistributedStore:
         addr, n = int(buffer_ptr), int(size)
         if addr <= 0 or n <= 0:
             return codes.INVALID_PARAMS
-        if memory.HOST.find(addr, n) is not None or memory.mapped(addr, n, writable=False):
+        if memory.HOST.find(addr, n) is not None or memory.mapped(addr, n, writable=True):
             kind = memory.HOST_KIND
+        elif memory.mapped(addr, n, writable=False):
+            kind = memory.READ_ONLY_KIND  # puts from it; a get into it is -600
         elif memory.cuda().is_device(addr):
             kind = memory.CUDA_KIND
         else:
@@ -513,38 +519,43 @@ class MooncakeDistributedStore:
     def alloc_from_mem_pool(self, size):
         """An address of size bytes from setup_dummy's pool (shared with the
         agent: no copy on this side), or 0."""
-        pool = self._pool
-        try:
-            if pool is None or int(size) <= 0:
+        with self._lock:  # not while close frees the pool
+            pool = self._pool
+            try:
+                if pool is None or int(size) <= 0:
+                    return 0
+                return pool[0].addr + pool[1].alloc(int(size), timeout=0)
+            except (errors.Error, TypeError, ValueError):
                 return 0
-            return pool[0].addr + pool[1].alloc(int(size), timeout=0)
-        except (errors.Error, TypeError, ValueError):
-            return 0
 
-    def _where(self, addr, n):
-        """How to move n bytes at addr: (Attachment, offset, n) for shared
-        memory, or [(addr, n, move)] for other registered memory; None when
-        the range is not registered."""
+    def _where(self, addr, n, write=False):
+        """How to move n bytes at addr (into it, when write): (Attachment,
+        offset, n) for shared memory, or [(addr, n, move)] for other
+        registered memory; None when the range is not registered (or is
+        read-only and would be written)."""
         if n < 0 or addr <= 0:
             return None
         a = memory.HOST.find(addr, n)
         if a is not None:
             return (a.att, addr - a.addr, n)
         kind = self._registry.kind(addr, n)
-        if kind == memory.HOST_KIND:
+        if kind == memory.HOST_KIND or kind == memory.READ_ONLY_KIND and not write:
             return [(addr, n, ctypes.memmove)]
         if kind == memory.CUDA_KIND:
             return [(addr, n, memory.cuda().copy)]
         return None
 
-    def _where_parts(self, ptrs, sizes):
-        """One object's buffers: a single shared span when they are one
-        contiguous range of an allocation, else their parts in order."""
+    def _where_parts(self, ptrs, sizes, write):
+        """One object's buffers: a single span when they are one contiguous
+        range, else their parts in order."""
         if all(ptrs[i] + sizes[i] == ptrs[i + 1] for i in range(len(ptrs) - 1)):
-            return self._where(ptrs[0], sum(sizes))
+            whole = self._where(ptrs[0], sum(sizes), write)
+            if whole is not None:
+                return whole
+            # else contiguous across two registrations: part by part
         parts = []
         for p, n in zip(ptrs, sizes):
-            w = self._where(p, n)
+            w = self._where(p, n, write)
             if w is None:
                 return None
             if isinstance(w, tuple):  # shared memory: the agent could not scatter it, so copy
@@ -830,7 +841,7 @@ class MooncakeDistributedStore:
             return [codes.INVALID_PARAMS]
         if ps is None or ns is None or not len(ks) == len(ps) == len(ns):
             return [codes.INVALID_PARAMS] * len(ks)
-        return self._read_into(ks, [self._where(p, n) for p, n in zip(ps, ns)])
+        return self._read_into(ks, [self._where(p, n, write=True) for p, n in zip(ps, ns)])
 
     @_guard(_bad_list, _internal_list)
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node=False):
@@ -847,7 +858,7 @@ class MooncakeDistributedStore:
             ps, ns = _ints(ps), _ints(ns)
             if ps is None or ns is None or len(ps) != len(ns) or not ps:
                 return [codes.INVALID_PARAMS] * len(ks)
-            wheres.append(self._where_parts(ps, ns))
+            wheres.append(self._where_parts(ps, ns, write=True))
         return self._read_into(ks, wheres)
 
     @_guard(_bad, _internal)
@@ -882,7 +893,7 @@ class MooncakeDistributedStore:
             ps, ns = _ints(ps), _ints(ns)
             if ps is None or ns is None or len(ps) != len(ns) or not ps:
                 return [codes.INVALID_PARAMS] * len(ks)
-            wheres.append("empty" if sum(ns) == 0 else self._where_parts(ps, ns))
+            wheres.append("empty" if sum(ns) == 0 else self._where_parts(ps, ns, write=False))
         return self._write_from(ks, wheres, config)
 
     # Removal.
