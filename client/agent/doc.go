@@ -13,6 +13,15 @@
 // path takes the agent's user (or root) in the agent's pid namespace, which
 // is why the socket is the agent user's alone.
 //
+// A process may also attach memfds of its own to its session (Attach, with
+// the /proc/PID/fd/N path of a memfd created with MFD_ALLOW_SEALING): the
+// agent seals it against resizing, maps it, and spans name it by region id,
+// so gets land in the process's own memory and puts leave from it with no
+// copy through the session's region. Attaching the same memory again
+// answers the same region; the session's own region cannot be attached.
+// Regions are unmapped by Detach or when the session ends, once no request
+// uses them.
+//
 // Sessions end with Close, when the Server closes, or after SessionIdle
 // without a request that names them (BatchGet, BatchPut, Stats, Close;
 // Stats of the session serves as a heartbeat). Session ids are random, so a
@@ -27,6 +36,12 @@
 // without asking the master again, so a block promised by a lookup cannot
 // be evicted before the get that follows; other keys are read with
 // client.BatchGetInto.
+//
+// Exists and Describe answer per key what the master says (present; size,
+// checksum and replicas); Clear removes a prefix's complete objects, or the
+// whole pool's, optionally narrowed by an RE2 pattern, a List page at a
+// time. Open answers the agent's masters, so a process may ask them
+// directly what moves no bytes.
 //
 // Per-item results follow the master's convention: one ItemStatus per key,
 // code 0 for success, else a gRPC code and a message. NotFound: no such

@@ -62,7 +62,8 @@ type AgentClient interface {
 	Stats(ctx context.Context, in *SessionRef, opts ...grpc.CallOption) (*AgentStatsResponse, error)
 	// Attach maps a memfd of the caller as a region of its session, so gets
 	// and puts name spans of it (Span.region) instead of staging values in
-	// the session's region.
+	// the session's region. Memory attached already answers its region
+	// again.
 	Attach(ctx context.Context, in *AttachRequest, opts ...grpc.CallOption) (*AttachResponse, error)
 	// Detach unmaps an attached region once no request uses it.
 	Detach(ctx context.Context, in *DetachRequest, opts ...grpc.CallOption) (*SessionRef, error)
@@ -235,7 +236,8 @@ type AgentServer interface {
 	Stats(context.Context, *SessionRef) (*AgentStatsResponse, error)
 	// Attach maps a memfd of the caller as a region of its session, so gets
 	// and puts name spans of it (Span.region) instead of staging values in
-	// the session's region.
+	// the session's region. Memory attached already answers its region
+	// again.
 	Attach(context.Context, *AttachRequest) (*AttachResponse, error)
 	// Detach unmaps an attached region once no request uses it.
 	Detach(context.Context, *DetachRequest) (*SessionRef, error)

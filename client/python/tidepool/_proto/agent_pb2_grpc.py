@@ -151,7 +151,8 @@ class AgentServicer(object):
     def Attach(self, request, context):
         """Attach maps a memfd of the caller as a region of its session, so gets
         and puts name spans of it (Span.region) instead of staging values in
-        the session's region.
+        the session's region. Memory attached already answers its region
+        again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
