@@ -83,7 +83,7 @@ def run(store, label, shared_ptr, host_ptr, rows):
         small = ["bench/exist/%04d" % i for i in range(1024)]
         for i in range(0, 1024, 256):
             check([store.put_batch(small[i:i + 256], [b"x"] * 256)], 0)
-        rows.append(dict(op="batch_is_exist", keys=1024, path="agent",
+        rows.append(dict(op="batch_is_exist", keys=1024, path="master, direct",
                          **timed(lambda: check(store.batch_is_exist(small), 1), keys_per_call=1024)))
         store.batch_remove(small)
     store.batch_remove(keys)
