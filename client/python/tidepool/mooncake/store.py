@@ -235,6 +235,26 @@ def _ints(v):
         return None
 
 
+def _fill(out, idx, call, put=False):
+    """Answers the items idx of out from call(), one result per item: a
+    size, True for a put, or the item's error, as Mooncake's codes; a whole
+    failure answers its code for every item."""
+    if not idx:
+        return out
+    try:
+        res = call()
+    except errors.Error as e:
+        for i in idx:
+            out[i] = codes.of(e, put=put)
+        return out
+    for i, r in zip(idx, res):
+        if isinstance(r, errors.Error):
+            out[i] = codes.of(r, item=True, put=put)
+        else:
+            out[i] = codes.OK if put else r
+    return out
+
+
 def _bad(*_):
     return codes.INVALID_PARAMS
 
@@ -658,17 +678,7 @@ class MooncakeDistributedStore:
             idx.append(i)
             ks.append(k)
             vs.append(mv)
-        if not idx:
-            return out
-        try:
-            res = c.batch_set(ks, vs, replicas=_replicas(config))
-        except errors.Error as e:
-            for i in idx:
-                out[i] = codes.of(e, put=True)
-            return out
-        for i, r in zip(idx, res):
-            out[i] = codes.OK if r is True else codes.of(r, item=True, put=True)
-        return out
+        return _fill(out, idx, lambda: c.batch_set(ks, vs, replicas=_replicas(config)), put=True)
 
     @_guard(_bad, _internal)
     def put(self, key, value, config=None):
@@ -785,17 +795,7 @@ class MooncakeDistributedStore:
             idx.append(i)
             ks.append(k)
             ds.append(w)
-        if not idx:
-            return out
-        try:
-            res = c.batch_get_regions(ks, ds)
-        except errors.Error as e:
-            for i in idx:
-                out[i] = codes.of(e)
-            return out
-        for i, r in zip(idx, res):
-            out[i] = codes.of(r, item=True) if isinstance(r, errors.Error) else r
-        return out
+        return _fill(out, idx, lambda: c.batch_get_regions(ks, ds))
 
     def _write_from(self, keys, wheres, config):
         c = self._c()
@@ -813,17 +813,7 @@ class MooncakeDistributedStore:
             idx.append(i)
             ks.append(k)
             ss.append(w)
-        if not idx:
-            return out
-        try:
-            res = c.batch_set_regions(ks, ss, replicas=_replicas(config))
-        except errors.Error as e:
-            for i in idx:
-                out[i] = codes.of(e, put=True)
-            return out
-        for i, r in zip(idx, res):
-            out[i] = codes.OK if r is True else codes.of(r, item=True, put=True)
-        return out
+        return _fill(out, idx, lambda: c.batch_set_regions(ks, ss, replicas=_replicas(config)), put=True)
 
     @_guard(_bad, _internal)
     def get_into(self, key, buffer_ptr, size):
