@@ -133,7 +133,7 @@ func (s *Server) attach(id uint64, path string, size uint64) (uint32, error) {
 	n := len(ss.attached)
 	ss.release()
 	if n >= MaxAttached {
-		return 0, fmt.Errorf("%w: session %d has %d attached regions, the most it may", ErrTooManyRegions, id, n)
+		return 0, tooManyRegions(id, n)
 	}
 	r, err := mapMemfd(path, size)
 	if err != nil {
@@ -144,8 +144,6 @@ func (s *Server) attach(id uint64, path string, size uint64) (uint32, error) {
 	switch {
 	case ss.mem == nil: // ended meanwhile
 		return 0, errors.Join(unknownSession(id), r.close())
-	case len(ss.attached) >= MaxAttached:
-		return 0, errors.Join(fmt.Errorf("%w: session %d has %d attached regions, the most it may", ErrTooManyRegions, id, len(ss.attached)), r.close())
 	case ss.isOwn(r.file):
 		return 0, errors.Join(fmt.Errorf("%w: attach %s: that is session %d's own region", client.ErrInvalidArgument, path, id), r.close())
 	}
@@ -157,12 +155,19 @@ func (s *Server) attach(id uint64, path string, size uint64) (uint32, error) {
 			return rid, r.close()
 		}
 	}
+	if len(ss.attached) >= MaxAttached {
+		return 0, errors.Join(tooManyRegions(id, len(ss.attached)), r.close())
+	}
 	if ss.attached == nil {
 		ss.attached = map[uint32]*region{}
 	}
 	ss.nextID++
 	ss.attached[ss.nextID] = r
 	return ss.nextID, nil
+}
+
+func tooManyRegions(id uint64, n int) error {
+	return fmt.Errorf("%w: session %d has %d attached regions, the most it may", ErrTooManyRegions, id, n)
 }
 
 // detach unmaps region rid of session id once no request uses it.
