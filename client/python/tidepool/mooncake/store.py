@@ -838,18 +838,26 @@ class MooncakeDistributedStore:
         """Per key its value scattered over its buffers in order: the
         value's length, or a negative code (-600 when it is longer than the
         buffers together)."""
+        ks, wheres = self._multi(keys, all_buffer_ptrs, all_sizes, write=True)
+        return wheres if ks is None else self._read_into(ks, wheres)
+
+    def _multi(self, keys, all_buffer_ptrs, all_sizes, write):
+        """The keys and where each one's buffers are, for the multi-buffer
+        calls; or (None, the answer) for arguments Mooncake refuses (every
+        key -600)."""
         ks, pss, nss = _seq(keys), _seq(all_buffer_ptrs), _seq(all_sizes)
         if ks is None:
-            return [codes.INVALID_PARAMS]
+            return None, [codes.INVALID_PARAMS]
+        refused = None, [codes.INVALID_PARAMS] * len(ks)
         if pss is None or nss is None or not len(ks) == len(pss) == len(nss):
-            return [codes.INVALID_PARAMS] * len(ks)
+            return refused
         wheres = []
         for ps, ns in zip(pss, nss):
             ps, ns = _ints(ps), _ints(ns)
             if ps is None or ns is None or len(ps) != len(ns) or not ps:
-                return [codes.INVALID_PARAMS] * len(ks)
-            wheres.append(self._where_parts(ps, ns, write=True))
-        return self._read_into(ks, wheres)
+                return refused
+            wheres.append("empty" if not write and sum(ns) == 0 else self._where_parts(ps, ns, write))
+        return ks, wheres
 
     @_guard(_bad, _internal)
     def put_from(self, key, buffer_ptr, size, config=None):
@@ -873,18 +881,8 @@ class MooncakeDistributedStore:
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, config=None):
         """Per key the concatenation of its buffers stored as one value: 0
         or a negative code; all -600 when any list's length differs."""
-        ks, pss, nss = _seq(keys), _seq(all_buffer_ptrs), _seq(all_sizes)
-        if ks is None:
-            return [codes.INVALID_PARAMS]
-        if pss is None or nss is None or not len(ks) == len(pss) == len(nss):
-            return [codes.INVALID_PARAMS] * len(ks)
-        wheres = []
-        for ps, ns in zip(pss, nss):
-            ps, ns = _ints(ps), _ints(ns)
-            if ps is None or ns is None or len(ps) != len(ns) or not ps:
-                return [codes.INVALID_PARAMS] * len(ks)
-            wheres.append("empty" if sum(ns) == 0 else self._where_parts(ps, ns, write=False))
-        return self._write_from(ks, wheres, config)
+        ks, wheres = self._multi(keys, all_buffer_ptrs, all_sizes, write=False)
+        return wheres if ks is None else self._write_from(ks, wheres, config)
 
     # Removal.
 
