@@ -667,7 +667,13 @@ func TestAttachLimit(t *testing.T) {
 	if ids[id] {
 		t.Fatalf("region id %d reused: a stale id would reach the new region", id)
 	}
-	if _, err := f.ac.Attach(ctx, &pb.AttachRequest{Session: r.id, Path: extra.path, Size: extra.size}); status.Code(err) != codes.ResourceExhausted {
+	// At the limit, attaching what is attached answers its region (a retry);
+	// new memory is refused.
+	if resp, err := f.ac.Attach(ctx, &pb.AttachRequest{Session: r.id, Path: extra.path, Size: extra.size}); err != nil || resp.Region != id {
+		t.Fatalf("Attach of region %d again at the limit: %v, %v", id, resp, err)
+	}
+	more := sealable(t, 4096)
+	if _, err := f.ac.Attach(ctx, &pb.AttachRequest{Session: r.id, Path: more.path, Size: more.size}); status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("Attach beyond %d again: %v", agent.MaxAttached, err)
 	}
 }

@@ -71,6 +71,23 @@ func fileOf(fd int) (fileID, error) {
 	return fileID{uint64(st.Dev), st.Ino}, nil
 }
 
+// holds reports whether the file at path is one the session attached.
+func (ss *session) holds(path string) bool {
+	var st unix.Stat_t
+	if unix.Stat(path, &st) != nil {
+		return false
+	}
+	f := fileID{uint64(st.Dev), st.Ino}
+	ss.mu.RLock()
+	defer ss.mu.RUnlock()
+	for _, r := range ss.attached {
+		if r.file == f {
+			return true
+		}
+	}
+	return false
+}
+
 // isOwn reports whether f is the session's own memfd.
 func (ss *session) isOwn(f fileID) bool {
 	own, err := fileOf(ss.fd)
@@ -132,7 +149,9 @@ func (s *Server) attach(id uint64, path string, size uint64) (uint32, error) {
 	}
 	n := len(ss.attached)
 	ss.release()
-	if n >= MaxAttached {
+	if n >= MaxAttached && !ss.holds(path) {
+		// Refused before it is opened (and sealed); a retry of what is
+		// attached goes on, to answer its region.
 		return 0, tooManyRegions(id, n)
 	}
 	r, err := mapMemfd(path, size)

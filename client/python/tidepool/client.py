@@ -604,6 +604,8 @@ class _Masters:
             return None
         try:
             return stub.Exists(tidepool_pb2.KeysRequest(keys=keys), timeout=self._TIMEOUT).exists
+        except ValueError:
+            return None  # another thread switched masters and closed this channel
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.INVALID_ARGUMENT:  # a bad key: the agent answers it absent
                 with self._lock:
