@@ -9,7 +9,7 @@ GOBIN_DIR          := $(CURDIR)/.bin
 
 test: vet
 	go test -race -timeout 20m $(RACE_PKGS)
-	go test -timeout 30m ./cmd/... ./integration/...
+	go test -timeout 30m ./bench/... ./cmd/... ./integration/...
 	$(MAKE) pytest
 
 # The Python SDK's tests, against a real `tidepool up` and `tidepool agent`.
