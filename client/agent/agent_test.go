@@ -466,7 +466,13 @@ type fixture struct {
 
 func newFixture(t *testing.T, cfg agent.Config) *fixture {
 	t.Helper()
-	addr := startCluster(t)
+	return fixtureAt(t, startCluster(t), cfg)
+}
+
+// fixtureAt is newFixture's agent, reaching the cluster at addr (an
+// in-process master, or a proxy in front of one).
+func fixtureAt(t *testing.T, addr string, cfg agent.Config) *fixture {
+	t.Helper()
 	cl, err := client.New(client.Config{Masters: []string{addr}, Logger: mastertest.Logger()})
 	if err != nil {
 		t.Fatal(err)

@@ -6,19 +6,13 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
-	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/client/agent"
 	"github.com/tidepool-kv/tidepool/master/mastertest"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -151,41 +145,7 @@ func (g *gate) waitHeld(t *testing.T, marker []byte) {
 // masters (a gate in front of it, say).
 func fixtureVia(t *testing.T, masters string) *fixture {
 	t.Helper()
-	cl, err := client.New(client.Config{Masters: []string{masters}, Logger: mastertest.Logger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cl.Close() })
-	f := &fixture{t: t, cl: cl, reg: prometheus.NewRegistry()}
-	if f.agent, err = agent.New(agent.Config{Client: cl, Registerer: f.reg, Logger: mastertest.Logger()}); err != nil {
-		t.Fatal(err)
-	}
-	dir, err := os.MkdirTemp("", "tpr")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	ln, err := net.Listen("unix", filepath.Join(dir, "agent.sock"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- f.agent.Serve(ln) }()
-	t.Cleanup(func() {
-		if err := f.agent.Close(); err != nil {
-			t.Errorf("close agent: %v", err)
-		}
-		if err := <-served; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-	})
-	conn, err := grpc.NewClient("unix://"+filepath.Join(dir, "agent.sock"), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	f.ac = pb.NewAgentClient(conn)
-	return f
+	return fixtureAt(t, masters, agent.Config{})
 }
 
 // TestReviewAttachRetryAfterDeadline: an Attach whose caller stopped waiting

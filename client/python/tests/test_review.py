@@ -9,11 +9,9 @@ TIDEPOOL_BIN=/tmp/tp /usr/bin/python3 -m unittest test_review -v
 import ctypes
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -25,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc  # noqa: E402
 
 import harness  # noqa: E402
+from test_client import ClusterTest  # noqa: E402
 import tidepool  # noqa: E402
 from tidepool._proto import agent_pb2, agent_pb2_grpc  # noqa: E402
 from tidepool.hostmem import HOST  # noqa: E402
@@ -169,16 +168,7 @@ class Gate:
 
 
 @unittest.skipUnless(harness.have_go(), "needs go (or $TIDEPOOL_BIN) to build tidepool")
-class ReviewTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = tempfile.mkdtemp(prefix="tidepool-review-")
-        cls.addClassCleanup(shutil.rmtree, cls.dir, True)
-        cls.up = harness.Up(cls.dir)
-        cls.addClassCleanup(cls.up.stop)
-        cls.agent = harness.Agent(cls.dir, cls.up.grpc)
-        cls.addClassCleanup(cls.agent.stop)
-
+class ReviewTest(ClusterTest):
     def setUp(self):
         self.prefix = "review/%s/%s/" % (self.id().rsplit(".", 1)[-1], uuid.uuid4().hex[:8])
 
