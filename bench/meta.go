@@ -157,20 +157,20 @@ func (m *meta) put(ctx context.Context, c *leaderconn.Conn, keys []string) error
 	}); err != nil {
 		return err
 	}
-	end := &pb.KeysRequest{}
+	end := &pb.BatchPutEndRequest{}
 	for i, r := range start.Results {
 		if r.Status.GetCode() != 0 {
 			return fmt.Errorf("put start %q: %s", keys[i], r.Status.GetMessage())
 		}
 		if !r.Exists {
-			end.Keys, end.PutIds = append(end.Keys, keys[i]), append(end.PutIds, r.PutId)
+			end.Items = append(end.Items, &pb.PutEndItem{Key: keys[i], PutId: r.PutId, Size: metaValue, Replicas: r.Replicas})
 		}
 	}
-	if len(end.Keys) == 0 {
+	if len(end.Items) == 0 {
 		return nil
 	}
 	return do(ctx, c, func(mc pb.MasterClient, o ...grpc.CallOption) error {
-		resp, err := mc.PutEnd(ctx, end, o...)
+		resp, err := mc.BatchPutEnd(ctx, end, o...)
 		if err == nil {
 			err = firstItemError(resp.Results)
 		}

@@ -245,6 +245,8 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	batch := c.eng.NewBatch()
 	tasks := map[int][]*engine.Task{}
 	putIDs := map[int]uint64{}
+	started := map[int]*pb.PutStartRequest{}
+	replicasOf := map[int][]*pb.Replica{}
 	for j, r := range resp.Results {
 		i := idx[j]
 		if errs[i] = itemError(r.Status); errs[i] != nil || r.Exists {
@@ -255,6 +257,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 			continue
 		}
 		putIDs[i] = r.PutId
+		started[i], replicasOf[i] = req.Items[j], r.Replicas
 		opts := engine.Options{Priority: engine.Medium}
 		if r.WriteTimeoutMs > 0 {
 			opts.Deadline = asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)
@@ -272,7 +275,8 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		// bytes could still be landing after we revoke or read the buffer.
 		_ = batch.Wait(context.Background())
 	}
-	var ended, revoked puts
+	var revoked puts
+	ended := &pb.BatchPutEndRequest{}
 	var endIdx []int
 	for i, ts := range tasks {
 		for _, t := range ts {
@@ -285,17 +289,23 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		if errs[i] != nil {
 			revoked.add(keys[i], putIDs[i])
 		} else {
-			ended.add(keys[i], putIDs[i])
+			// All of what the start answered, so a new leader can publish
+			// a put the old one placed.
+			it := started[i]
+			ended.Items = append(ended.Items, &pb.PutEndItem{
+				Key: it.Key, PutId: putIDs[i], Size: it.Size, Checksum: it.Checksum,
+				Replicas: replicasOf[i], Parent: it.Parent, Tenant: it.Tenant,
+			})
 			endIdx = append(endIdx, i)
 		}
 	}
 	if len(revoked.keys) > 0 {
 		c.revoke(revoked.request())
 	}
-	if len(ended.keys) > 0 {
+	if len(ended.Items) > 0 {
 		var end *pb.ItemsResponse
 		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
-			end, err = m.PutEnd(ctx, ended.request(), o...)
+			end, err = m.BatchPutEnd(ctx, ended, o...)
 			return err
 		})
 		if err == nil && len(end.Results) != len(endIdx) {
@@ -309,7 +319,11 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 			}
 		}
 		if err != nil {
-			c.revoke(ended.request())
+			var r puts
+			for _, it := range ended.Items {
+				r.add(it.Key, it.PutId)
+			}
+			c.revoke(r.request())
 		}
 	}
 	return errs

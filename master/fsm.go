@@ -65,6 +65,7 @@ type segment struct {
 	epoch    uint64
 	alloc    *allocator
 	objects  int
+	resv     []*reservation // sorted by id
 }
 
 // NewFSM returns an empty state machine.
@@ -201,6 +202,19 @@ func (f *FSM) Apply(l *raft.Log) any {
 			res[i] = f.copyEnd(it, c.FreeAfterUnixNano, now)
 		}
 		return res
+	case *pb.Command_Reserve:
+		return f.reserve(op.Reserve, l.Index, now)
+	case *pb.Command_Publish:
+		if len(op.Publish.Items) > MaxBatchKeys {
+			return fmt.Errorf("%w: %d items in one command", ErrInvalidRequest, len(op.Publish.Items))
+		}
+		errs := make([]error, len(op.Publish.Items))
+		for i, it := range op.Publish.Items {
+			errs[i] = f.publish(it, now)
+		}
+		return errs
+	case *pb.Command_Release:
+		return f.release(op.Release, now)
 	case *pb.Command_Member:
 		f.members[op.Member.Id] = op.Member.Address
 		return nil
@@ -684,6 +698,15 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 		snap.Nodes = append(snap.Nodes, &pb.Node{Id: n.id, Endpoint: n.endpoint, Epoch: n.epoch, Segments: n.specs,
 			Down: n.down, Draining: n.draining, Drained: n.drained, Adopting: n.adopting})
 	}
+	for _, id := range sortedKeys(f.segments) {
+		for _, r := range f.segments[id].resv {
+			pr := &pb.Reservation{Id: r.id, Segment: id, AllocUntilUnixNano: r.allocUntil, ReleaseAfterUnixNano: r.releaseAfter}
+			for _, sp := range r.spans {
+				pr.Spans = append(pr.Spans, &pb.FreeSpan{Offset: sp.off, Length: sp.len})
+			}
+			snap.Reservations = append(snap.Reservations, pr)
+		}
+	}
 	for _, id := range sortedKeys(f.members) {
 		snap.Members = append(snap.Members, &pb.MemberCmd{Id: id, Address: f.members[id]})
 	}
@@ -758,6 +781,17 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	for _, p := range snap.PendingFrees {
 		if reserve(p.Extent) {
 			f.pending = append(f.pending, p)
+		}
+	}
+	for _, pr := range snap.Reservations {
+		r := &reservation{id: pr.Id, allocUntil: pr.AllocUntilUnixNano, releaseAfter: pr.ReleaseAfterUnixNano}
+		for _, sp := range pr.Spans {
+			if reserve(&pb.Extent{Segment: pr.Segment, Offset: sp.Offset, Length: sp.Length}) {
+				r.spans = append(r.spans, span{sp.Offset, sp.Length})
+			}
+		}
+		if s := f.segments[pr.Segment]; s != nil {
+			s.resv = append(s.resv, r)
 		}
 	}
 	return errors.Join(errs...)

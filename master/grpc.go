@@ -151,7 +151,6 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	now := m.s.cfg.Now()
 	host := clientHost(ctx)
 	// A batch of KV blocks is mostly one size: order the segments once per
 	// size and tier (but sample anew per put for RandomOfTwo).
@@ -170,62 +169,19 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		}
 		return placed[k]
 	}
-	var tiers []pb.Tier // per command item, for retries
+	views := map[string]segmentView{}
+	var largest uint64
+	for _, v := range m.s.fsm.segmentViews() {
+		views[v.id] = v
+		largest = max(largest, v.capacity)
+	}
 	results := make([]*pb.PutStartResult, len(req.Items))
-	cmd := &pb.PutStartCmd{}
-	var idx []int // results index of each command item
 	for i, it := range req.Items {
-		err := validKey(it.Key)
-		if err == nil && (len(it.Parent) > MaxKeyLen || len(it.Tenant) > MaxKeyLen) {
-			err = fmt.Errorf("%w: parent key or tenant of %q longer than %d bytes", ErrInvalidRequest, it.Key, MaxKeyLen)
-		}
-		if err == nil && it.Size == 0 {
-			err = fmt.Errorf("%w: zero-length value for %q", ErrInvalidRequest, it.Key)
-		}
+		r, err := m.start(ctx, it, place, views, largest, host)
 		if err != nil {
-			results[i] = &pb.PutStartResult{Status: itemStatus(err)}
-			continue
+			return nil, err // the context ended
 		}
-		cmd.Items = append(cmd.Items, &pb.PutStartItem{
-			Key: it.Key, Size: it.Size, Checksum: it.Checksum, Replicas: it.Replicas, Parent: it.Parent, Tenant: it.Tenant,
-			Candidates:       place(it.Size, it.Tier),
-			DeadlineUnixNano: now.Add(m.s.cfg.PutTimeout).UnixNano(),
-		})
-		tiers = append(tiers, it.Tier)
-		idx = append(idx, i)
-	}
-	if len(cmd.Items) > 0 {
-		cmd.Reclaim = m.s.reclaimFor(cmd.Items)
-		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: cmd}})
-		if err != nil {
-			return nil, err
-		}
-		started, err := m.retryAfterEviction(ctx, cmd, tiers, host, out.([]PutStartResult))
-		if err != nil {
-			return nil, err
-		}
-		m.s.fsm.mu.RLock()
-		for j, r := range started {
-			for range r.Reclaimed {
-				m.s.metrics.dropped("reclaim")
-			}
-			reps := m.s.fsm.describe(r.Replicas)
-			if r.Err == nil && len(reps) < len(r.Replicas) {
-				// A segment went away between the apply and now; the put
-				// cannot be written, and the leader revokes it in time.
-				r.Err = fmt.Errorf("%w while placing %q; retry", ErrStoreGone, cmd.Items[j].Key)
-			}
-			results[idx[j]] = &pb.PutStartResult{
-				Status: itemStatus(r.Err), Exists: r.Exists, Replicas: reps, PutId: r.PutID,
-				WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds()),
-			}
-			if want := orDRAM(tiers[j]); len(reps) > 0 && reps[0].Tier != want {
-				m.s.spill()
-			}
-		}
-		m.s.fsm.mu.RUnlock()
-	}
-	for _, r := range results {
+		results[i] = r
 		if r.Status.Code != 0 {
 			m.s.metrics.putFailed(codes.Code(r.Status.Code))
 		}
@@ -233,46 +189,101 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	return &pb.BatchPutStartResponse{Results: results}, nil
 }
 
-// retryAfterEviction makes room for the puts that found none and starts
-// them again: a put under memory pressure evicts instead of failing.
-// The room made for one put may be taken by another (of this batch, or of
-// a concurrent request) before its retry applies, so it tries a few times.
-func (m *masterService) retryAfterEviction(ctx context.Context, cmd *pb.PutStartCmd, tiers []pb.Tier, host string, res []PutStartResult) ([]PutStartResult, error) {
-	// One put at a time: the room made for a put is taken by it before the
-	// next one looks, or every put of a batch would see the same free range.
-	for i := range res {
-		for attempt := 0; attempt < maxRoomAttempts && errors.Is(res[i].Err, ErrNoSpace); attempt++ {
-			it := cmd.Items[i]
-			if !m.s.makeRoom(ctx, it.Size, tiers[i], host) {
-				break
-			}
-			it.Candidates = m.s.candidates(it.Size, tiers[i], host)
-			out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutStart{PutStart: &pb.PutStartCmd{Items: []*pb.PutStartItem{it}}}})
-			if err != nil {
-				return nil, err
-			}
-			res[i] = out.([]PutStartResult)[0]
+// start places one put. It is not committed until its PutEnd, so a start
+// costs no raft round unless its segment needs a new reservation.
+func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place func(uint64, pb.Tier) []string,
+	views map[string]segmentView, largest uint64, host string) (*pb.PutStartResult, error) {
+	fail := func(err error) (*pb.PutStartResult, error) { return &pb.PutStartResult{Status: itemStatus(err)}, nil }
+	err := validKey(it.Key)
+	if err == nil && (len(it.Parent) > MaxKeyLen || len(it.Tenant) > MaxKeyLen) {
+		err = fmt.Errorf("%w: parent key or tenant of %q longer than %d bytes", ErrInvalidRequest, it.Key, MaxKeyLen)
+	}
+	if err == nil && it.Size == 0 {
+		err = fmt.Errorf("%w: zero-length value for %q", ErrInvalidRequest, it.Key)
+	}
+	if err != nil {
+		return fail(err)
+	}
+	now := m.s.cfg.Now()
+	switch m.s.fsm.putState(it.Key, now.UnixNano()) {
+	case pb.ObjectState_OBJECT_STATE_COMPLETE:
+		return &pb.PutStartResult{Status: itemStatus(nil), Exists: true}, nil
+	case pb.ObjectState_OBJECT_STATE_PROCESSING:
+		return fail(errorf(ErrPutInProgress, it.Key))
+	}
+	switch {
+	case len(views) == 0:
+		return fail(ErrNoSegments)
+	case it.Size > largest:
+		return fail(fmt.Errorf("%w: %d bytes, largest segment holds %d", ErrTooLarge, it.Size, largest))
+	}
+	t := m.s.puts
+	item := &pb.PublishItem{Key: it.Key, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant}
+	p := &pendingPut{item: item, deadline: now.Add(m.s.cfg.PutTimeout)}
+	t.mu.Lock()
+	if t.inProgress(it.Key, now) {
+		t.mu.Unlock()
+		return fail(errorf(ErrPutInProgress, it.Key))
+	}
+	t.seq++
+	p.id = t.term<<40 | t.seq
+	item.PutId = p.id
+	t.pending[p.id] = p // claims the key while it is placed
+	t.byKey[it.Key] = p.id
+	t.mu.Unlock()
+
+	want := max(int(it.Replicas), 1)
+	exts, used, err := m.s.place(ctx, item, want, it.Tier, place(it.Size, it.Tier), views)
+	for attempt := 0; attempt < maxRoomAttempts && errors.Is(err, ErrNoSpace); attempt++ {
+		// A put under memory pressure evicts instead of failing.
+		if !m.s.makeRoom(ctx, it.Size, it.Tier, host) {
+			break
+		}
+		exts, used, err = m.s.place(ctx, item, want, it.Tier, m.s.candidates(it.Size, it.Tier, host), views)
+	}
+	var reps []*pb.Replica
+	if err == nil {
+		m.s.fsm.mu.RLock()
+		reps = m.s.fsm.describe(exts)
+		m.s.fsm.mu.RUnlock()
+		if len(reps) < len(exts) {
+			// A segment went away since it was placed in; its space goes
+			// with it.
+			err = fmt.Errorf("%w while placing %q; retry", ErrStoreGone, it.Key)
 		}
 	}
-	return res, nil
-}
-
-// maxRoomAttempts bounds how often one request makes room and retries.
-const maxRoomAttempts = 8
-
-func (m *masterService) keysCmd(ctx context.Context, req *pb.KeysRequest, wrap func(*pb.KeysCmd) *pb.Command) (*pb.ItemsResponse, error) {
-	if err := validKeys(req.Keys); err != nil {
-		return nil, err
+	t.mu.Lock()
+	if t.pending[p.id] == p {
+		p.resv = used
+		item.Replicas = exts
+		if err != nil {
+			t.done(p.id)
+		}
+	} else if err == nil {
+		err = fmt.Errorf("%w: the leader changed while placing %q; retry", ErrNotLeader, it.Key)
 	}
-	if len(req.PutIds) != 0 && len(req.PutIds) != len(req.Keys) {
-		return nil, fmt.Errorf("%w: %d put ids for %d keys", ErrInvalidRequest, len(req.PutIds), len(req.Keys))
+	t.mu.Unlock()
+	if ctx.Err() != nil {
+		return nil, ctx.Err()
 	}
-	out, err := m.s.apply(ctx, wrap(&pb.KeysCmd{Keys: req.Keys, PutIds: req.PutIds}))
 	if err != nil {
-		return nil, err
+		return fail(err)
 	}
-	return itemsResponse(out.([]error)), nil
+	if want := orDRAM(it.Tier); reps[0].Tier != want {
+		m.s.spill()
+	}
+	return &pb.PutStartResult{
+		Status: itemStatus(nil), Replicas: reps, PutId: p.id,
+		WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds()),
+	}, nil
 }
+
+// maxPutReplicas bounds the replicas a PutEnd item may name.
+const maxPutReplicas = 16
+
+// maxRoomAttempts bounds how often one put makes room and retries: the
+// room made for one put may be taken by another before it looks again.
+const maxRoomAttempts = 8
 
 func itemsResponse(errs []error) *pb.ItemsResponse {
 	resp := &pb.ItemsResponse{Results: make([]*pb.ItemStatus, len(errs))}
@@ -282,23 +293,152 @@ func itemsResponse(errs []error) *pb.ItemsResponse {
 	return resp
 }
 
+// PutEnd publishes puts by key and put id. Puts an earlier leader placed
+// are published only by BatchPutEnd, which carries where they were placed.
 func (m *masterService) PutEnd(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
-	resp, err := m.keysCmd(ctx, req, func(c *pb.KeysCmd) *pb.Command { return &pb.Command{Op: &pb.Command_PutEnd{PutEnd: c}} })
-	if err != nil {
+	if err := validKeys(req.Keys); err != nil {
 		return nil, err
 	}
+	if len(req.PutIds) != 0 && len(req.PutIds) != len(req.Keys) {
+		return nil, fmt.Errorf("%w: %d put ids for %d keys", ErrInvalidRequest, len(req.PutIds), len(req.Keys))
+	}
+	items := make([]*pb.PutEndItem, len(req.Keys))
+	for i, k := range req.Keys {
+		items[i] = &pb.PutEndItem{Key: k}
+		if len(req.PutIds) > 0 {
+			items[i].PutId = req.PutIds[i]
+		}
+	}
+	return m.BatchPutEnd(ctx, &pb.BatchPutEndRequest{Items: items})
+}
+
+func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequest) (*pb.ItemsResponse, error) {
+	if len(req.Items) == 0 || len(req.Items) > MaxBatchKeys {
+		return nil, fmt.Errorf("%w: batch of %d items (want 1 to %d)", ErrInvalidRequest, len(req.Items), MaxBatchKeys)
+	}
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	errs := make([]error, len(req.Items))
+	cmd := &pb.PublishCmd{}
+	var idx []int     // errs index of each command item
+	var mine []uint64 // put ids this leader placed, ended by the command
+	var legacy []int  // puts started by a PutStartCmd (the log of an older master)
+	t := m.s.puts
+	t.mu.Lock()
+	for i, it := range req.Items {
+		if err := validKey(it.Key); err != nil {
+			errs[i] = err
+			continue
+		}
+		id := it.PutId
+		if id == 0 {
+			id = t.byKey[it.Key]
+		}
+		if p := t.pending[id]; p != nil && p.item.Key == it.Key && len(p.item.Replicas) > 0 {
+			cmd.Items = append(cmd.Items, p.item)
+			mine = append(mine, p.id)
+			idx = append(idx, i)
+			continue
+		}
+		if len(it.Replicas) == 0 {
+			legacy = append(legacy, i)
+			continue
+		}
+		if len(it.Parent) > MaxKeyLen || len(it.Tenant) > MaxKeyLen || len(it.Replicas) > maxPutReplicas {
+			errs[i] = fmt.Errorf("%w: PutEnd item of %q", ErrInvalidRequest, it.Key)
+			continue
+		}
+		pi := &pb.PublishItem{Key: it.Key, Size: it.Size, Checksum: it.Checksum, PutId: it.PutId, Parent: it.Parent, Tenant: it.Tenant}
+		for _, r := range it.Replicas {
+			pi.Replicas = append(pi.Replicas, &pb.Extent{Segment: r.Segment, Offset: r.Offset, Length: it.Size})
+		}
+		cmd.Items = append(cmd.Items, pi)
+		idx = append(idx, i)
+	}
+	t.mu.Unlock()
+	if len(cmd.Items) > 0 {
+		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_Publish{Publish: cmd}})
+		if err != nil {
+			return nil, err
+		}
+		for j, e := range out.([]error) {
+			errs[idx[j]] = e
+		}
+		t.mu.Lock()
+		for _, id := range mine {
+			t.done(id)
+		}
+		t.mu.Unlock()
+	}
+	if len(legacy) > 0 {
+		kc := &pb.KeysCmd{}
+		for _, i := range legacy {
+			kc.Keys = append(kc.Keys, req.Items[i].Key)
+			kc.PutIds = append(kc.PutIds, req.Items[i].PutId)
+		}
+		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutEnd{PutEnd: kc}})
+		if err != nil {
+			return nil, err
+		}
+		for j, e := range out.([]error) {
+			errs[legacy[j]] = e
+		}
+	}
 	var ended []string
-	for i, r := range resp.Results {
-		if r.Code == 0 {
-			ended = append(ended, req.Keys[i])
+	for i, e := range errs {
+		if e == nil {
+			ended = append(ended, req.Items[i].Key)
 		}
 	}
 	m.s.touch(ended, m.s.cfg.Now())
-	return resp, nil
+	return itemsResponse(errs), nil
 }
 
+// PutRevoke abandons puts whose writes have ended. A put this leader
+// placed costs no raft round: its space goes back with its reservation.
 func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
-	return m.keysCmd(ctx, req, func(c *pb.KeysCmd) *pb.Command { return &pb.Command{Op: &pb.Command_PutRevoke{PutRevoke: c}} })
+	if err := validKeys(req.Keys); err != nil {
+		return nil, err
+	}
+	if len(req.PutIds) != 0 && len(req.PutIds) != len(req.Keys) {
+		return nil, fmt.Errorf("%w: %d put ids for %d keys", ErrInvalidRequest, len(req.PutIds), len(req.Keys))
+	}
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	errs := make([]error, len(req.Keys))
+	legacy := &pb.KeysCmd{}
+	var idx []int
+	t := m.s.puts
+	t.mu.Lock()
+	for i, k := range req.Keys {
+		var id uint64
+		if len(req.PutIds) > 0 {
+			id = req.PutIds[i]
+		}
+		if id == 0 {
+			id = t.byKey[k]
+		}
+		if p := t.pending[id]; p != nil && p.item.Key == k {
+			t.done(id)
+			continue
+		}
+		legacy.Keys = append(legacy.Keys, k)
+		legacy.PutIds = append(legacy.PutIds, id)
+		idx = append(idx, i)
+	}
+	t.mu.Unlock()
+	if len(legacy.Keys) > 0 {
+		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PutRevoke{PutRevoke: legacy}})
+		if err != nil {
+			return nil, err
+		}
+		for j, e := range out.([]error) {
+			errs[idx[j]] = e
+		}
+	}
+	return itemsResponse(errs), nil
 }
 
 func (m *masterService) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
@@ -308,19 +448,38 @@ func (m *masterService) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.It
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	freeAfter, done := m.s.startRemove(req.Keys)
+	// A key whose put is in flight is taken, as a PROCESSING object was.
+	errs := make([]error, len(req.Keys))
+	var keys []string
+	var idx []int
+	now := m.s.cfg.Now()
+	m.s.puts.mu.Lock()
+	for i, k := range req.Keys {
+		if m.s.puts.inProgress(k, now) {
+			errs[i] = errorf(ErrPutInProgress, k)
+			continue
+		}
+		keys = append(keys, k)
+		idx = append(idx, i)
+	}
+	m.s.puts.mu.Unlock()
+	if len(keys) == 0 {
+		return itemsResponse(errs), nil
+	}
+	freeAfter, done := m.s.startRemove(keys)
 	defer done()
-	cmd := &pb.RemoveCmd{Keys: req.Keys, FreeAfterUnixNano: freeAfter.UnixNano()}
+	cmd := &pb.RemoveCmd{Keys: keys, FreeAfterUnixNano: freeAfter.UnixNano()}
 	out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_Remove{Remove: cmd}})
 	if err != nil {
 		return nil, err
 	}
-	for i, e := range out.([]error) {
+	for j, e := range out.([]error) {
+		errs[idx[j]] = e
 		if e == nil {
-			m.s.forget(req.Keys[i])
+			m.s.forget(keys[j])
 		}
 	}
-	return itemsResponse(out.([]error)), nil
+	return itemsResponse(errs), nil
 }
 
 func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*pb.GetReplicasResponse, error) {
@@ -383,7 +542,7 @@ func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.St
 	for _, v := range s.fsm.segmentViews() {
 		_, registered := live[v.node]
 		resp.Segments = append(resp.Segments, &pb.SegmentInfo{
-			Name: v.id, Node: v.node, Tier: v.tier, Capacity: v.capacity, Used: v.used,
+			Name: v.id, Node: v.node, Tier: v.tier, Capacity: v.capacity, Used: v.used, Reserved: v.reserved,
 			Endpoint: v.endpoint, Epoch: v.epoch, Alive: registered && (!leader || s.alive(v.node)), Objects: uint64(v.objects), Draining: v.draining,
 		})
 	}

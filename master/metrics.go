@@ -162,6 +162,7 @@ func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 	processing, complete, bytes := c.s.fsm.objectStats()
+	processing += c.s.puts.open()
 	ch <- prometheus.MustNewConstMetric(descObjects, prometheus.GaugeValue, float64(processing), "processing")
 	ch <- prometheus.MustNewConstMetric(descObjects, prometheus.GaugeValue, float64(complete), "complete")
 	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.GaugeValue, float64(bytes))

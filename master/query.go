@@ -100,6 +100,7 @@ type segmentView struct {
 	epoch              uint64
 	capacity, used     uint64
 	largestFree        uint64
+	reserved           uint64 // set aside for puts, not in used
 	objects            int
 	draining           bool // its node is being drained
 	adopting           bool // its node is re-adopting kept objects
@@ -116,13 +117,31 @@ func (f *FSM) segmentViews() []segmentView {
 	for _, s := range f.segments {
 		out = append(out, segmentView{
 			id: s.id, node: s.node, endpoint: s.endpoint, tier: s.tier, epoch: s.epoch,
-			capacity: s.alloc.capacity, used: s.alloc.used, largestFree: s.alloc.largestFree(), objects: s.objects,
+			capacity: s.alloc.capacity, used: s.alloc.used - s.reserved(), reserved: s.reserved(), largestFree: s.alloc.largestFree(), objects: s.objects,
 			draining: f.nodes[s.node] != nil && f.nodes[s.node].draining,
 			adopting: f.nodes[s.node] != nil && f.nodes[s.node].adopting,
 		})
 	}
 	slices.SortFunc(out, func(a, b segmentView) int { return cmp.Compare(a.id, b.id) })
 	return out
+}
+
+// putState is what a put of key finds: COMPLETE (nothing to write),
+// PROCESSING (a put started by an older master's PutStartCmd, not yet
+// expired) or UNSPECIFIED.
+func (f *FSM) putState(key string, now int64) pb.ObjectState {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	o := f.objects[key]
+	switch {
+	case o == nil:
+		return pb.ObjectState_OBJECT_STATE_UNSPECIFIED
+	case o.state == pb.ObjectState_OBJECT_STATE_COMPLETE:
+		return o.state
+	case now <= o.deadline:
+		return pb.ObjectState_OBJECT_STATE_PROCESSING
+	}
+	return pb.ObjectState_OBJECT_STATE_UNSPECIFIED
 }
 
 // objectStats counts objects and the bytes of complete ones.

@@ -30,6 +30,8 @@ const (
 	DefaultLeaseTTL   = 10 * time.Second
 	DefaultPutTimeout = 30 * time.Second
 	DefaultNodeTTL    = 10 * time.Second
+	// DefaultReserveWindow: see Config.ReserveWindow.
+	DefaultReserveWindow = 5 * time.Second
 )
 
 // Config configures one master.
@@ -53,6 +55,11 @@ type Config struct {
 	LeaseTTL   time.Duration // read lease of GetReplicas; default 10 s
 	PutTimeout time.Duration // unfinished puts are revoked after this; default 30 s
 	NodeTTL    time.Duration // a store silent this long is dead; default 10 s
+	// ReserveWindow is how long the leader places puts in one reservation
+	// of a segment; default 5 s. After a failover, what an old leader
+	// reserved and did not publish stays held for the window, the put
+	// timeout and a late-write grace.
+	ReserveWindow time.Duration
 	// SweepInterval is how often the leader revokes stale puts, checks
 	// heartbeats and evicts above the watermark; default 1 s.
 	SweepInterval time.Duration
@@ -91,6 +98,7 @@ type Server struct {
 	// at the next sweep, so the next puts find room where they want it.
 	spilled chan struct{}
 	metrics *metrics
+	puts    *putTable
 
 	grpc *grpc.Server
 
@@ -134,6 +142,7 @@ func New(cfg Config) (*Server, error) {
 	cfg.PutTimeout = orDefault(cfg.PutTimeout, DefaultPutTimeout)
 	cfg.NodeTTL = orDefault(cfg.NodeTTL, DefaultNodeTTL)
 	cfg.SweepInterval = orDefault(cfg.SweepInterval, time.Second)
+	cfg.ReserveWindow = orDefault(cfg.ReserveWindow, DefaultReserveWindow)
 	switch cfg.Placement {
 	case "":
 		cfg.Placement = FreeRatioFirst
@@ -156,7 +165,7 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{})}
+	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable()}
 	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
 	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
 	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
@@ -364,6 +373,12 @@ func (s *Server) leaderLoop() {
 			if s.IsLeader() {
 				s.sweep()
 			}
+		case <-s.puts.kick:
+			if s.IsLeader() {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				s.releaseDone(ctx, s.cfg.Now())
+				cancel()
+			}
 		case <-s.spilled:
 			if s.IsLeader() && time.Since(lastSpill) >= minSpillSweep {
 				lastSpill = time.Now()
@@ -423,6 +438,7 @@ func (s *Server) setLeader(leader bool) {
 	clear(s.mu.promote)
 	clear(s.mu.drains)
 	clear(s.mu.reclaim)
+	s.puts.reset(s.mu.leaderTerm)
 	if leader {
 		// Every store gets a full TTL to reach the new leader.
 		for id := range s.fsm.liveNodes() {
@@ -447,6 +463,7 @@ func (s *Server) sweep() {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	now := s.cfg.Now()
+	s.sweepPuts(ctx, now)
 	if keys := s.fsm.expiredPuts(now.UnixNano()); len(keys) > 0 {
 		out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_PutRevoke{PutRevoke: &pb.KeysCmd{Keys: keys, OnlyExpired: true}}})
 		if err != nil {

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -65,7 +66,7 @@ func parseDaemon(e *env, fs *flag.FlagSet, args []string, httpDefault string) (*
 	return &daemon{http: *httpAddr, log: log, reg: reg}, nil
 }
 
-// serveHTTP serves /metrics, /healthz and /readyz until ctx ends.
+// serveHTTP serves /metrics, /healthz, /readyz and /debug/pprof/ until ctx ends.
 // ready reports whether the daemon can do its work.
 // rails, if not nil, is served as JSON at /debug/rails for `tidepool admin rails`.
 func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails func() []engine.RailInfo, log *slog.Logger) (func(), error) {
@@ -79,6 +80,13 @@ func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails 
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
+	// Go's profiler, for `go tool pprof http://ADDR/debug/pprof/profile`:
+	// the HTTP address is an operator's port, like /metrics.
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	if rails != nil {
 		mux.HandleFunc("/debug/rails", func(w http.ResponseWriter, _ *http.Request) {
 			w.Header().Set("Content-Type", "application/json")

@@ -108,6 +108,9 @@ type Command struct {
 	//	*Command_Drain
 	//	*Command_Adopt
 	//	*Command_DropReplicas
+	//	*Command_Reserve
+	//	*Command_Publish
+	//	*Command_Release
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -292,6 +295,33 @@ func (x *Command) GetDropReplicas() *DropReplicasCmd {
 	return nil
 }
 
+func (x *Command) GetReserve() *ReserveCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_Reserve); ok {
+			return x.Reserve
+		}
+	}
+	return nil
+}
+
+func (x *Command) GetPublish() *PublishCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_Publish); ok {
+			return x.Publish
+		}
+	}
+	return nil
+}
+
+func (x *Command) GetRelease() *ReleaseCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_Release); ok {
+			return x.Release
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -356,6 +386,18 @@ type Command_DropReplicas struct {
 	DropReplicas *DropReplicasCmd `protobuf:"bytes,16,opt,name=drop_replicas,json=dropReplicas,proto3,oneof"`
 }
 
+type Command_Reserve struct {
+	Reserve *ReserveCmd `protobuf:"bytes,17,opt,name=reserve,proto3,oneof"`
+}
+
+type Command_Publish struct {
+	Publish *PublishCmd `protobuf:"bytes,18,opt,name=publish,proto3,oneof"`
+}
+
+type Command_Release struct {
+	Release *ReleaseCmd `protobuf:"bytes,19,opt,name=release,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -386,6 +428,437 @@ func (*Command_Adopt) isCommand_Op() {}
 
 func (*Command_DropReplicas) isCommand_Op() {}
 
+func (*Command_Reserve) isCommand_Op() {}
+
+func (*Command_Publish) isCommand_Op() {}
+
+func (*Command_Release) isCommand_Op() {}
+
+// ReserveCmd sets aside free space of one segment for the leader, which
+// hands it out to puts from memory: a put costs one raft entry, its
+// Publish. A later leader never allocates from an earlier one's
+// reservations; their space still unpublished is freed at release_after,
+// when no put that the earlier leader placed there can still be written.
+type ReserveCmd struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Segment string                 `protobuf:"bytes,1,opt,name=segment,proto3" json:"segment,omitempty"`
+	// How many bytes to set aside, in free ranges of at least min_span.
+	Bytes   uint64 `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	MinSpan uint64 `protobuf:"varint,3,opt,name=min_span,json=minSpan,proto3" json:"min_span,omitempty"`
+	// The leader places puts in it until then.
+	AllocUntilUnixNano int64 `protobuf:"varint,4,opt,name=alloc_until_unix_nano,json=allocUntilUnixNano,proto3" json:"alloc_until_unix_nano,omitempty"`
+	// After this, no write placed in it can still land: its unpublished
+	// space may be freed, and a put published into it is refused.
+	ReleaseAfterUnixNano int64 `protobuf:"varint,5,opt,name=release_after_unix_nano,json=releaseAfterUnixNano,proto3" json:"release_after_unix_nano,omitempty"`
+	// Written-back replicas of this segment the FSM may drop, in order,
+	// until a range of min_span is free (see PutStartCmd.reclaim).
+	Reclaim       []*Reclaimable `protobuf:"bytes,6,rep,name=reclaim,proto3" json:"reclaim,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReserveCmd) Reset() {
+	*x = ReserveCmd{}
+	mi := &file_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReserveCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReserveCmd) ProtoMessage() {}
+
+func (x *ReserveCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReserveCmd.ProtoReflect.Descriptor instead.
+func (*ReserveCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *ReserveCmd) GetSegment() string {
+	if x != nil {
+		return x.Segment
+	}
+	return ""
+}
+
+func (x *ReserveCmd) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *ReserveCmd) GetMinSpan() uint64 {
+	if x != nil {
+		return x.MinSpan
+	}
+	return 0
+}
+
+func (x *ReserveCmd) GetAllocUntilUnixNano() int64 {
+	if x != nil {
+		return x.AllocUntilUnixNano
+	}
+	return 0
+}
+
+func (x *ReserveCmd) GetReleaseAfterUnixNano() int64 {
+	if x != nil {
+		return x.ReleaseAfterUnixNano
+	}
+	return 0
+}
+
+func (x *ReserveCmd) GetReclaim() []*Reclaimable {
+	if x != nil {
+		return x.Reclaim
+	}
+	return nil
+}
+
+// PublishItem makes one put COMPLETE: its replicas must lie in space
+// still reserved and unpublished, which only this put can have written.
+type PublishItem struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Size          uint64                 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	Checksum      uint32                 `protobuf:"varint,3,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	Replicas      []*Extent              `protobuf:"bytes,4,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	PutId         uint64                 `protobuf:"varint,5,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	Parent        string                 `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant        string                 `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PublishItem) Reset() {
+	*x = PublishItem{}
+	mi := &file_fsm_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PublishItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PublishItem) ProtoMessage() {}
+
+func (x *PublishItem) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PublishItem.ProtoReflect.Descriptor instead.
+func (*PublishItem) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *PublishItem) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *PublishItem) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *PublishItem) GetChecksum() uint32 {
+	if x != nil {
+		return x.Checksum
+	}
+	return 0
+}
+
+func (x *PublishItem) GetReplicas() []*Extent {
+	if x != nil {
+		return x.Replicas
+	}
+	return nil
+}
+
+func (x *PublishItem) GetPutId() uint64 {
+	if x != nil {
+		return x.PutId
+	}
+	return 0
+}
+
+func (x *PublishItem) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+func (x *PublishItem) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
+type PublishCmd struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Items         []*PublishItem         `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PublishCmd) Reset() {
+	*x = PublishCmd{}
+	mi := &file_fsm_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PublishCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PublishCmd) ProtoMessage() {}
+
+func (x *PublishCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PublishCmd.ProtoReflect.Descriptor instead.
+func (*PublishCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *PublishCmd) GetItems() []*PublishItem {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
+// ReleaseCmd frees what reservations of a segment have not published.
+type ReleaseCmd struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Segment string                 `protobuf:"bytes,1,opt,name=segment,proto3" json:"segment,omitempty"`
+	Ids     []uint64               `protobuf:"varint,2,rep,packed,name=ids,proto3" json:"ids,omitempty"`
+	// Free only those past their release_after (a new leader's cleanup);
+	// otherwise the leader knows every put placed in them has ended.
+	OnlyExpired   bool `protobuf:"varint,3,opt,name=only_expired,json=onlyExpired,proto3" json:"only_expired,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseCmd) Reset() {
+	*x = ReleaseCmd{}
+	mi := &file_fsm_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseCmd) ProtoMessage() {}
+
+func (x *ReleaseCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseCmd.ProtoReflect.Descriptor instead.
+func (*ReleaseCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ReleaseCmd) GetSegment() string {
+	if x != nil {
+		return x.Segment
+	}
+	return ""
+}
+
+func (x *ReleaseCmd) GetIds() []uint64 {
+	if x != nil {
+		return x.Ids
+	}
+	return nil
+}
+
+func (x *ReleaseCmd) GetOnlyExpired() bool {
+	if x != nil {
+		return x.OnlyExpired
+	}
+	return false
+}
+
+type FreeSpan struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Offset        uint64                 `protobuf:"varint,1,opt,name=offset,proto3" json:"offset,omitempty"`
+	Length        uint64                 `protobuf:"varint,2,opt,name=length,proto3" json:"length,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FreeSpan) Reset() {
+	*x = FreeSpan{}
+	mi := &file_fsm_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FreeSpan) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FreeSpan) ProtoMessage() {}
+
+func (x *FreeSpan) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FreeSpan.ProtoReflect.Descriptor instead.
+func (*FreeSpan) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *FreeSpan) GetOffset() uint64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *FreeSpan) GetLength() uint64 {
+	if x != nil {
+		return x.Length
+	}
+	return 0
+}
+
+// Reservation is a ReserveCmd's space not yet published, for snapshots.
+type Reservation struct {
+	state                protoimpl.MessageState `protogen:"open.v1"`
+	Id                   uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	Segment              string                 `protobuf:"bytes,2,opt,name=segment,proto3" json:"segment,omitempty"`
+	Spans                []*FreeSpan            `protobuf:"bytes,3,rep,name=spans,proto3" json:"spans,omitempty"`
+	AllocUntilUnixNano   int64                  `protobuf:"varint,4,opt,name=alloc_until_unix_nano,json=allocUntilUnixNano,proto3" json:"alloc_until_unix_nano,omitempty"`
+	ReleaseAfterUnixNano int64                  `protobuf:"varint,5,opt,name=release_after_unix_nano,json=releaseAfterUnixNano,proto3" json:"release_after_unix_nano,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
+}
+
+func (x *Reservation) Reset() {
+	*x = Reservation{}
+	mi := &file_fsm_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Reservation) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Reservation) ProtoMessage() {}
+
+func (x *Reservation) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Reservation.ProtoReflect.Descriptor instead.
+func (*Reservation) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *Reservation) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *Reservation) GetSegment() string {
+	if x != nil {
+		return x.Segment
+	}
+	return ""
+}
+
+func (x *Reservation) GetSpans() []*FreeSpan {
+	if x != nil {
+		return x.Spans
+	}
+	return nil
+}
+
+func (x *Reservation) GetAllocUntilUnixNano() int64 {
+	if x != nil {
+		return x.AllocUntilUnixNano
+	}
+	return 0
+}
+
+func (x *Reservation) GetReleaseAfterUnixNano() int64 {
+	if x != nil {
+		return x.ReleaseAfterUnixNano
+	}
+	return 0
+}
+
 // CopyStartItem allocates room for a new replica of a complete object; a
 // store then copies the bytes from source into it.
 type CopyStartItem struct {
@@ -406,7 +879,7 @@ type CopyStartItem struct {
 
 func (x *CopyStartItem) Reset() {
 	*x = CopyStartItem{}
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -418,7 +891,7 @@ func (x *CopyStartItem) String() string {
 func (*CopyStartItem) ProtoMessage() {}
 
 func (x *CopyStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -431,7 +904,7 @@ func (x *CopyStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyStartItem.ProtoReflect.Descriptor instead.
 func (*CopyStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{1}
+	return file_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *CopyStartItem) GetKey() string {
@@ -485,7 +958,7 @@ type CopyStartCmd struct {
 
 func (x *CopyStartCmd) Reset() {
 	*x = CopyStartCmd{}
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -497,7 +970,7 @@ func (x *CopyStartCmd) String() string {
 func (*CopyStartCmd) ProtoMessage() {}
 
 func (x *CopyStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -510,7 +983,7 @@ func (x *CopyStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyStartCmd.ProtoReflect.Descriptor instead.
 func (*CopyStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{2}
+	return file_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CopyStartCmd) GetItems() []*CopyStartItem {
@@ -536,7 +1009,7 @@ type CopyEndItem struct {
 
 func (x *CopyEndItem) Reset() {
 	*x = CopyEndItem{}
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -548,7 +1021,7 @@ func (x *CopyEndItem) String() string {
 func (*CopyEndItem) ProtoMessage() {}
 
 func (x *CopyEndItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -561,7 +1034,7 @@ func (x *CopyEndItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyEndItem.ProtoReflect.Descriptor instead.
 func (*CopyEndItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{3}
+	return file_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CopyEndItem) GetKey() string {
@@ -604,7 +1077,7 @@ type CopyEndCmd struct {
 
 func (x *CopyEndCmd) Reset() {
 	*x = CopyEndCmd{}
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -616,7 +1089,7 @@ func (x *CopyEndCmd) String() string {
 func (*CopyEndCmd) ProtoMessage() {}
 
 func (x *CopyEndCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -629,7 +1102,7 @@ func (x *CopyEndCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyEndCmd.ProtoReflect.Descriptor instead.
 func (*CopyEndCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{4}
+	return file_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *CopyEndCmd) GetItems() []*CopyEndItem {
@@ -658,7 +1131,7 @@ type DrainCmd struct {
 
 func (x *DrainCmd) Reset() {
 	*x = DrainCmd{}
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -670,7 +1143,7 @@ func (x *DrainCmd) String() string {
 func (*DrainCmd) ProtoMessage() {}
 
 func (x *DrainCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -683,7 +1156,7 @@ func (x *DrainCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainCmd.ProtoReflect.Descriptor instead.
 func (*DrainCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{5}
+	return file_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DrainCmd) GetNode() string {
@@ -714,7 +1187,7 @@ type PendingCopy struct {
 
 func (x *PendingCopy) Reset() {
 	*x = PendingCopy{}
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -726,7 +1199,7 @@ func (x *PendingCopy) String() string {
 func (*PendingCopy) ProtoMessage() {}
 
 func (x *PendingCopy) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -739,7 +1212,7 @@ func (x *PendingCopy) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingCopy.ProtoReflect.Descriptor instead.
 func (*PendingCopy) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{6}
+	return file_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *PendingCopy) GetId() uint64 {
@@ -794,7 +1267,7 @@ type DropReplicaCmd struct {
 
 func (x *DropReplicaCmd) Reset() {
 	*x = DropReplicaCmd{}
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -806,7 +1279,7 @@ func (x *DropReplicaCmd) String() string {
 func (*DropReplicaCmd) ProtoMessage() {}
 
 func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -819,7 +1292,7 @@ func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropReplicaCmd.ProtoReflect.Descriptor instead.
 func (*DropReplicaCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{7}
+	return file_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *DropReplicaCmd) GetKey() string {
@@ -868,7 +1341,7 @@ type DropReplicasCmd struct {
 
 func (x *DropReplicasCmd) Reset() {
 	*x = DropReplicasCmd{}
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -880,7 +1353,7 @@ func (x *DropReplicasCmd) String() string {
 func (*DropReplicasCmd) ProtoMessage() {}
 
 func (x *DropReplicasCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -893,7 +1366,7 @@ func (x *DropReplicasCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropReplicasCmd.ProtoReflect.Descriptor instead.
 func (*DropReplicasCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{8}
+	return file_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DropReplicasCmd) GetItems() []*DropReplicaCmd {
@@ -916,7 +1389,7 @@ type PinCmd struct {
 
 func (x *PinCmd) Reset() {
 	*x = PinCmd{}
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -928,7 +1401,7 @@ func (x *PinCmd) String() string {
 func (*PinCmd) ProtoMessage() {}
 
 func (x *PinCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -941,7 +1414,7 @@ func (x *PinCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCmd.ProtoReflect.Descriptor instead.
 func (*PinCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{9}
+	return file_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *PinCmd) GetKey() string {
@@ -986,7 +1459,7 @@ type EvictCmd struct {
 
 func (x *EvictCmd) Reset() {
 	*x = EvictCmd{}
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -998,7 +1471,7 @@ func (x *EvictCmd) String() string {
 func (*EvictCmd) ProtoMessage() {}
 
 func (x *EvictCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1011,7 +1484,7 @@ func (x *EvictCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictCmd.ProtoReflect.Descriptor instead.
 func (*EvictCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{10}
+	return file_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *EvictCmd) GetKeys() []string {
@@ -1054,7 +1527,7 @@ type PutStartItem struct {
 
 func (x *PutStartItem) Reset() {
 	*x = PutStartItem{}
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1066,7 +1539,7 @@ func (x *PutStartItem) String() string {
 func (*PutStartItem) ProtoMessage() {}
 
 func (x *PutStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1079,7 +1552,7 @@ func (x *PutStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartItem.ProtoReflect.Descriptor instead.
 func (*PutStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{11}
+	return file_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *PutStartItem) GetKey() string {
@@ -1151,7 +1624,7 @@ type PutStartCmd struct {
 
 func (x *PutStartCmd) Reset() {
 	*x = PutStartCmd{}
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1163,7 +1636,7 @@ func (x *PutStartCmd) String() string {
 func (*PutStartCmd) ProtoMessage() {}
 
 func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1176,7 +1649,7 @@ func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartCmd.ProtoReflect.Descriptor instead.
 func (*PutStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{12}
+	return file_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *PutStartCmd) GetItems() []*PutStartItem {
@@ -1203,7 +1676,7 @@ type Reclaimable struct {
 
 func (x *Reclaimable) Reset() {
 	*x = Reclaimable{}
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1215,7 +1688,7 @@ func (x *Reclaimable) String() string {
 func (*Reclaimable) ProtoMessage() {}
 
 func (x *Reclaimable) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1228,7 +1701,7 @@ func (x *Reclaimable) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reclaimable.ProtoReflect.Descriptor instead.
 func (*Reclaimable) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{13}
+	return file_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Reclaimable) GetKey() string {
@@ -1260,7 +1733,7 @@ type KeysCmd struct {
 
 func (x *KeysCmd) Reset() {
 	*x = KeysCmd{}
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1272,7 +1745,7 @@ func (x *KeysCmd) String() string {
 func (*KeysCmd) ProtoMessage() {}
 
 func (x *KeysCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1285,7 +1758,7 @@ func (x *KeysCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysCmd.ProtoReflect.Descriptor instead.
 func (*KeysCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{14}
+	return file_fsm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *KeysCmd) GetKeys() []string {
@@ -1321,7 +1794,7 @@ type RemoveCmd struct {
 
 func (x *RemoveCmd) Reset() {
 	*x = RemoveCmd{}
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1333,7 +1806,7 @@ func (x *RemoveCmd) String() string {
 func (*RemoveCmd) ProtoMessage() {}
 
 func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1346,7 +1819,7 @@ func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveCmd.ProtoReflect.Descriptor instead.
 func (*RemoveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{15}
+	return file_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RemoveCmd) GetKeys() []string {
@@ -1378,7 +1851,7 @@ type RegisterCmd struct {
 
 func (x *RegisterCmd) Reset() {
 	*x = RegisterCmd{}
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1390,7 +1863,7 @@ func (x *RegisterCmd) String() string {
 func (*RegisterCmd) ProtoMessage() {}
 
 func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1403,7 +1876,7 @@ func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterCmd.ProtoReflect.Descriptor instead.
 func (*RegisterCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{16}
+	return file_fsm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RegisterCmd) GetNode() string {
@@ -1453,7 +1926,7 @@ type AdoptCmd struct {
 
 func (x *AdoptCmd) Reset() {
 	*x = AdoptCmd{}
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1465,7 +1938,7 @@ func (x *AdoptCmd) String() string {
 func (*AdoptCmd) ProtoMessage() {}
 
 func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1478,7 +1951,7 @@ func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptCmd.ProtoReflect.Descriptor instead.
 func (*AdoptCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{17}
+	return file_fsm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *AdoptCmd) GetNode() string {
@@ -1521,7 +1994,7 @@ type NodeDownCmd struct {
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1533,7 +2006,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1546,7 +2019,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{18}
+	return file_fsm_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -1580,7 +2053,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1592,7 +2065,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1605,7 +2078,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{19}
+	return file_fsm_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -1633,7 +2106,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1645,7 +2118,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1658,7 +2131,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{20}
+	return file_fsm_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *Extent) GetSegment() string {
@@ -1705,7 +2178,7 @@ type Object struct {
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1717,7 +2190,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1730,7 +2203,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{21}
+	return file_fsm_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *Object) GetKey() string {
@@ -1845,7 +2318,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1857,7 +2330,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1870,7 +2343,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{22}
+	return file_fsm_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *Node) GetId() string {
@@ -1942,7 +2415,7 @@ type PendingFree struct {
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[23]
+	mi := &file_fsm_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1954,7 +2427,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[23]
+	mi := &file_fsm_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1967,7 +2440,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{23}
+	return file_fsm_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -1997,13 +2470,14 @@ type Snapshot struct {
 	Nodes         []*Node                `protobuf:"bytes,2,rep,name=nodes,proto3" json:"nodes,omitempty"`
 	Members       []*MemberCmd           `protobuf:"bytes,3,rep,name=members,proto3" json:"members,omitempty"`
 	PendingFrees  []*PendingFree         `protobuf:"bytes,4,rep,name=pending_frees,json=pendingFrees,proto3" json:"pending_frees,omitempty"`
+	Reservations  []*Reservation         `protobuf:"bytes,5,rep,name=reservations,proto3" json:"reservations,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[24]
+	mi := &file_fsm_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2015,7 +2489,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[24]
+	mi := &file_fsm_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2028,7 +2502,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{24}
+	return file_fsm_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -2059,11 +2533,18 @@ func (x *Snapshot) GetPendingFrees() []*PendingFree {
 	return nil
 }
 
+func (x *Snapshot) GetReservations() []*Reservation {
+	if x != nil {
+		return x.Reservations
+	}
+	return nil
+}
+
 var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xd8\x06\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xf7\a\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -2083,8 +2564,44 @@ const file_fsm_proto_rawDesc = "" +
 	"\bcopy_end\x18\r \x01(\v2\x17.tidepool.v1.CopyEndCmdH\x00R\acopyEnd\x12-\n" +
 	"\x05drain\x18\x0e \x01(\v2\x15.tidepool.v1.DrainCmdH\x00R\x05drain\x12-\n" +
 	"\x05adopt\x18\x0f \x01(\v2\x15.tidepool.v1.AdoptCmdH\x00R\x05adopt\x12C\n" +
-	"\rdrop_replicas\x18\x10 \x01(\v2\x1c.tidepool.v1.DropReplicasCmdH\x00R\fdropReplicasB\x04\n" +
-	"\x02op\"\xcf\x01\n" +
+	"\rdrop_replicas\x18\x10 \x01(\v2\x1c.tidepool.v1.DropReplicasCmdH\x00R\fdropReplicas\x123\n" +
+	"\areserve\x18\x11 \x01(\v2\x17.tidepool.v1.ReserveCmdH\x00R\areserve\x123\n" +
+	"\apublish\x18\x12 \x01(\v2\x17.tidepool.v1.PublishCmdH\x00R\apublish\x123\n" +
+	"\arelease\x18\x13 \x01(\v2\x17.tidepool.v1.ReleaseCmdH\x00R\areleaseB\x04\n" +
+	"\x02op\"\xf5\x01\n" +
+	"\n" +
+	"ReserveCmd\x12\x18\n" +
+	"\asegment\x18\x01 \x01(\tR\asegment\x12\x14\n" +
+	"\x05bytes\x18\x02 \x01(\x04R\x05bytes\x12\x19\n" +
+	"\bmin_span\x18\x03 \x01(\x04R\aminSpan\x121\n" +
+	"\x15alloc_until_unix_nano\x18\x04 \x01(\x03R\x12allocUntilUnixNano\x125\n" +
+	"\x17release_after_unix_nano\x18\x05 \x01(\x03R\x14releaseAfterUnixNano\x122\n" +
+	"\areclaim\x18\x06 \x03(\v2\x18.tidepool.v1.ReclaimableR\areclaim\"\xc7\x01\n" +
+	"\vPublishItem\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
+	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
+	"\bchecksum\x18\x03 \x01(\rR\bchecksum\x12/\n" +
+	"\breplicas\x18\x04 \x03(\v2\x13.tidepool.v1.ExtentR\breplicas\x12\x15\n" +
+	"\x06put_id\x18\x05 \x01(\x04R\x05putId\x12\x16\n" +
+	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\"<\n" +
+	"\n" +
+	"PublishCmd\x12.\n" +
+	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"[\n" +
+	"\n" +
+	"ReleaseCmd\x12\x18\n" +
+	"\asegment\x18\x01 \x01(\tR\asegment\x12\x10\n" +
+	"\x03ids\x18\x02 \x03(\x04R\x03ids\x12!\n" +
+	"\fonly_expired\x18\x03 \x01(\bR\vonlyExpired\":\n" +
+	"\bFreeSpan\x12\x16\n" +
+	"\x06offset\x18\x01 \x01(\x04R\x06offset\x12\x16\n" +
+	"\x06length\x18\x02 \x01(\x04R\x06length\"\xce\x01\n" +
+	"\vReservation\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x18\n" +
+	"\asegment\x18\x02 \x01(\tR\asegment\x12+\n" +
+	"\x05spans\x18\x03 \x03(\v2\x15.tidepool.v1.FreeSpanR\x05spans\x121\n" +
+	"\x15alloc_until_unix_nano\x18\x04 \x01(\x03R\x12allocUntilUnixNano\x125\n" +
+	"\x17release_after_unix_nano\x18\x05 \x01(\x03R\x14releaseAfterUnixNano\"\xcf\x01\n" +
 	"\rCopyStartItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x15\n" +
 	"\x06put_id\x18\x02 \x01(\x04R\x05putId\x12\x16\n" +
@@ -2206,12 +2723,13 @@ const file_fsm_proto_rawDesc = "" +
 	"\vPendingFree\x12+\n" +
 	"\x06extent\x18\x01 \x01(\v2\x13.tidepool.v1.ExtentR\x06extent\x12&\n" +
 	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\x12\x17\n" +
-	"\acopy_id\x18\x03 \x01(\x04R\x06copyId\"\xd3\x01\n" +
+	"\acopy_id\x18\x03 \x01(\x04R\x06copyId\"\x91\x02\n" +
 	"\bSnapshot\x12-\n" +
 	"\aobjects\x18\x01 \x03(\v2\x13.tidepool.v1.ObjectR\aobjects\x12'\n" +
 	"\x05nodes\x18\x02 \x03(\v2\x11.tidepool.v1.NodeR\x05nodes\x120\n" +
 	"\amembers\x18\x03 \x03(\v2\x16.tidepool.v1.MemberCmdR\amembers\x12=\n" +
-	"\rpending_frees\x18\x04 \x03(\v2\x18.tidepool.v1.PendingFreeR\fpendingFrees*\x8c\x01\n" +
+	"\rpending_frees\x18\x04 \x03(\v2\x18.tidepool.v1.PendingFreeR\fpendingFrees\x12<\n" +
+	"\freservations\x18\x05 \x03(\v2\x18.tidepool.v1.ReservationR\freservations*\x8c\x01\n" +
 	"\n" +
 	"CopyReason\x12\x1b\n" +
 	"\x17COPY_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
@@ -2233,79 +2751,93 @@ func file_fsm_proto_rawDescGZIP() []byte {
 }
 
 var file_fsm_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_fsm_proto_goTypes = []any{
 	(CopyReason)(0),         // 0: tidepool.v1.CopyReason
 	(*Command)(nil),         // 1: tidepool.v1.Command
-	(*CopyStartItem)(nil),   // 2: tidepool.v1.CopyStartItem
-	(*CopyStartCmd)(nil),    // 3: tidepool.v1.CopyStartCmd
-	(*CopyEndItem)(nil),     // 4: tidepool.v1.CopyEndItem
-	(*CopyEndCmd)(nil),      // 5: tidepool.v1.CopyEndCmd
-	(*DrainCmd)(nil),        // 6: tidepool.v1.DrainCmd
-	(*PendingCopy)(nil),     // 7: tidepool.v1.PendingCopy
-	(*DropReplicaCmd)(nil),  // 8: tidepool.v1.DropReplicaCmd
-	(*DropReplicasCmd)(nil), // 9: tidepool.v1.DropReplicasCmd
-	(*PinCmd)(nil),          // 10: tidepool.v1.PinCmd
-	(*EvictCmd)(nil),        // 11: tidepool.v1.EvictCmd
-	(*PutStartItem)(nil),    // 12: tidepool.v1.PutStartItem
-	(*PutStartCmd)(nil),     // 13: tidepool.v1.PutStartCmd
-	(*Reclaimable)(nil),     // 14: tidepool.v1.Reclaimable
-	(*KeysCmd)(nil),         // 15: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),       // 16: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),     // 17: tidepool.v1.RegisterCmd
-	(*AdoptCmd)(nil),        // 18: tidepool.v1.AdoptCmd
-	(*NodeDownCmd)(nil),     // 19: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),       // 20: tidepool.v1.MemberCmd
-	(*Extent)(nil),          // 21: tidepool.v1.Extent
-	(*Object)(nil),          // 22: tidepool.v1.Object
-	(*Node)(nil),            // 23: tidepool.v1.Node
-	(*PendingFree)(nil),     // 24: tidepool.v1.PendingFree
-	(*Snapshot)(nil),        // 25: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),     // 26: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),   // 27: tidepool.v1.AdoptedObject
-	(ObjectState)(0),        // 28: tidepool.v1.ObjectState
+	(*ReserveCmd)(nil),      // 2: tidepool.v1.ReserveCmd
+	(*PublishItem)(nil),     // 3: tidepool.v1.PublishItem
+	(*PublishCmd)(nil),      // 4: tidepool.v1.PublishCmd
+	(*ReleaseCmd)(nil),      // 5: tidepool.v1.ReleaseCmd
+	(*FreeSpan)(nil),        // 6: tidepool.v1.FreeSpan
+	(*Reservation)(nil),     // 7: tidepool.v1.Reservation
+	(*CopyStartItem)(nil),   // 8: tidepool.v1.CopyStartItem
+	(*CopyStartCmd)(nil),    // 9: tidepool.v1.CopyStartCmd
+	(*CopyEndItem)(nil),     // 10: tidepool.v1.CopyEndItem
+	(*CopyEndCmd)(nil),      // 11: tidepool.v1.CopyEndCmd
+	(*DrainCmd)(nil),        // 12: tidepool.v1.DrainCmd
+	(*PendingCopy)(nil),     // 13: tidepool.v1.PendingCopy
+	(*DropReplicaCmd)(nil),  // 14: tidepool.v1.DropReplicaCmd
+	(*DropReplicasCmd)(nil), // 15: tidepool.v1.DropReplicasCmd
+	(*PinCmd)(nil),          // 16: tidepool.v1.PinCmd
+	(*EvictCmd)(nil),        // 17: tidepool.v1.EvictCmd
+	(*PutStartItem)(nil),    // 18: tidepool.v1.PutStartItem
+	(*PutStartCmd)(nil),     // 19: tidepool.v1.PutStartCmd
+	(*Reclaimable)(nil),     // 20: tidepool.v1.Reclaimable
+	(*KeysCmd)(nil),         // 21: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),       // 22: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),     // 23: tidepool.v1.RegisterCmd
+	(*AdoptCmd)(nil),        // 24: tidepool.v1.AdoptCmd
+	(*NodeDownCmd)(nil),     // 25: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),       // 26: tidepool.v1.MemberCmd
+	(*Extent)(nil),          // 27: tidepool.v1.Extent
+	(*Object)(nil),          // 28: tidepool.v1.Object
+	(*Node)(nil),            // 29: tidepool.v1.Node
+	(*PendingFree)(nil),     // 30: tidepool.v1.PendingFree
+	(*Snapshot)(nil),        // 31: tidepool.v1.Snapshot
+	(*SegmentSpec)(nil),     // 32: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),   // 33: tidepool.v1.AdoptedObject
+	(ObjectState)(0),        // 34: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
-	13, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
-	15, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
-	15, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
-	16, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
-	17, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	19, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	20, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
-	10, // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
-	11, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
-	8,  // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
-	3,  // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
-	5,  // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
-	6,  // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
-	18, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
-	9,  // 14: tidepool.v1.Command.drop_replicas:type_name -> tidepool.v1.DropReplicasCmd
-	0,  // 15: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
-	2,  // 16: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
-	4,  // 17: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
-	21, // 18: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
-	0,  // 19: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
-	8,  // 20: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
-	12, // 21: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	14, // 22: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	26, // 23: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	27, // 24: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	27, // 25: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
-	28, // 26: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	21, // 27: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	7,  // 28: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
-	26, // 29: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	21, // 30: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	22, // 31: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	23, // 32: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	20, // 33: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	24, // 34: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	35, // [35:35] is the sub-list for method output_type
-	35, // [35:35] is the sub-list for method input_type
-	35, // [35:35] is the sub-list for extension type_name
-	35, // [35:35] is the sub-list for extension extendee
-	0,  // [0:35] is the sub-list for field type_name
+	19, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
+	21, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
+	21, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
+	22, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
+	23, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
+	25, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	26, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	16, // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
+	17, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
+	14, // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
+	9,  // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
+	11, // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
+	12, // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
+	24, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
+	15, // 14: tidepool.v1.Command.drop_replicas:type_name -> tidepool.v1.DropReplicasCmd
+	2,  // 15: tidepool.v1.Command.reserve:type_name -> tidepool.v1.ReserveCmd
+	4,  // 16: tidepool.v1.Command.publish:type_name -> tidepool.v1.PublishCmd
+	5,  // 17: tidepool.v1.Command.release:type_name -> tidepool.v1.ReleaseCmd
+	20, // 18: tidepool.v1.ReserveCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	27, // 19: tidepool.v1.PublishItem.replicas:type_name -> tidepool.v1.Extent
+	3,  // 20: tidepool.v1.PublishCmd.items:type_name -> tidepool.v1.PublishItem
+	6,  // 21: tidepool.v1.Reservation.spans:type_name -> tidepool.v1.FreeSpan
+	0,  // 22: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
+	8,  // 23: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
+	10, // 24: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
+	27, // 25: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
+	0,  // 26: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
+	14, // 27: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
+	18, // 28: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	20, // 29: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	32, // 30: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	33, // 31: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	33, // 32: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
+	34, // 33: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	27, // 34: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	13, // 35: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
+	32, // 36: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	27, // 37: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	28, // 38: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	29, // 39: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	26, // 40: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	30, // 41: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	7,  // 42: tidepool.v1.Snapshot.reservations:type_name -> tidepool.v1.Reservation
+	43, // [43:43] is the sub-list for method output_type
+	43, // [43:43] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -2330,6 +2862,9 @@ func file_fsm_proto_init() {
 		(*Command_Drain)(nil),
 		(*Command_Adopt)(nil),
 		(*Command_DropReplicas)(nil),
+		(*Command_Reserve)(nil),
+		(*Command_Publish)(nil),
+		(*Command_Release)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -2337,7 +2872,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   25,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -539,6 +539,144 @@ func (x *BatchPutStartResponse) GetResults() []*PutStartResult {
 	return nil
 }
 
+// PutEndItem publishes one put: what BatchPutStart answered for it, so a
+// new leader can publish a put the old one placed.
+type PutEndItem struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	PutId         uint64                 `protobuf:"varint,2,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	Size          uint64                 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	Checksum      uint32                 `protobuf:"varint,4,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	Replicas      []*Replica             `protobuf:"bytes,5,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	Parent        string                 `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant        string                 `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PutEndItem) Reset() {
+	*x = PutEndItem{}
+	mi := &file_tidepool_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PutEndItem) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PutEndItem) ProtoMessage() {}
+
+func (x *PutEndItem) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PutEndItem.ProtoReflect.Descriptor instead.
+func (*PutEndItem) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *PutEndItem) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *PutEndItem) GetPutId() uint64 {
+	if x != nil {
+		return x.PutId
+	}
+	return 0
+}
+
+func (x *PutEndItem) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *PutEndItem) GetChecksum() uint32 {
+	if x != nil {
+		return x.Checksum
+	}
+	return 0
+}
+
+func (x *PutEndItem) GetReplicas() []*Replica {
+	if x != nil {
+		return x.Replicas
+	}
+	return nil
+}
+
+func (x *PutEndItem) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+func (x *PutEndItem) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
+type BatchPutEndRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Items         []*PutEndItem          `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchPutEndRequest) Reset() {
+	*x = BatchPutEndRequest{}
+	mi := &file_tidepool_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchPutEndRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchPutEndRequest) ProtoMessage() {}
+
+func (x *BatchPutEndRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchPutEndRequest.ProtoReflect.Descriptor instead.
+func (*BatchPutEndRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *BatchPutEndRequest) GetItems() []*PutEndItem {
+	if x != nil {
+		return x.Items
+	}
+	return nil
+}
+
 type KeysRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Keys  []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
@@ -551,7 +689,7 @@ type KeysRequest struct {
 
 func (x *KeysRequest) Reset() {
 	*x = KeysRequest{}
-	mi := &file_tidepool_proto_msgTypes[6]
+	mi := &file_tidepool_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -563,7 +701,7 @@ func (x *KeysRequest) String() string {
 func (*KeysRequest) ProtoMessage() {}
 
 func (x *KeysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[6]
+	mi := &file_tidepool_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -576,7 +714,7 @@ func (x *KeysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysRequest.ProtoReflect.Descriptor instead.
 func (*KeysRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{6}
+	return file_tidepool_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *KeysRequest) GetKeys() []string {
@@ -602,7 +740,7 @@ type ItemsResponse struct {
 
 func (x *ItemsResponse) Reset() {
 	*x = ItemsResponse{}
-	mi := &file_tidepool_proto_msgTypes[7]
+	mi := &file_tidepool_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -614,7 +752,7 @@ func (x *ItemsResponse) String() string {
 func (*ItemsResponse) ProtoMessage() {}
 
 func (x *ItemsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[7]
+	mi := &file_tidepool_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -627,7 +765,7 @@ func (x *ItemsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemsResponse.ProtoReflect.Descriptor instead.
 func (*ItemsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{7}
+	return file_tidepool_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ItemsResponse) GetResults() []*ItemStatus {
@@ -649,7 +787,7 @@ type ObjectReplicas struct {
 
 func (x *ObjectReplicas) Reset() {
 	*x = ObjectReplicas{}
-	mi := &file_tidepool_proto_msgTypes[8]
+	mi := &file_tidepool_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -661,7 +799,7 @@ func (x *ObjectReplicas) String() string {
 func (*ObjectReplicas) ProtoMessage() {}
 
 func (x *ObjectReplicas) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[8]
+	mi := &file_tidepool_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -674,7 +812,7 @@ func (x *ObjectReplicas) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectReplicas.ProtoReflect.Descriptor instead.
 func (*ObjectReplicas) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{8}
+	return file_tidepool_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ObjectReplicas) GetStatus() *ItemStatus {
@@ -717,7 +855,7 @@ type GetReplicasResponse struct {
 
 func (x *GetReplicasResponse) Reset() {
 	*x = GetReplicasResponse{}
-	mi := &file_tidepool_proto_msgTypes[9]
+	mi := &file_tidepool_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -729,7 +867,7 @@ func (x *GetReplicasResponse) String() string {
 func (*GetReplicasResponse) ProtoMessage() {}
 
 func (x *GetReplicasResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[9]
+	mi := &file_tidepool_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -742,7 +880,7 @@ func (x *GetReplicasResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicasResponse.ProtoReflect.Descriptor instead.
 func (*GetReplicasResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{9}
+	return file_tidepool_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetReplicasResponse) GetResults() []*ObjectReplicas {
@@ -768,7 +906,7 @@ type ExistsResponse struct {
 
 func (x *ExistsResponse) Reset() {
 	*x = ExistsResponse{}
-	mi := &file_tidepool_proto_msgTypes[10]
+	mi := &file_tidepool_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -780,7 +918,7 @@ func (x *ExistsResponse) String() string {
 func (*ExistsResponse) ProtoMessage() {}
 
 func (x *ExistsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[10]
+	mi := &file_tidepool_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -793,7 +931,7 @@ func (x *ExistsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExistsResponse.ProtoReflect.Descriptor instead.
 func (*ExistsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{10}
+	return file_tidepool_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ExistsResponse) GetExists() []bool {
@@ -816,7 +954,7 @@ type ListRequest struct {
 
 func (x *ListRequest) Reset() {
 	*x = ListRequest{}
-	mi := &file_tidepool_proto_msgTypes[11]
+	mi := &file_tidepool_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -828,7 +966,7 @@ func (x *ListRequest) String() string {
 func (*ListRequest) ProtoMessage() {}
 
 func (x *ListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[11]
+	mi := &file_tidepool_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -841,7 +979,7 @@ func (x *ListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRequest.ProtoReflect.Descriptor instead.
 func (*ListRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{11}
+	return file_tidepool_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListRequest) GetPrefix() string {
@@ -885,7 +1023,7 @@ type ObjectInfo struct {
 
 func (x *ObjectInfo) Reset() {
 	*x = ObjectInfo{}
-	mi := &file_tidepool_proto_msgTypes[12]
+	mi := &file_tidepool_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -897,7 +1035,7 @@ func (x *ObjectInfo) String() string {
 func (*ObjectInfo) ProtoMessage() {}
 
 func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[12]
+	mi := &file_tidepool_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -910,7 +1048,7 @@ func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectInfo.ProtoReflect.Descriptor instead.
 func (*ObjectInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{12}
+	return file_tidepool_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ObjectInfo) GetKey() string {
@@ -994,7 +1132,7 @@ type ListResponse struct {
 
 func (x *ListResponse) Reset() {
 	*x = ListResponse{}
-	mi := &file_tidepool_proto_msgTypes[13]
+	mi := &file_tidepool_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1006,7 +1144,7 @@ func (x *ListResponse) String() string {
 func (*ListResponse) ProtoMessage() {}
 
 func (x *ListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[13]
+	mi := &file_tidepool_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1019,7 +1157,7 @@ func (x *ListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResponse.ProtoReflect.Descriptor instead.
 func (*ListResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{13}
+	return file_tidepool_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ListResponse) GetObjects() []*ObjectInfo {
@@ -1050,7 +1188,7 @@ type CorruptReplica struct {
 
 func (x *CorruptReplica) Reset() {
 	*x = CorruptReplica{}
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1062,7 +1200,7 @@ func (x *CorruptReplica) String() string {
 func (*CorruptReplica) ProtoMessage() {}
 
 func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1075,7 +1213,7 @@ func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CorruptReplica.ProtoReflect.Descriptor instead.
 func (*CorruptReplica) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{14}
+	return file_tidepool_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *CorruptReplica) GetKey() string {
@@ -1109,7 +1247,7 @@ type CorruptReplicaResponse struct {
 
 func (x *CorruptReplicaResponse) Reset() {
 	*x = CorruptReplicaResponse{}
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1121,7 +1259,7 @@ func (x *CorruptReplicaResponse) String() string {
 func (*CorruptReplicaResponse) ProtoMessage() {}
 
 func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1134,7 +1272,7 @@ func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CorruptReplicaResponse.ProtoReflect.Descriptor instead.
 func (*CorruptReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{15}
+	return file_tidepool_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CorruptReplicaResponse) GetDropped() bool {
@@ -1152,7 +1290,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1164,7 +1302,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1177,7 +1315,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{16}
+	return file_tidepool_proto_rawDescGZIP(), []int{18}
 }
 
 type MemberInfo struct {
@@ -1191,7 +1329,7 @@ type MemberInfo struct {
 
 func (x *MemberInfo) Reset() {
 	*x = MemberInfo{}
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1203,7 +1341,7 @@ func (x *MemberInfo) String() string {
 func (*MemberInfo) ProtoMessage() {}
 
 func (x *MemberInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1216,7 +1354,7 @@ func (x *MemberInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberInfo.ProtoReflect.Descriptor instead.
 func (*MemberInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{17}
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *MemberInfo) GetId() string {
@@ -1254,14 +1392,16 @@ type SegmentInfo struct {
 	Alive   bool   `protobuf:"varint,8,opt,name=alive,proto3" json:"alive,omitempty"`
 	Objects uint64 `protobuf:"varint,9,opt,name=objects,proto3" json:"objects,omitempty"`
 	// The node is being drained (admin drain): placement skips it.
-	Draining      bool `protobuf:"varint,10,opt,name=draining,proto3" json:"draining,omitempty"`
+	Draining bool `protobuf:"varint,10,opt,name=draining,proto3" json:"draining,omitempty"`
+	// Free space set aside for puts in flight (not in used).
+	Reserved      uint64 `protobuf:"varint,11,opt,name=reserved,proto3" json:"reserved,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SegmentInfo) Reset() {
 	*x = SegmentInfo{}
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1273,7 +1413,7 @@ func (x *SegmentInfo) String() string {
 func (*SegmentInfo) ProtoMessage() {}
 
 func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1286,7 +1426,7 @@ func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentInfo.ProtoReflect.Descriptor instead.
 func (*SegmentInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{18}
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *SegmentInfo) GetName() string {
@@ -1359,6 +1499,13 @@ func (x *SegmentInfo) GetDraining() bool {
 	return false
 }
 
+func (x *SegmentInfo) GetReserved() uint64 {
+	if x != nil {
+		return x.Reserved
+	}
+	return 0
+}
+
 type StatusResponse struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
 	LeaderId        string                 `protobuf:"bytes,1,opt,name=leader_id,json=leaderId,proto3" json:"leader_id,omitempty"`
@@ -1375,7 +1522,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1387,7 +1534,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1400,7 +1547,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *StatusResponse) GetLeaderId() string {
@@ -1472,7 +1619,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1484,7 +1631,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1497,7 +1644,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *LookupRequest) GetKeys() []string {
@@ -1539,7 +1686,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1551,7 +1698,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1564,7 +1711,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *LookupResponse) GetMatched() uint32 {
@@ -1634,7 +1781,7 @@ type ChildrenRequest struct {
 
 func (x *ChildrenRequest) Reset() {
 	*x = ChildrenRequest{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1646,7 +1793,7 @@ func (x *ChildrenRequest) String() string {
 func (*ChildrenRequest) ProtoMessage() {}
 
 func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1659,7 +1806,7 @@ func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChildrenRequest.ProtoReflect.Descriptor instead.
 func (*ChildrenRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ChildrenRequest) GetKey() string {
@@ -1688,7 +1835,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1700,7 +1847,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1713,7 +1860,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -1759,7 +1906,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1771,7 +1918,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1784,7 +1931,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -1867,7 +2014,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1879,7 +2026,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1892,7 +2039,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -1944,7 +2091,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1956,7 +2103,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1969,7 +2116,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *AdoptRequest) GetNode() string {
@@ -2009,7 +2156,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2021,7 +2168,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2034,7 +2181,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *AdoptResponse) GetAdopted() uint32 {
@@ -2058,7 +2205,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2070,7 +2217,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2083,7 +2230,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -2123,7 +2270,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2135,7 +2282,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2148,7 +2295,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -2197,7 +2344,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2209,7 +2356,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2222,7 +2369,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -2253,7 +2400,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2265,7 +2412,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2278,7 +2425,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -2328,7 +2475,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2340,7 +2487,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2353,7 +2500,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -2416,7 +2563,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2428,7 +2575,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2441,7 +2588,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -2475,7 +2622,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2487,7 +2634,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2500,7 +2647,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -2523,7 +2670,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2535,7 +2682,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2548,7 +2695,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{35}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -2594,7 +2741,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2606,7 +2753,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2619,7 +2766,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{36}
+	return file_tidepool_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -2687,7 +2834,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2699,7 +2846,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2712,7 +2859,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{37}
+	return file_tidepool_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -2747,7 +2894,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2759,7 +2906,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2772,7 +2919,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{38}
+	return file_tidepool_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -2810,7 +2957,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2822,7 +2969,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2835,7 +2982,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{39}
+	return file_tidepool_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -2913,7 +3060,18 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x14BatchPutStartRequest\x122\n" +
 	"\x05items\x18\x01 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x05items\"N\n" +
 	"\x15BatchPutStartResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.tidepool.v1.PutStartResultR\aresults\":\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.tidepool.v1.PutStartResultR\aresults\"\xc7\x01\n" +
+	"\n" +
+	"PutEndItem\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x15\n" +
+	"\x06put_id\x18\x02 \x01(\x04R\x05putId\x12\x12\n" +
+	"\x04size\x18\x03 \x01(\x04R\x04size\x12\x1a\n" +
+	"\bchecksum\x18\x04 \x01(\rR\bchecksum\x120\n" +
+	"\breplicas\x18\x05 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x16\n" +
+	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\"C\n" +
+	"\x12BatchPutEndRequest\x12-\n" +
+	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\":\n" +
 	"\vKeysRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x17\n" +
 	"\aput_ids\x18\x02 \x03(\x04R\x06putIds\"B\n" +
@@ -2963,7 +3121,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"MemberInfo\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12\x16\n" +
-	"\x06leader\x18\x03 \x01(\bR\x06leader\"\x8a\x02\n" +
+	"\x06leader\x18\x03 \x01(\bR\x06leader\"\xa6\x02\n" +
 	"\vSegmentInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12%\n" +
@@ -2975,7 +3133,8 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x05alive\x18\b \x01(\bR\x05alive\x12\x18\n" +
 	"\aobjects\x18\t \x01(\x04R\aobjects\x12\x1a\n" +
 	"\bdraining\x18\n" +
-	" \x01(\bR\bdraining\"\xc7\x02\n" +
+	" \x01(\bR\bdraining\x12\x1a\n" +
+	"\breserved\x18\v \x01(\x04R\breserved\"\xc7\x02\n" +
 	"\x0eStatusResponse\x12\x1b\n" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12%\n" +
 	"\x0eleader_address\x18\x02 \x01(\tR\rleaderAddress\x121\n" +
@@ -3105,10 +3264,11 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vObjectState\x12\x1c\n" +
 	"\x18OBJECT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17OBJECT_STATE_PROCESSING\x10\x01\x12\x19\n" +
-	"\x15OBJECT_STATE_COMPLETE\x10\x022\xd1\x06\n" +
+	"\x15OBJECT_STATE_COMPLETE\x10\x022\x9d\a\n" +
 	"\x06Master\x12E\n" +
 	"\bPutStart\x12\x1c.tidepool.v1.PutStartRequest\x1a\x1b.tidepool.v1.PutStartResult\x12>\n" +
-	"\x06PutEnd\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12A\n" +
+	"\x06PutEnd\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12J\n" +
+	"\vBatchPutEnd\x12\x1f.tidepool.v1.BatchPutEndRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12A\n" +
 	"\tPutRevoke\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12V\n" +
 	"\rBatchPutStart\x12!.tidepool.v1.BatchPutStartRequest\x1a\".tidepool.v1.BatchPutStartResponse\x12I\n" +
 	"\vGetReplicas\x12\x18.tidepool.v1.KeysRequest\x1a .tidepool.v1.GetReplicasResponse\x12?\n" +
@@ -3144,7 +3304,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -3154,40 +3314,42 @@ var file_tidepool_proto_goTypes = []any{
 	(*PutStartResult)(nil),         // 5: tidepool.v1.PutStartResult
 	(*BatchPutStartRequest)(nil),   // 6: tidepool.v1.BatchPutStartRequest
 	(*BatchPutStartResponse)(nil),  // 7: tidepool.v1.BatchPutStartResponse
-	(*KeysRequest)(nil),            // 8: tidepool.v1.KeysRequest
-	(*ItemsResponse)(nil),          // 9: tidepool.v1.ItemsResponse
-	(*ObjectReplicas)(nil),         // 10: tidepool.v1.ObjectReplicas
-	(*GetReplicasResponse)(nil),    // 11: tidepool.v1.GetReplicasResponse
-	(*ExistsResponse)(nil),         // 12: tidepool.v1.ExistsResponse
-	(*ListRequest)(nil),            // 13: tidepool.v1.ListRequest
-	(*ObjectInfo)(nil),             // 14: tidepool.v1.ObjectInfo
-	(*ListResponse)(nil),           // 15: tidepool.v1.ListResponse
-	(*CorruptReplica)(nil),         // 16: tidepool.v1.CorruptReplica
-	(*CorruptReplicaResponse)(nil), // 17: tidepool.v1.CorruptReplicaResponse
-	(*StatusRequest)(nil),          // 18: tidepool.v1.StatusRequest
-	(*MemberInfo)(nil),             // 19: tidepool.v1.MemberInfo
-	(*SegmentInfo)(nil),            // 20: tidepool.v1.SegmentInfo
-	(*StatusResponse)(nil),         // 21: tidepool.v1.StatusResponse
-	(*LookupRequest)(nil),          // 22: tidepool.v1.LookupRequest
-	(*LookupResponse)(nil),         // 23: tidepool.v1.LookupResponse
-	(*ChildrenRequest)(nil),        // 24: tidepool.v1.ChildrenRequest
-	(*SegmentSpec)(nil),            // 25: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 26: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 27: tidepool.v1.RegisterRequest
-	(*AdoptRequest)(nil),           // 28: tidepool.v1.AdoptRequest
-	(*AdoptResponse)(nil),          // 29: tidepool.v1.AdoptResponse
-	(*RegisterResponse)(nil),       // 30: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 31: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 32: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 33: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 34: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 35: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 36: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 37: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 38: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 39: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 40: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 41: tidepool.v1.DrainProgress
+	(*PutEndItem)(nil),             // 8: tidepool.v1.PutEndItem
+	(*BatchPutEndRequest)(nil),     // 9: tidepool.v1.BatchPutEndRequest
+	(*KeysRequest)(nil),            // 10: tidepool.v1.KeysRequest
+	(*ItemsResponse)(nil),          // 11: tidepool.v1.ItemsResponse
+	(*ObjectReplicas)(nil),         // 12: tidepool.v1.ObjectReplicas
+	(*GetReplicasResponse)(nil),    // 13: tidepool.v1.GetReplicasResponse
+	(*ExistsResponse)(nil),         // 14: tidepool.v1.ExistsResponse
+	(*ListRequest)(nil),            // 15: tidepool.v1.ListRequest
+	(*ObjectInfo)(nil),             // 16: tidepool.v1.ObjectInfo
+	(*ListResponse)(nil),           // 17: tidepool.v1.ListResponse
+	(*CorruptReplica)(nil),         // 18: tidepool.v1.CorruptReplica
+	(*CorruptReplicaResponse)(nil), // 19: tidepool.v1.CorruptReplicaResponse
+	(*StatusRequest)(nil),          // 20: tidepool.v1.StatusRequest
+	(*MemberInfo)(nil),             // 21: tidepool.v1.MemberInfo
+	(*SegmentInfo)(nil),            // 22: tidepool.v1.SegmentInfo
+	(*StatusResponse)(nil),         // 23: tidepool.v1.StatusResponse
+	(*LookupRequest)(nil),          // 24: tidepool.v1.LookupRequest
+	(*LookupResponse)(nil),         // 25: tidepool.v1.LookupResponse
+	(*ChildrenRequest)(nil),        // 26: tidepool.v1.ChildrenRequest
+	(*SegmentSpec)(nil),            // 27: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 28: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 29: tidepool.v1.RegisterRequest
+	(*AdoptRequest)(nil),           // 30: tidepool.v1.AdoptRequest
+	(*AdoptResponse)(nil),          // 31: tidepool.v1.AdoptResponse
+	(*RegisterResponse)(nil),       // 32: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 33: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 34: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 35: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 36: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 37: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 38: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 39: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 40: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 41: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 42: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 43: tidepool.v1.DrainProgress
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -3196,76 +3358,80 @@ var file_tidepool_proto_depIdxs = []int32{
 	3,  // 3: tidepool.v1.PutStartResult.replicas:type_name -> tidepool.v1.Replica
 	4,  // 4: tidepool.v1.BatchPutStartRequest.items:type_name -> tidepool.v1.PutStartRequest
 	5,  // 5: tidepool.v1.BatchPutStartResponse.results:type_name -> tidepool.v1.PutStartResult
-	2,  // 6: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
-	2,  // 7: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
-	3,  // 8: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
-	10, // 9: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
-	1,  // 10: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
-	3,  // 11: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
-	14, // 12: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	0,  // 13: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
-	19, // 14: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
-	20, // 15: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
-	3,  // 16: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
-	0,  // 17: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	25, // 18: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	26, // 19: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	26, // 20: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
-	26, // 21: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	35, // 22: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
-	3,  // 23: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
-	3,  // 24: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
-	2,  // 25: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	34, // 26: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
-	0,  // 27: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	14, // 28: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 29: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	8,  // 30: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	8,  // 31: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 32: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	8,  // 33: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	8,  // 34: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	8,  // 35: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	13, // 36: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	18, // 37: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	16, // 38: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	22, // 39: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	24, // 40: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	27, // 41: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	33, // 42: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	31, // 43: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	28, // 44: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
-	33, // 45: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	37, // 46: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	8,  // 47: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	38, // 48: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	40, // 49: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	5,  // 50: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	9,  // 51: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	9,  // 52: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 53: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	11, // 54: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	12, // 55: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	9,  // 56: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	15, // 57: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	21, // 58: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	17, // 59: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	23, // 60: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	15, // 61: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	30, // 62: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	36, // 63: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	32, // 64: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	29, // 65: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
-	36, // 66: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	9,  // 67: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	9,  // 68: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	39, // 69: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	41, // 70: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	50, // [50:71] is the sub-list for method output_type
-	29, // [29:50] is the sub-list for method input_type
-	29, // [29:29] is the sub-list for extension type_name
-	29, // [29:29] is the sub-list for extension extendee
-	0,  // [0:29] is the sub-list for field type_name
+	3,  // 6: tidepool.v1.PutEndItem.replicas:type_name -> tidepool.v1.Replica
+	8,  // 7: tidepool.v1.BatchPutEndRequest.items:type_name -> tidepool.v1.PutEndItem
+	2,  // 8: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
+	2,  // 9: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
+	3,  // 10: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
+	12, // 11: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
+	1,  // 12: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
+	3,  // 13: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
+	16, // 14: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	0,  // 15: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
+	21, // 16: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
+	22, // 17: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
+	3,  // 18: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
+	0,  // 19: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
+	27, // 20: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	28, // 21: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	28, // 22: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
+	28, // 23: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	37, // 24: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 25: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 26: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 27: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	36, // 28: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 29: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	16, // 30: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 31: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	10, // 32: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	9,  // 33: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
+	10, // 34: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 35: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	10, // 36: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	10, // 37: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	10, // 38: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	15, // 39: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	20, // 40: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	18, // 41: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	24, // 42: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	26, // 43: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	29, // 44: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	35, // 45: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	33, // 46: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	30, // 47: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	35, // 48: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	39, // 49: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	10, // 50: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	40, // 51: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	42, // 52: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	5,  // 53: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	11, // 54: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	11, // 55: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.ItemsResponse
+	11, // 56: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 57: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	13, // 58: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	14, // 59: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	11, // 60: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	17, // 61: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	23, // 62: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	19, // 63: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	25, // 64: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	17, // 65: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	32, // 66: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	38, // 67: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	34, // 68: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	31, // 69: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	38, // 70: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	11, // 71: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	11, // 72: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	41, // 73: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	43, // 74: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	53, // [53:75] is the sub-list for method output_type
+	31, // [31:53] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -3279,7 +3445,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   40,
+			NumMessages:   42,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

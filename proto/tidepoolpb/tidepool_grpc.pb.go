@@ -26,6 +26,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	Master_PutStart_FullMethodName      = "/tidepool.v1.Master/PutStart"
 	Master_PutEnd_FullMethodName        = "/tidepool.v1.Master/PutEnd"
+	Master_BatchPutEnd_FullMethodName   = "/tidepool.v1.Master/BatchPutEnd"
 	Master_PutRevoke_FullMethodName     = "/tidepool.v1.Master/PutRevoke"
 	Master_BatchPutStart_FullMethodName = "/tidepool.v1.Master/BatchPutStart"
 	Master_GetReplicas_FullMethodName   = "/tidepool.v1.Master/GetReplicas"
@@ -51,6 +52,9 @@ type MasterClient interface {
 	// revoked by the leader.
 	PutStart(ctx context.Context, in *PutStartRequest, opts ...grpc.CallOption) (*PutStartResult, error)
 	PutEnd(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
+	// BatchPutEnd publishes puts with one raft entry; unlike PutEnd it also
+	// publishes puts that a previous leader placed.
+	BatchPutEnd(ctx context.Context, in *BatchPutEndRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
 	PutRevoke(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
 	BatchPutStart(ctx context.Context, in *BatchPutStartRequest, opts ...grpc.CallOption) (*BatchPutStartResponse, error)
 	// GetReplicas describes complete objects and grants a read lease on them.
@@ -95,6 +99,16 @@ func (c *masterClient) PutEnd(ctx context.Context, in *KeysRequest, opts ...grpc
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ItemsResponse)
 	err := c.cc.Invoke(ctx, Master_PutEnd_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *masterClient) BatchPutEnd(ctx context.Context, in *BatchPutEndRequest, opts ...grpc.CallOption) (*ItemsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ItemsResponse)
+	err := c.cc.Invoke(ctx, Master_BatchPutEnd_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -214,6 +228,9 @@ type MasterServer interface {
 	// revoked by the leader.
 	PutStart(context.Context, *PutStartRequest) (*PutStartResult, error)
 	PutEnd(context.Context, *KeysRequest) (*ItemsResponse, error)
+	// BatchPutEnd publishes puts with one raft entry; unlike PutEnd it also
+	// publishes puts that a previous leader placed.
+	BatchPutEnd(context.Context, *BatchPutEndRequest) (*ItemsResponse, error)
 	PutRevoke(context.Context, *KeysRequest) (*ItemsResponse, error)
 	BatchPutStart(context.Context, *BatchPutStartRequest) (*BatchPutStartResponse, error)
 	// GetReplicas describes complete objects and grants a read lease on them.
@@ -249,6 +266,9 @@ func (UnimplementedMasterServer) PutStart(context.Context, *PutStartRequest) (*P
 }
 func (UnimplementedMasterServer) PutEnd(context.Context, *KeysRequest) (*ItemsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method PutEnd not implemented")
+}
+func (UnimplementedMasterServer) BatchPutEnd(context.Context, *BatchPutEndRequest) (*ItemsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method BatchPutEnd not implemented")
 }
 func (UnimplementedMasterServer) PutRevoke(context.Context, *KeysRequest) (*ItemsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method PutRevoke not implemented")
@@ -333,6 +353,24 @@ func _Master_PutEnd_Handler(srv interface{}, ctx context.Context, dec func(inter
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(MasterServer).PutEnd(ctx, req.(*KeysRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Master_BatchPutEnd_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BatchPutEndRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MasterServer).BatchPutEnd(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Master_BatchPutEnd_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MasterServer).BatchPutEnd(ctx, req.(*BatchPutEndRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -531,6 +569,10 @@ var Master_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "PutEnd",
 			Handler:    _Master_PutEnd_Handler,
+		},
+		{
+			MethodName: "BatchPutEnd",
+			Handler:    _Master_BatchPutEnd_Handler,
 		},
 		{
 			MethodName: "PutRevoke",

@@ -27,6 +27,11 @@ class MasterStub(object):
                 request_serializer=tidepool__pb2.KeysRequest.SerializeToString,
                 response_deserializer=tidepool__pb2.ItemsResponse.FromString,
                 )
+        self.BatchPutEnd = channel.unary_unary(
+                '/tidepool.v1.Master/BatchPutEnd',
+                request_serializer=tidepool__pb2.BatchPutEndRequest.SerializeToString,
+                response_deserializer=tidepool__pb2.ItemsResponse.FromString,
+                )
         self.PutRevoke = channel.unary_unary(
                 '/tidepool.v1.Master/PutRevoke',
                 request_serializer=tidepool__pb2.KeysRequest.SerializeToString,
@@ -96,6 +101,14 @@ class MasterServicer(object):
 
     def PutEnd(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPutEnd(self, request, context):
+        """BatchPutEnd publishes puts with one raft entry; unlike PutEnd it also
+        publishes puts that a previous leader placed.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -181,6 +194,11 @@ def add_MasterServicer_to_server(servicer, server):
             'PutEnd': grpc.unary_unary_rpc_method_handler(
                     servicer.PutEnd,
                     request_deserializer=tidepool__pb2.KeysRequest.FromString,
+                    response_serializer=tidepool__pb2.ItemsResponse.SerializeToString,
+            ),
+            'BatchPutEnd': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutEnd,
+                    request_deserializer=tidepool__pb2.BatchPutEndRequest.FromString,
                     response_serializer=tidepool__pb2.ItemsResponse.SerializeToString,
             ),
             'PutRevoke': grpc.unary_unary_rpc_method_handler(
@@ -276,6 +294,23 @@ class Master(object):
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Master/PutEnd',
             tidepool__pb2.KeysRequest.SerializeToString,
+            tidepool__pb2.ItemsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def BatchPutEnd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Master/BatchPutEnd',
+            tidepool__pb2.BatchPutEndRequest.SerializeToString,
             tidepool__pb2.ItemsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

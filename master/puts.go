@@ -1,0 +1,440 @@
+package master
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// The put path costs one raft entry per put batch, its Publish. The leader
+// places puts from memory, in space it reserved through raft ahead of need
+// (ReserveCmd), so a put start needs no commit, and concurrent puts share
+// the commits of their Publishes (raft writes queued entries with one
+// fsync). Reservations fence failover: a new leader never places puts in
+// an earlier leader's reservations, and frees their unpublished space only
+// when every put placed there is past its deadline and late-write grace.
+const (
+	// maxReserve bounds one reservation; below it, it is a 64th of its
+	// segment (what a failover may hold back for a while, and copies
+	// cannot use meanwhile), and never less than the put that asks for it.
+	maxReserve = 64 << 20
+	// idleReservation: a reservation no put was placed in for this long is
+	// closed, so its space is not held from copies while puts pause.
+	idleReservation = time.Second
+)
+
+// putTable is the leader's soft state of the put path: puts placed and not
+// yet published or revoked, and the reservations it places them in. A
+// leader change clears it: puts in flight then publish through the next
+// leader with what their start answered (BatchPutEnd), and the FSM checks
+// their space is still reserved.
+type putTable struct {
+	mu        sync.Mutex
+	gen       uint64 // bumped at every reset: late reservations of an old term are dropped
+	term      uint64
+	seq       uint64
+	pending   map[uint64]*pendingPut
+	byKey     map[string]uint64
+	resv      map[string][]*openResv  // segment -> this leader's reservations, oldest first
+	reserving map[string]*reserveCall // segment -> its ReserveCmd in flight
+	kick      chan struct{}           // a reservation is closed and done: release it
+}
+
+type pendingPut struct {
+	id       uint64
+	item     *pb.PublishItem
+	resv     []*openResv
+	deadline time.Time
+}
+
+// openResv is the leader's view of one of its reservations: what it has
+// not handed out yet, and how many puts placed in it are still open.
+type openResv struct {
+	id         uint64
+	segment    string
+	spans      []span // not handed out yet
+	left       uint64
+	size       uint64
+	allocUntil time.Time
+	lastUse    time.Time // of its last put; an idle one is closed
+	inflight   int
+	closed     bool // no more puts placed in it; released once inflight is 0
+}
+
+func newPutTable() *putTable {
+	t := &putTable{kick: make(chan struct{}, 1)}
+	t.reset(0)
+	return t
+}
+
+// reset forgets every put and reservation, for a new leader term.
+func (t *putTable) reset(term uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.gen++
+	t.term, t.seq = term, 0
+	t.pending = map[uint64]*pendingPut{}
+	t.byKey = map[string]uint64{}
+	t.resv = map[string][]*openResv{}
+	t.reserving = map[string]*reserveCall{} // their goroutines end the old ones
+}
+
+// open counts the puts placed and not yet ended.
+func (t *putTable) open() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.pending)
+}
+
+// take hands out n bytes (already aligned) of an open reservation of
+// segment, first fit, or reports that none has them.
+func (t *putTable) take(segment string, n uint64, now time.Time) (*openResv, uint64, bool) {
+	for _, r := range t.resv[segment] {
+		if r.closed {
+			continue
+		}
+		if !now.Before(r.allocUntil) {
+			r.closed = true
+			continue
+		}
+		if r, off, ok := t.takeFrom(r, n); ok {
+			return r, off, true
+		}
+		// Puts of one size fill a reservation exactly; what is left of one
+		// too small for this put goes back with it.
+		r.closed = true
+		t.kickIfDone(r)
+	}
+	return nil, 0, false
+}
+
+// takeFrom hands out n bytes of r, first fit.
+func (t *putTable) takeFrom(r *openResv, n uint64) (*openResv, uint64, bool) {
+	for i, sp := range r.spans {
+		if sp.len < n {
+			continue
+		}
+		if sp.len == n {
+			r.spans = append(r.spans[:i], r.spans[i+1:]...)
+		} else {
+			r.spans[i] = span{sp.off + n, sp.len - n}
+		}
+		r.left -= n
+		r.inflight++
+		r.lastUse = time.Now()
+		return r, sp.off, true
+	}
+	return nil, 0, false
+}
+
+// kickIfDone asks the leader loop to release r if nothing placed in it is
+// open any more.
+func (t *putTable) kickIfDone(r *openResv) {
+	if r.closed && r.inflight == 0 {
+		select {
+		case t.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// low reports whether segment's open reservations are running out, so the
+// next one should be asked for before a put must wait for it.
+func (t *putTable) low(segment string, now time.Time, window time.Duration) bool {
+	for _, r := range t.resv[segment] {
+		if !r.closed && now.Before(r.allocUntil.Add(-window/4)) && r.left >= r.size/2 {
+			return false
+		}
+	}
+	return true
+}
+
+// done ends a put placed by this leader: published or revoked after its
+// writes ended. It reports whether the put was still open here.
+func (t *putTable) done(id uint64) bool {
+	p := t.pending[id]
+	if p == nil {
+		return false
+	}
+	delete(t.pending, id)
+	if t.byKey[p.item.Key] == id {
+		delete(t.byKey, p.item.Key)
+	}
+	for _, r := range p.resv {
+		r.inflight--
+		t.kickIfDone(r)
+	}
+	return true
+}
+
+// inProgress reports whether a put of key placed by this leader is open.
+func (t *putTable) inProgress(key string, now time.Time) bool {
+	id, ok := t.byKey[key]
+	return ok && now.Before(t.pending[id].deadline)
+}
+
+// place finds room for one put: one extent on each of the first
+// candidates with room, on distinct nodes, up to want. It reserves space
+// through raft when no reservation of a candidate holds the put, and asks
+// for the next reservation ahead of need.
+//
+// A put outside its preferred tier (a spill while that tier is full)
+// reserves only its own size, and nothing ahead: demotions into that tier
+// need the room.
+func (s *Server) place(ctx context.Context, it *pb.PublishItem, want int, tier pb.Tier, candidates []string, views map[string]segmentView) ([]*pb.Extent, []*openResv, error) {
+	t := s.puts
+	var exts []*pb.Extent
+	var used []*openResv
+	nodes := map[string]bool{}
+	var firstErr error
+	for _, seg := range candidates {
+		if len(exts) == want {
+			break
+		}
+		v, ok := views[seg]
+		if !ok || nodes[v.node] {
+			continue
+		}
+		a := alignment(v.tier)
+		n := (it.Size + a - 1) / a * a
+		size := n
+		if v.tier == orDRAM(tier) {
+			size = reserveSize(v.capacity, n)
+		}
+		now := s.cfg.Now()
+		t.mu.Lock()
+		r, off, ok := t.take(seg, n, now)
+		low := ok && size > n && t.low(seg, now, s.cfg.ReserveWindow)
+		t.mu.Unlock()
+		if low {
+			s.reserveAhead(seg, size, n)
+		}
+		if !ok {
+			var err error
+			if r, off, err = s.reserveFor(ctx, seg, size, n); err != nil {
+				if ctx.Err() != nil {
+					return nil, nil, ctx.Err()
+				}
+				if firstErr == nil || !errors.Is(err, ErrNoSpace) {
+					firstErr = err
+				}
+				continue
+			}
+		}
+		nodes[v.node] = true
+		exts = append(exts, &pb.Extent{Segment: seg, Offset: off, Length: it.Size})
+		used = append(used, r)
+	}
+	if len(exts) == 0 {
+		if firstErr == nil || errors.Is(firstErr, ErrStoreGone) || errors.Is(firstErr, ErrTooLarge) {
+			firstErr = fmt.Errorf("%w for %d bytes", ErrNoSpace, it.Size)
+		}
+		return nil, nil, firstErr
+	}
+	return exts, used, nil
+}
+
+// reserveSize is how much one reservation of a segment asks for.
+func reserveSize(capacity, n uint64) uint64 {
+	return max(min(capacity/64, maxReserve), n)
+}
+
+// reserveFor reserves space of segment through raft and takes n bytes of
+// it for the put that waits. It first joins a reservation in flight (which
+// may have been asked for a smaller put, or be taken by others first),
+// then asks for its own, whose first n bytes are this put's.
+func (s *Server) reserveFor(ctx context.Context, segment string, size, n uint64) (*openResv, uint64, error) {
+	for round := range 2 {
+		call, err := s.startReserve(segment, size, n, true, round == 0)
+		if err != nil {
+			return nil, 0, err
+		}
+		select {
+		case <-call.done:
+		case <-ctx.Done():
+			return nil, 0, ctx.Err() // a piece claimed for us waits for its release_after
+		}
+		if call.claimed != nil {
+			return call.claimed, call.off, nil
+		}
+		if call.err != nil && !call.joined {
+			return nil, 0, call.err
+		}
+		s.puts.mu.Lock()
+		r, off, ok := s.puts.take(segment, n, s.cfg.Now())
+		s.puts.mu.Unlock()
+		if ok {
+			return r, off, nil
+		}
+	}
+	return nil, 0, fmt.Errorf("%w for %d bytes in %s", ErrNoSpace, n, segment)
+}
+
+// reserveCall is one ReserveCmd in flight.
+type reserveCall struct {
+	done chan struct{} // closed when it has ended
+	// Set before done is closed, for the caller that asked (need) and not
+	// for those that joined it.
+	err     error
+	claimed *openResv
+	off     uint64
+	joined  bool // the handle of a caller that joined another's call
+}
+
+// reserveAhead asks for segment's next reservation in the background, if
+// the segment has room to spare: ahead of need it reclaims nothing.
+func (s *Server) reserveAhead(segment string, size, n uint64) {
+	_, _ = s.startReserve(segment, size, n, false, true)
+}
+
+// startReserve proposes a ReserveCmd of size bytes, in spans of at least
+// n, for segment unless one is in flight,
+// which it joins. The command runs in a goroutine of the server, so a
+// caller that gives up does not waste it. need says a put waits for it:
+// it may reclaim written-back replicas, and its first n bytes are claimed
+// for that put. Unless join, it asks anew even with one in flight.
+func (s *Server) startReserve(segment string, size, n uint64, need, join bool) (*reserveCall, error) {
+	t := s.puts
+	t.mu.Lock()
+	if c, ok := t.reserving[segment]; ok && join {
+		t.mu.Unlock()
+		return &reserveCall{done: c.done, joined: true}, nil
+	}
+	view, ok := s.segmentView(segment)
+	if !ok {
+		t.mu.Unlock()
+		return nil, fmt.Errorf("%w: segment %s", ErrStoreGone, segment)
+	}
+	if !need && view.largestFree < 2*size {
+		// Under pressure the room is for puts that wait, not for later ones.
+		t.mu.Unlock()
+		return nil, nil
+	}
+	call := &reserveCall{done: make(chan struct{})}
+	t.reserving[segment] = call
+	gen := t.gen
+	t.mu.Unlock()
+
+	now := s.cfg.Now()
+	cmd := &pb.ReserveCmd{
+		Segment: segment, Bytes: size, MinSpan: n,
+		AllocUntilUnixNano:   now.Add(s.cfg.ReserveWindow).UnixNano(),
+		ReleaseAfterUnixNano: now.Add(s.cfg.ReserveWindow+s.cfg.PutTimeout).UnixNano() + lateWriteGrace,
+	}
+	if need && view.largestFree < n {
+		cmd.Reclaim = s.reclaimFor([]*pb.PutStartItem{{Size: n, Candidates: []string{segment}}})
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_Reserve{Reserve: cmd}})
+		var res ReserveResult
+		if err == nil {
+			res = out.(ReserveResult)
+			err = res.Err
+			for range res.Reclaimed {
+				s.metrics.dropped("reclaim")
+			}
+		}
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		defer close(call.done)
+		if t.reserving[segment] == call {
+			delete(t.reserving, segment)
+		}
+		call.err = err
+		if err != nil {
+			return
+		}
+		if t.gen != gen {
+			// A new term: the reservation is freed at its release_after.
+			call.err = fmt.Errorf("%w: the leader changed while reserving", ErrNotLeader)
+			return
+		}
+		var total uint64
+		for _, sp := range res.Spans {
+			total += sp.len
+		}
+		r := &openResv{id: res.ID, segment: segment, spans: res.Spans, left: total, size: total,
+			allocUntil: time.Unix(0, cmd.AllocUntilUnixNano), lastUse: time.Now()}
+		t.resv[segment] = append(t.resv[segment], r)
+		if need {
+			call.claimed, call.off, _ = t.takeFrom(r, n)
+		}
+	}()
+	return call, nil
+}
+
+// sweepPuts forgets expired puts, and releases this leader's reservations
+// once every put placed in them has ended, and any leader's once no write
+// placed in them can still land.
+func (s *Server) sweepPuts(ctx context.Context, now time.Time) {
+	t := s.puts
+	t.mu.Lock()
+	for id, p := range t.pending {
+		if !now.Before(p.deadline) {
+			// Its reservations wait for their release_after: late bytes.
+			delete(t.pending, id)
+			if t.byKey[p.item.Key] == id {
+				delete(t.byKey, p.item.Key)
+			}
+			s.metrics.revoked(1)
+		}
+	}
+	t.mu.Unlock()
+	s.releaseDone(ctx, now)
+	for seg, ids := range s.fsm.expiredReservations(now.UnixNano()) {
+		s.releaseReservations(ctx, seg, ids, true)
+	}
+}
+
+// releaseDone releases this leader's reservations that are closed (full, or
+// past their window) and hold no open put.
+func (s *Server) releaseDone(ctx context.Context, now time.Time) {
+	t := s.puts
+	done := map[string][]uint64{}
+	t.mu.Lock()
+	for seg, rs := range t.resv {
+		for _, r := range rs {
+			if !now.Before(r.allocUntil) || time.Since(r.lastUse) > idleReservation {
+				r.closed = true
+			}
+			if r.closed && r.inflight == 0 {
+				done[seg] = append(done[seg], r.id)
+			}
+		}
+	}
+	t.mu.Unlock()
+	for seg, ids := range done {
+		s.releaseReservations(ctx, seg, ids, false)
+	}
+}
+
+func (s *Server) releaseReservations(ctx context.Context, segment string, ids []uint64, onlyExpired bool) {
+	_, err := s.apply(ctx, &pb.Command{Op: &pb.Command_Release{Release: &pb.ReleaseCmd{Segment: segment, Ids: ids, OnlyExpired: onlyExpired}}})
+	if err != nil {
+		s.log.Warn("release reservations", "segment", segment, "ids", len(ids), "err", err)
+		return
+	}
+	t := s.puts
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	rs := t.resv[segment][:0]
+	for _, r := range t.resv[segment] {
+		if !slices.Contains(ids, r.id) {
+			rs = append(rs, r)
+		}
+	}
+	if len(rs) == 0 {
+		delete(t.resv, segment)
+	} else {
+		t.resv[segment] = rs
+	}
+}
