@@ -58,6 +58,9 @@ type Client struct {
 	descs     *descCache   // nil: no lookup cache
 	shared    bool         // Config.SharedBuffers
 	lease     atomic.Int64 // the master's lease TTL in ns, as last answered
+	// putTimeout is the master's put timeout in ns, as last answered.
+	putTimeout atomic.Int64
+	grants     *grantPool
 }
 
 // New returns a client of the cluster; it connects lazily.
@@ -84,6 +87,8 @@ func New(cfg Config) (*Client, error) {
 		c.log = slog.New(slog.DiscardHandler)
 	}
 	c.lease.Store(int64(10 * time.Second))
+	c.putTimeout.Store(int64(30 * time.Second))
+	c.grants = newGrantPool()
 	if cfg.LookupCache >= 0 {
 		n := cfg.LookupCache
 		if n == 0 {
@@ -106,6 +111,7 @@ func New(cfg Config) (*Client, error) {
 
 // Close releases the connections.
 func (c *Client) Close() error {
+	c.revokeGrants()
 	var errs []error
 	if c.ownEngine {
 		errs = append(errs, c.eng.Close())
@@ -203,7 +209,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		}
 		return errs
 	}
-	req := &pb.BatchPutStartRequest{}
+	items := map[int]*pb.PutStartRequest{}
 	var idx []int
 	for i, k := range keys {
 		errs[i] = validKey(k)
@@ -211,58 +217,71 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 			errs[i] = fmt.Errorf("%w: zero-length value for %q", ErrInvalidArgument, k)
 		}
 		if errs[i] == nil {
-			req.Items = append(req.Items, &pb.PutStartRequest{
+			items[i] = &pb.PutStartRequest{
 				Key: k, Size: uint64(len(values[i])), Tier: c.tier, Replicas: replicas,
 				Parent: parent(i), Tenant: c.tenant,
-			})
+			}
 			idx = append(idx, i)
 		}
 	}
-	forEach(len(idx), func(j int) { req.Items[j].Checksum = Checksum(values[idx[j]]) })
 	if len(idx) == 0 {
 		return errs
 	}
-	var resp *pb.BatchPutStartResponse
-	var asked time.Time
-	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
-		asked = time.Now()
-		resp, err = m.BatchPutStart(ctx, req, o...)
-		return err
-	})
-	if err == nil && len(resp.Results) != len(idx) {
-		err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(idx))
-	}
-	if err != nil {
-		for _, i := range idx {
-			errs[i] = err
+	forEach(len(idx), func(j int) { items[idx[j]].Checksum = Checksum(values[idx[j]]) })
+
+	// Where each put writes: a grant of its shape, or what BatchPutStart
+	// answers for the rest.
+	placed := map[int]grant{}
+	start := &pb.BatchPutStartRequest{}
+	var startIdx []int
+	now := time.Now()
+	for _, i := range idx {
+		if g, ok := c.grants.take(shapeOf(items[i]), now, c.writeTimeout()); ok {
+			placed[i] = g
+			continue
 		}
-		return errs
+		start.Items = append(start.Items, items[i])
+		startIdx = append(startIdx, i)
+	}
+	if len(start.Items) > 0 {
+		var resp *pb.BatchPutStartResponse
+		var asked time.Time
+		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+			asked = time.Now()
+			resp, err = m.BatchPutStart(ctx, start, o...)
+			return err
+		})
+		if err == nil && len(resp.Results) != len(startIdx) {
+			err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(startIdx))
+		}
+		if err != nil {
+			for _, i := range startIdx {
+				errs[i] = err
+			}
+		} else {
+			for j, r := range resp.Results {
+				i := startIdx[j]
+				if errs[i] = itemError(r.Status); errs[i] != nil || r.Exists {
+					continue
+				}
+				if len(r.Replicas) == 0 {
+					errs[i] = fmt.Errorf("%w: master placed %q nowhere", ErrProtocol, keys[i])
+					continue
+				}
+				// The writes must end before the master may reuse the space,
+				// measured conservatively from before we asked.
+				c.setWriteTimeout(time.Duration(r.WriteTimeoutMs) * time.Millisecond)
+				placed[i] = grant{id: r.PutId, replicas: r.Replicas, deadline: asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)}
+			}
+		}
 	}
 
-	// Write every replica of every started put in one engine batch. The
-	// writes must end before the master may revoke the put and reuse its
-	// space, measured conservatively from before we asked.
+	// Write every replica of every placed put in one engine batch.
 	batch := c.eng.NewBatch()
 	tasks := map[int][]*engine.Task{}
-	putIDs := map[int]uint64{}
-	started := map[int]*pb.PutStartRequest{}
-	replicasOf := map[int][]*pb.Replica{}
-	for j, r := range resp.Results {
-		i := idx[j]
-		if errs[i] = itemError(r.Status); errs[i] != nil || r.Exists {
-			continue
-		}
-		if len(r.Replicas) == 0 {
-			errs[i] = fmt.Errorf("%w: master placed %q nowhere", ErrProtocol, keys[i])
-			continue
-		}
-		putIDs[i] = r.PutId
-		started[i], replicasOf[i] = req.Items[j], r.Replicas
-		opts := engine.Options{Priority: engine.Medium}
-		if r.WriteTimeoutMs > 0 {
-			opts.Deadline = asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)
-		}
-		for _, rep := range r.Replicas {
+	for i, g := range placed {
+		opts := engine.Options{Priority: engine.Medium, Deadline: g.deadline}
+		for _, rep := range g.replicas {
 			t := batch.Write(values[i], engine.Target{Endpoint: rep.Endpoint, Segment: rep.Segment}, int64(rep.Offset), opts)
 			tasks[i] = append(tasks[i], t)
 		}
@@ -276,8 +295,9 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		_ = batch.Wait(context.Background())
 	}
 	var revoked puts
-	ended := &pb.BatchPutEndRequest{}
+	end := &pb.BatchPutEndRequest{}
 	var endIdx []int
+	shapes := map[shape]int{}
 	for i, ts := range tasks {
 		for _, t := range ts {
 			if err := t.Err(); err != nil && errs[i] == nil {
@@ -287,46 +307,76 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 			}
 		}
 		if errs[i] != nil {
-			revoked.add(keys[i], putIDs[i])
-		} else {
-			// All of what the start answered, so a new leader can publish
-			// a put the old one placed.
-			it := started[i]
-			ended.Items = append(ended.Items, &pb.PutEndItem{
-				Key: it.Key, PutId: putIDs[i], Size: it.Size, Checksum: it.Checksum,
-				Replicas: replicasOf[i], Parent: it.Parent, Tenant: it.Tenant,
-			})
-			endIdx = append(endIdx, i)
+			revoked.add(keys[i], placed[i].id)
+			continue
 		}
+		// All of where it was placed, so a new leader can publish a put
+		// the old one placed.
+		it := items[i]
+		end.Items = append(end.Items, &pb.PutEndItem{
+			Key: it.Key, PutId: placed[i].id, Size: it.Size, Checksum: it.Checksum,
+			Replicas: placed[i].replicas, Parent: it.Parent, Tenant: it.Tenant,
+		})
+		endIdx = append(endIdx, i)
+		shapes[shapeOf(it)]++
 	}
 	if len(revoked.keys) > 0 {
 		c.revoke(revoked.request())
 	}
-	if len(ended.Items) > 0 {
-		var end *pb.ItemsResponse
-		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
-			end, err = m.BatchPutEnd(ctx, ended, o...)
-			return err
-		})
-		if err == nil && len(end.Results) != len(endIdx) {
-			err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(end.Results), len(endIdx))
-		}
-		for j, i := range endIdx {
-			if err != nil {
-				errs[i] = err
-			} else {
-				errs[i] = itemError(end.Results[j])
-			}
-		}
-		if err != nil {
-			var r puts
-			for _, it := range ended.Items {
-				r.add(it.Key, it.PutId)
-			}
-			c.revoke(r.request())
+	if len(end.Items) == 0 {
+		return errs
+	}
+	// Ask for grants for the next puts of a shape put repeatedly.
+	var grantShapes []shape
+	for sh, n := range shapes {
+		for range c.grants.want(sh, n, now) {
+			end.Grants = append(end.Grants, &pb.PutStartRequest{Size: sh.size, Tier: sh.tier, Replicas: sh.replicas, Tenant: c.tenant})
+			grantShapes = append(grantShapes, sh)
 		}
 	}
+	var resp *pb.BatchPutEndResponse
+	var asked time.Time
+	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		asked = time.Now()
+		resp, err = m.BatchPutEnd(ctx, end, o...)
+		return err
+	})
+	if err == nil && (len(resp.Results) != len(endIdx) || len(resp.Grants) > len(end.Grants)) {
+		err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(endIdx))
+	}
+	for j, i := range endIdx {
+		if err != nil {
+			errs[i] = err
+		} else {
+			errs[i] = itemError(resp.Results[j])
+		}
+	}
+	if err != nil {
+		var r puts
+		for _, it := range end.Items {
+			r.add(it.Key, it.PutId)
+		}
+		c.revoke(r.request())
+		return errs
+	}
+	for j, g := range resp.Grants {
+		c.grants.add(grantShapes[j], []*pb.PutStartResult{g}, asked)
+	}
 	return errs
+}
+
+func shapeOf(it *pb.PutStartRequest) shape {
+	return shape{size: it.Size, tier: it.Tier, replicas: it.Replicas}
+}
+
+// writeTimeout is the master's put timeout as last answered (30 s until
+// then): a grant is used only with enough of it left.
+func (c *Client) writeTimeout() time.Duration { return time.Duration(c.putTimeout.Load()) }
+
+func (c *Client) setWriteTimeout(d time.Duration) {
+	if d > 0 {
+		c.putTimeout.Store(int64(d))
+	}
 }
 
 // puts collects keys with the put ids PutStart gave them.

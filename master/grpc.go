@@ -154,10 +154,6 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	host := clientHost(ctx)
 	// A batch of KV blocks is mostly one size: order the segments once per
 	// size and tier (but sample anew per put for RandomOfTwo).
-	type sizeTier struct {
-		size uint64
-		tier pb.Tier
-	}
 	placed := map[sizeTier][]string{}
 	place := func(size uint64, tier pb.Tier) []string {
 		if m.s.cfg.Placement == RandomOfTwo {
@@ -225,13 +221,16 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 		t.mu.Unlock()
 		return fail(errorf(ErrPutInProgress, it.Key))
 	}
-	t.seq++
-	p.id = t.term<<40 | t.seq
-	item.PutId = p.id
-	t.pending[p.id] = p // claims the key while it is placed
-	t.byKey[it.Key] = p.id
+	t.add(p) // claims the key while it is placed
 	t.mu.Unlock()
+	return m.placePut(ctx, p, it, place, views, host)
+}
 
+// placePut places a put claimed in the put table, and answers it.
+func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutStartRequest, place func(uint64, pb.Tier) []string,
+	views map[string]segmentView, host string) (*pb.PutStartResult, error) {
+	t, item := m.s.puts, p.item
+	fail := func(err error) (*pb.PutStartResult, error) { return &pb.PutStartResult{Status: itemStatus(err)}, nil }
 	want := max(int(it.Replicas), 1)
 	exts, used, err := m.s.place(ctx, item, want, it.Tier, place(it.Size, it.Tier), views)
 	for attempt := 0; attempt < maxRoomAttempts && errors.Is(err, ErrNoSpace); attempt++ {
@@ -249,7 +248,7 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 		if len(reps) < len(exts) {
 			// A segment went away since it was placed in; its space goes
 			// with it.
-			err = fmt.Errorf("%w while placing %q; retry", ErrStoreGone, it.Key)
+			err = fmt.Errorf("%w while placing a put of %d bytes; retry", ErrStoreGone, it.Size)
 		}
 	}
 	t.mu.Lock()
@@ -260,7 +259,7 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 			t.done(p.id)
 		}
 	} else if err == nil {
-		err = fmt.Errorf("%w: the leader changed while placing %q; retry", ErrNotLeader, it.Key)
+		err = fmt.Errorf("%w: the leader changed while placing a put; retry", ErrNotLeader)
 	}
 	t.mu.Unlock()
 	if ctx.Err() != nil {
@@ -276,6 +275,11 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 		Status: itemStatus(nil), Replicas: reps, PutId: p.id,
 		WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds()),
 	}, nil
+}
+
+type sizeTier struct {
+	size uint64
+	tier pb.Tier
 }
 
 // maxPutReplicas bounds the replicas a PutEnd item may name.
@@ -309,12 +313,16 @@ func (m *masterService) PutEnd(ctx context.Context, req *pb.KeysRequest) (*pb.It
 			items[i].PutId = req.PutIds[i]
 		}
 	}
-	return m.BatchPutEnd(ctx, &pb.BatchPutEndRequest{Items: items})
+	resp, err := m.BatchPutEnd(ctx, &pb.BatchPutEndRequest{Items: items})
+	if err != nil {
+		return nil, err
+	}
+	return &pb.ItemsResponse{Results: resp.Results}, nil
 }
 
-func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequest) (*pb.ItemsResponse, error) {
-	if len(req.Items) == 0 || len(req.Items) > MaxBatchKeys {
-		return nil, fmt.Errorf("%w: batch of %d items (want 1 to %d)", ErrInvalidRequest, len(req.Items), MaxBatchKeys)
+func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequest) (*pb.BatchPutEndResponse, error) {
+	if len(req.Items) == 0 || len(req.Items) > MaxBatchKeys || len(req.Grants) > MaxBatchKeys {
+		return nil, fmt.Errorf("%w: batch of %d items and %d grants (want 1 to %d)", ErrInvalidRequest, len(req.Items), len(req.Grants), MaxBatchKeys)
 	}
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
@@ -334,6 +342,14 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		id := it.PutId
 		if id == 0 {
 			id = t.byKey[it.Key]
+		}
+		if p := t.pending[id]; p != nil && p.grant && len(p.item.Replicas) > 0 {
+			if it.Size != p.item.Size || len(it.Parent) > MaxKeyLen || len(it.Tenant) > MaxKeyLen {
+				errs[i] = fmt.Errorf("%w: PutEnd of %q: %d bytes in a grant of %d, or parent or tenant too long", ErrInvalidRequest, it.Key, it.Size, p.item.Size)
+				continue
+			}
+			p.item.Key, p.item.Checksum, p.item.Parent, p.item.Tenant = it.Key, it.Checksum, it.Parent, it.Tenant
+			p.grant = false
 		}
 		if p := t.pending[id]; p != nil && p.item.Key == it.Key && len(p.item.Replicas) > 0 {
 			cmd.Items = append(cmd.Items, p.item)
@@ -392,17 +408,88 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		}
 	}
 	m.s.touch(ended, m.s.cfg.Now())
-	return itemsResponse(errs), nil
+	return &pb.BatchPutEndResponse{Results: itemsResponse(errs).Results, Grants: m.grant(ctx, req.Grants)}, nil
+}
+
+// Grants are bounded per request, in count and bytes: what a client does
+// not use stays reserved until its reservation is released.
+const (
+	maxGrants     = 1024
+	maxGrantBytes = 16 << 20
+)
+
+// grant places puts for keys not known yet. It answers the grants it
+// placed, up to maxGrants and maxGrantBytes; a grant it cannot place ends
+// the list (the client then starts those puts as usual).
+func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) []*pb.PutStartResult {
+	if len(reqs) == 0 {
+		return nil
+	}
+	host := clientHost(ctx)
+	views := map[string]segmentView{}
+	for _, v := range m.s.fsm.segmentViews() {
+		views[v.id] = v
+	}
+	cands := map[sizeTier][]string{}
+	var out []*pb.PutStartResult
+	var bytes uint64
+	for _, it := range reqs {
+		if len(out) == maxGrants || it.Size == 0 || bytes+it.Size > maxGrantBytes {
+			break
+		}
+		k := sizeTier{it.Size, it.Tier}
+		if _, ok := cands[k]; !ok {
+			cands[k] = m.s.candidates(it.Size, it.Tier, host)
+		}
+		t := m.s.puts
+		p := &pendingPut{item: &pb.PublishItem{Size: it.Size}, grant: true, deadline: m.s.cfg.Now().Add(m.s.cfg.PutTimeout)}
+		t.mu.Lock()
+		t.add(p)
+		t.mu.Unlock()
+		exts, used, err := m.s.place(ctx, p.item, max(int(it.Replicas), 1), it.Tier, cands[k], views)
+		var reps []*pb.Replica
+		if err == nil {
+			m.s.fsm.mu.RLock()
+			reps = m.s.fsm.describe(exts)
+			m.s.fsm.mu.RUnlock()
+		}
+		t.mu.Lock()
+		ok := err == nil && len(reps) == len(exts) && t.pending[p.id] == p
+		if t.pending[p.id] == p {
+			p.resv, p.item.Replicas = used, exts
+			if !ok {
+				t.done(p.id)
+			}
+		}
+		t.mu.Unlock()
+		if !ok || (len(reps) > 0 && reps[0].Tier != orDRAM(it.Tier)) {
+			break // no room, or a spill: the next puts start as usual and may evict
+		}
+		out = append(out, &pb.PutStartResult{Status: itemStatus(nil), Replicas: reps, PutId: p.id,
+			WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds())})
+		bytes += it.Size
+	}
+	return out
 }
 
 // PutRevoke abandons puts whose writes have ended. A put this leader
 // placed costs no raft round: its space goes back with its reservation.
+//
+// A grant is revoked by its put id, with an empty key.
 func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
-	if err := validKeys(req.Keys); err != nil {
-		return nil, err
-	}
 	if len(req.PutIds) != 0 && len(req.PutIds) != len(req.Keys) {
 		return nil, fmt.Errorf("%w: %d put ids for %d keys", ErrInvalidRequest, len(req.PutIds), len(req.Keys))
+	}
+	if len(req.Keys) == 0 || len(req.Keys) > MaxBatchKeys {
+		return nil, fmt.Errorf("%w: %d keys (want 1 to %d)", ErrInvalidRequest, len(req.Keys), MaxBatchKeys)
+	}
+	for i, k := range req.Keys {
+		if k == "" && len(req.PutIds) > 0 && req.PutIds[i] != 0 {
+			continue
+		}
+		if err := validKey(k); err != nil {
+			return nil, err
+		}
 	}
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
@@ -420,8 +507,12 @@ func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb
 		if id == 0 {
 			id = t.byKey[k]
 		}
-		if p := t.pending[id]; p != nil && p.item.Key == k {
+		if p := t.pending[id]; p != nil && (p.item.Key == k || p.grant) {
 			t.done(id)
+			continue
+		}
+		if k == "" {
+			errs[i] = fmt.Errorf("%w: grant %d (expired, or used)", ErrNotInProgress, id)
 			continue
 		}
 		legacy.Keys = append(legacy.Keys, k)

@@ -48,6 +48,7 @@ type putTable struct {
 type pendingPut struct {
 	id       uint64
 	item     *pb.PublishItem
+	grant    bool // placed ahead for a key not known yet
 	resv     []*openResv
 	deadline time.Time
 }
@@ -170,6 +171,17 @@ func (t *putTable) done(id uint64) bool {
 		t.kickIfDone(r)
 	}
 	return true
+}
+
+// add numbers p and claims its key, if any.
+func (t *putTable) add(p *pendingPut) {
+	t.seq++
+	p.id = t.term<<40 | t.seq
+	p.item.PutId = p.id
+	t.pending[p.id] = p
+	if p.item.Key != "" {
+		t.byKey[p.item.Key] = p.id
+	}
 }
 
 // inProgress reports whether a put of key placed by this leader is open.

@@ -634,8 +634,12 @@ func (x *PutEndItem) GetTenant() string {
 }
 
 type BatchPutEndRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Items         []*PutEndItem          `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Items []*PutEndItem          `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	// Puts to place now for keys not known yet, answered as grants: the
+	// client's next puts of these shapes (size, tier, replicas) skip
+	// BatchPutStart. Keys are empty; the leader may answer fewer.
+	Grants        []*PutStartRequest `protobuf:"bytes,2,rep,name=grants,proto3" json:"grants,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -677,6 +681,67 @@ func (x *BatchPutEndRequest) GetItems() []*PutEndItem {
 	return nil
 }
 
+func (x *BatchPutEndRequest) GetGrants() []*PutStartRequest {
+	if x != nil {
+		return x.Grants
+	}
+	return nil
+}
+
+type BatchPutEndResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Results []*ItemStatus          `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	// One per grant placed (placed ones first; a grant is used by a
+	// PutEndItem naming its put_id, or revoked by PutRevoke of that id).
+	Grants        []*PutStartResult `protobuf:"bytes,2,rep,name=grants,proto3" json:"grants,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BatchPutEndResponse) Reset() {
+	*x = BatchPutEndResponse{}
+	mi := &file_tidepool_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BatchPutEndResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BatchPutEndResponse) ProtoMessage() {}
+
+func (x *BatchPutEndResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BatchPutEndResponse.ProtoReflect.Descriptor instead.
+func (*BatchPutEndResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *BatchPutEndResponse) GetResults() []*ItemStatus {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+func (x *BatchPutEndResponse) GetGrants() []*PutStartResult {
+	if x != nil {
+		return x.Grants
+	}
+	return nil
+}
+
 type KeysRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Keys  []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
@@ -689,7 +754,7 @@ type KeysRequest struct {
 
 func (x *KeysRequest) Reset() {
 	*x = KeysRequest{}
-	mi := &file_tidepool_proto_msgTypes[8]
+	mi := &file_tidepool_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -701,7 +766,7 @@ func (x *KeysRequest) String() string {
 func (*KeysRequest) ProtoMessage() {}
 
 func (x *KeysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[8]
+	mi := &file_tidepool_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -714,7 +779,7 @@ func (x *KeysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysRequest.ProtoReflect.Descriptor instead.
 func (*KeysRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{8}
+	return file_tidepool_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *KeysRequest) GetKeys() []string {
@@ -740,7 +805,7 @@ type ItemsResponse struct {
 
 func (x *ItemsResponse) Reset() {
 	*x = ItemsResponse{}
-	mi := &file_tidepool_proto_msgTypes[9]
+	mi := &file_tidepool_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -752,7 +817,7 @@ func (x *ItemsResponse) String() string {
 func (*ItemsResponse) ProtoMessage() {}
 
 func (x *ItemsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[9]
+	mi := &file_tidepool_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -765,7 +830,7 @@ func (x *ItemsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemsResponse.ProtoReflect.Descriptor instead.
 func (*ItemsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{9}
+	return file_tidepool_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ItemsResponse) GetResults() []*ItemStatus {
@@ -787,7 +852,7 @@ type ObjectReplicas struct {
 
 func (x *ObjectReplicas) Reset() {
 	*x = ObjectReplicas{}
-	mi := &file_tidepool_proto_msgTypes[10]
+	mi := &file_tidepool_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -799,7 +864,7 @@ func (x *ObjectReplicas) String() string {
 func (*ObjectReplicas) ProtoMessage() {}
 
 func (x *ObjectReplicas) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[10]
+	mi := &file_tidepool_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -812,7 +877,7 @@ func (x *ObjectReplicas) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectReplicas.ProtoReflect.Descriptor instead.
 func (*ObjectReplicas) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{10}
+	return file_tidepool_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ObjectReplicas) GetStatus() *ItemStatus {
@@ -855,7 +920,7 @@ type GetReplicasResponse struct {
 
 func (x *GetReplicasResponse) Reset() {
 	*x = GetReplicasResponse{}
-	mi := &file_tidepool_proto_msgTypes[11]
+	mi := &file_tidepool_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -867,7 +932,7 @@ func (x *GetReplicasResponse) String() string {
 func (*GetReplicasResponse) ProtoMessage() {}
 
 func (x *GetReplicasResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[11]
+	mi := &file_tidepool_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -880,7 +945,7 @@ func (x *GetReplicasResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicasResponse.ProtoReflect.Descriptor instead.
 func (*GetReplicasResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{11}
+	return file_tidepool_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GetReplicasResponse) GetResults() []*ObjectReplicas {
@@ -906,7 +971,7 @@ type ExistsResponse struct {
 
 func (x *ExistsResponse) Reset() {
 	*x = ExistsResponse{}
-	mi := &file_tidepool_proto_msgTypes[12]
+	mi := &file_tidepool_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -918,7 +983,7 @@ func (x *ExistsResponse) String() string {
 func (*ExistsResponse) ProtoMessage() {}
 
 func (x *ExistsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[12]
+	mi := &file_tidepool_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -931,7 +996,7 @@ func (x *ExistsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExistsResponse.ProtoReflect.Descriptor instead.
 func (*ExistsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{12}
+	return file_tidepool_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ExistsResponse) GetExists() []bool {
@@ -954,7 +1019,7 @@ type ListRequest struct {
 
 func (x *ListRequest) Reset() {
 	*x = ListRequest{}
-	mi := &file_tidepool_proto_msgTypes[13]
+	mi := &file_tidepool_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -966,7 +1031,7 @@ func (x *ListRequest) String() string {
 func (*ListRequest) ProtoMessage() {}
 
 func (x *ListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[13]
+	mi := &file_tidepool_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -979,7 +1044,7 @@ func (x *ListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRequest.ProtoReflect.Descriptor instead.
 func (*ListRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{13}
+	return file_tidepool_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ListRequest) GetPrefix() string {
@@ -1023,7 +1088,7 @@ type ObjectInfo struct {
 
 func (x *ObjectInfo) Reset() {
 	*x = ObjectInfo{}
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1035,7 +1100,7 @@ func (x *ObjectInfo) String() string {
 func (*ObjectInfo) ProtoMessage() {}
 
 func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1048,7 +1113,7 @@ func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectInfo.ProtoReflect.Descriptor instead.
 func (*ObjectInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{14}
+	return file_tidepool_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ObjectInfo) GetKey() string {
@@ -1132,7 +1197,7 @@ type ListResponse struct {
 
 func (x *ListResponse) Reset() {
 	*x = ListResponse{}
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1144,7 +1209,7 @@ func (x *ListResponse) String() string {
 func (*ListResponse) ProtoMessage() {}
 
 func (x *ListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1157,7 +1222,7 @@ func (x *ListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResponse.ProtoReflect.Descriptor instead.
 func (*ListResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{15}
+	return file_tidepool_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListResponse) GetObjects() []*ObjectInfo {
@@ -1188,7 +1253,7 @@ type CorruptReplica struct {
 
 func (x *CorruptReplica) Reset() {
 	*x = CorruptReplica{}
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1200,7 +1265,7 @@ func (x *CorruptReplica) String() string {
 func (*CorruptReplica) ProtoMessage() {}
 
 func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1213,7 +1278,7 @@ func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CorruptReplica.ProtoReflect.Descriptor instead.
 func (*CorruptReplica) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{16}
+	return file_tidepool_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CorruptReplica) GetKey() string {
@@ -1247,7 +1312,7 @@ type CorruptReplicaResponse struct {
 
 func (x *CorruptReplicaResponse) Reset() {
 	*x = CorruptReplicaResponse{}
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1259,7 +1324,7 @@ func (x *CorruptReplicaResponse) String() string {
 func (*CorruptReplicaResponse) ProtoMessage() {}
 
 func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1272,7 +1337,7 @@ func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CorruptReplicaResponse.ProtoReflect.Descriptor instead.
 func (*CorruptReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{17}
+	return file_tidepool_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CorruptReplicaResponse) GetDropped() bool {
@@ -1290,7 +1355,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1302,7 +1367,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1315,7 +1380,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{18}
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
 }
 
 type MemberInfo struct {
@@ -1329,7 +1394,7 @@ type MemberInfo struct {
 
 func (x *MemberInfo) Reset() {
 	*x = MemberInfo{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1341,7 +1406,7 @@ func (x *MemberInfo) String() string {
 func (*MemberInfo) ProtoMessage() {}
 
 func (x *MemberInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1354,7 +1419,7 @@ func (x *MemberInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberInfo.ProtoReflect.Descriptor instead.
 func (*MemberInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *MemberInfo) GetId() string {
@@ -1401,7 +1466,7 @@ type SegmentInfo struct {
 
 func (x *SegmentInfo) Reset() {
 	*x = SegmentInfo{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1413,7 +1478,7 @@ func (x *SegmentInfo) String() string {
 func (*SegmentInfo) ProtoMessage() {}
 
 func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1426,7 +1491,7 @@ func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentInfo.ProtoReflect.Descriptor instead.
 func (*SegmentInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *SegmentInfo) GetName() string {
@@ -1522,7 +1587,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1534,7 +1599,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1547,7 +1612,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *StatusResponse) GetLeaderId() string {
@@ -1619,7 +1684,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1631,7 +1696,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1644,7 +1709,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *LookupRequest) GetKeys() []string {
@@ -1686,7 +1751,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1698,7 +1763,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1711,7 +1776,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *LookupResponse) GetMatched() uint32 {
@@ -1781,7 +1846,7 @@ type ChildrenRequest struct {
 
 func (x *ChildrenRequest) Reset() {
 	*x = ChildrenRequest{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1793,7 +1858,7 @@ func (x *ChildrenRequest) String() string {
 func (*ChildrenRequest) ProtoMessage() {}
 
 func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1806,7 +1871,7 @@ func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChildrenRequest.ProtoReflect.Descriptor instead.
 func (*ChildrenRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ChildrenRequest) GetKey() string {
@@ -1835,7 +1900,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1847,7 +1912,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1860,7 +1925,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -1906,7 +1971,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1918,7 +1983,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1931,7 +1996,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -2014,7 +2079,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2026,7 +2091,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2039,7 +2104,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -2091,7 +2156,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2103,7 +2168,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2116,7 +2181,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *AdoptRequest) GetNode() string {
@@ -2156,7 +2221,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2168,7 +2233,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2181,7 +2246,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *AdoptResponse) GetAdopted() uint32 {
@@ -2205,7 +2270,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2217,7 +2282,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2230,7 +2295,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -2270,7 +2335,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2282,7 +2347,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2295,7 +2360,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -2344,7 +2409,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2356,7 +2421,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2369,7 +2434,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -2400,7 +2465,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2412,7 +2477,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2425,7 +2490,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -2475,7 +2540,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2487,7 +2552,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2500,7 +2565,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -2563,7 +2628,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2575,7 +2640,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2588,7 +2653,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{35}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -2622,7 +2687,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2634,7 +2699,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2647,7 +2712,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{36}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -2670,7 +2735,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2682,7 +2747,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2695,7 +2760,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{37}
+	return file_tidepool_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -2741,7 +2806,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2753,7 +2818,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2766,7 +2831,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{38}
+	return file_tidepool_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -2834,7 +2899,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2846,7 +2911,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2859,7 +2924,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{39}
+	return file_tidepool_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -2894,7 +2959,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2906,7 +2971,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2919,7 +2984,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{40}
+	return file_tidepool_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -2957,7 +3022,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2969,7 +3034,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2982,7 +3047,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{41}
+	return file_tidepool_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -3069,9 +3134,13 @@ const file_tidepool_proto_rawDesc = "" +
 	"\bchecksum\x18\x04 \x01(\rR\bchecksum\x120\n" +
 	"\breplicas\x18\x05 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x16\n" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\a \x01(\tR\x06tenant\"C\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\"y\n" +
 	"\x12BatchPutEndRequest\x12-\n" +
-	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\":\n" +
+	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\x124\n" +
+	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\"}\n" +
+	"\x13BatchPutEndResponse\x121\n" +
+	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\x123\n" +
+	"\x06grants\x18\x02 \x03(\v2\x1b.tidepool.v1.PutStartResultR\x06grants\":\n" +
 	"\vKeysRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x17\n" +
 	"\aput_ids\x18\x02 \x03(\x04R\x06putIds\"B\n" +
@@ -3264,11 +3333,11 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vObjectState\x12\x1c\n" +
 	"\x18OBJECT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17OBJECT_STATE_PROCESSING\x10\x01\x12\x19\n" +
-	"\x15OBJECT_STATE_COMPLETE\x10\x022\x9d\a\n" +
+	"\x15OBJECT_STATE_COMPLETE\x10\x022\xa3\a\n" +
 	"\x06Master\x12E\n" +
 	"\bPutStart\x12\x1c.tidepool.v1.PutStartRequest\x1a\x1b.tidepool.v1.PutStartResult\x12>\n" +
-	"\x06PutEnd\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12J\n" +
-	"\vBatchPutEnd\x12\x1f.tidepool.v1.BatchPutEndRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12A\n" +
+	"\x06PutEnd\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12P\n" +
+	"\vBatchPutEnd\x12\x1f.tidepool.v1.BatchPutEndRequest\x1a .tidepool.v1.BatchPutEndResponse\x12A\n" +
 	"\tPutRevoke\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12V\n" +
 	"\rBatchPutStart\x12!.tidepool.v1.BatchPutStartRequest\x1a\".tidepool.v1.BatchPutStartResponse\x12I\n" +
 	"\vGetReplicas\x12\x18.tidepool.v1.KeysRequest\x1a .tidepool.v1.GetReplicasResponse\x12?\n" +
@@ -3304,7 +3373,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -3316,40 +3385,41 @@ var file_tidepool_proto_goTypes = []any{
 	(*BatchPutStartResponse)(nil),  // 7: tidepool.v1.BatchPutStartResponse
 	(*PutEndItem)(nil),             // 8: tidepool.v1.PutEndItem
 	(*BatchPutEndRequest)(nil),     // 9: tidepool.v1.BatchPutEndRequest
-	(*KeysRequest)(nil),            // 10: tidepool.v1.KeysRequest
-	(*ItemsResponse)(nil),          // 11: tidepool.v1.ItemsResponse
-	(*ObjectReplicas)(nil),         // 12: tidepool.v1.ObjectReplicas
-	(*GetReplicasResponse)(nil),    // 13: tidepool.v1.GetReplicasResponse
-	(*ExistsResponse)(nil),         // 14: tidepool.v1.ExistsResponse
-	(*ListRequest)(nil),            // 15: tidepool.v1.ListRequest
-	(*ObjectInfo)(nil),             // 16: tidepool.v1.ObjectInfo
-	(*ListResponse)(nil),           // 17: tidepool.v1.ListResponse
-	(*CorruptReplica)(nil),         // 18: tidepool.v1.CorruptReplica
-	(*CorruptReplicaResponse)(nil), // 19: tidepool.v1.CorruptReplicaResponse
-	(*StatusRequest)(nil),          // 20: tidepool.v1.StatusRequest
-	(*MemberInfo)(nil),             // 21: tidepool.v1.MemberInfo
-	(*SegmentInfo)(nil),            // 22: tidepool.v1.SegmentInfo
-	(*StatusResponse)(nil),         // 23: tidepool.v1.StatusResponse
-	(*LookupRequest)(nil),          // 24: tidepool.v1.LookupRequest
-	(*LookupResponse)(nil),         // 25: tidepool.v1.LookupResponse
-	(*ChildrenRequest)(nil),        // 26: tidepool.v1.ChildrenRequest
-	(*SegmentSpec)(nil),            // 27: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 28: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 29: tidepool.v1.RegisterRequest
-	(*AdoptRequest)(nil),           // 30: tidepool.v1.AdoptRequest
-	(*AdoptResponse)(nil),          // 31: tidepool.v1.AdoptResponse
-	(*RegisterResponse)(nil),       // 32: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 33: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 34: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 35: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 36: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 37: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 38: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 39: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 40: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 41: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 42: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 43: tidepool.v1.DrainProgress
+	(*BatchPutEndResponse)(nil),    // 10: tidepool.v1.BatchPutEndResponse
+	(*KeysRequest)(nil),            // 11: tidepool.v1.KeysRequest
+	(*ItemsResponse)(nil),          // 12: tidepool.v1.ItemsResponse
+	(*ObjectReplicas)(nil),         // 13: tidepool.v1.ObjectReplicas
+	(*GetReplicasResponse)(nil),    // 14: tidepool.v1.GetReplicasResponse
+	(*ExistsResponse)(nil),         // 15: tidepool.v1.ExistsResponse
+	(*ListRequest)(nil),            // 16: tidepool.v1.ListRequest
+	(*ObjectInfo)(nil),             // 17: tidepool.v1.ObjectInfo
+	(*ListResponse)(nil),           // 18: tidepool.v1.ListResponse
+	(*CorruptReplica)(nil),         // 19: tidepool.v1.CorruptReplica
+	(*CorruptReplicaResponse)(nil), // 20: tidepool.v1.CorruptReplicaResponse
+	(*StatusRequest)(nil),          // 21: tidepool.v1.StatusRequest
+	(*MemberInfo)(nil),             // 22: tidepool.v1.MemberInfo
+	(*SegmentInfo)(nil),            // 23: tidepool.v1.SegmentInfo
+	(*StatusResponse)(nil),         // 24: tidepool.v1.StatusResponse
+	(*LookupRequest)(nil),          // 25: tidepool.v1.LookupRequest
+	(*LookupResponse)(nil),         // 26: tidepool.v1.LookupResponse
+	(*ChildrenRequest)(nil),        // 27: tidepool.v1.ChildrenRequest
+	(*SegmentSpec)(nil),            // 28: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 29: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 30: tidepool.v1.RegisterRequest
+	(*AdoptRequest)(nil),           // 31: tidepool.v1.AdoptRequest
+	(*AdoptResponse)(nil),          // 32: tidepool.v1.AdoptResponse
+	(*RegisterResponse)(nil),       // 33: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 34: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 35: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 36: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 37: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 38: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 39: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 40: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 41: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 42: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 43: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 44: tidepool.v1.DrainProgress
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -3360,78 +3430,81 @@ var file_tidepool_proto_depIdxs = []int32{
 	5,  // 5: tidepool.v1.BatchPutStartResponse.results:type_name -> tidepool.v1.PutStartResult
 	3,  // 6: tidepool.v1.PutEndItem.replicas:type_name -> tidepool.v1.Replica
 	8,  // 7: tidepool.v1.BatchPutEndRequest.items:type_name -> tidepool.v1.PutEndItem
-	2,  // 8: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
-	2,  // 9: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
-	3,  // 10: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
-	12, // 11: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
-	1,  // 12: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
-	3,  // 13: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
-	16, // 14: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	0,  // 15: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
-	21, // 16: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
-	22, // 17: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
-	3,  // 18: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
-	0,  // 19: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	27, // 20: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	28, // 21: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	28, // 22: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
-	28, // 23: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	37, // 24: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
-	3,  // 25: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
-	3,  // 26: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
-	2,  // 27: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	36, // 28: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
-	0,  // 29: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	16, // 30: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 31: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	10, // 32: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	9,  // 33: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
-	10, // 34: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 35: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	10, // 36: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	10, // 37: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	10, // 38: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	15, // 39: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	20, // 40: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	18, // 41: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	24, // 42: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	26, // 43: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	29, // 44: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	35, // 45: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	33, // 46: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	30, // 47: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
-	35, // 48: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	39, // 49: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	10, // 50: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	40, // 51: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	42, // 52: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	5,  // 53: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	11, // 54: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	11, // 55: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.ItemsResponse
-	11, // 56: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 57: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	13, // 58: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	14, // 59: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	11, // 60: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	17, // 61: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	23, // 62: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	19, // 63: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	25, // 64: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	17, // 65: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	32, // 66: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	38, // 67: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	34, // 68: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	31, // 69: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
-	38, // 70: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	11, // 71: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	11, // 72: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	41, // 73: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	43, // 74: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	53, // [53:75] is the sub-list for method output_type
-	31, // [31:53] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	4,  // 8: tidepool.v1.BatchPutEndRequest.grants:type_name -> tidepool.v1.PutStartRequest
+	2,  // 9: tidepool.v1.BatchPutEndResponse.results:type_name -> tidepool.v1.ItemStatus
+	5,  // 10: tidepool.v1.BatchPutEndResponse.grants:type_name -> tidepool.v1.PutStartResult
+	2,  // 11: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
+	2,  // 12: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
+	3,  // 13: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
+	13, // 14: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
+	1,  // 15: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
+	3,  // 16: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
+	17, // 17: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	0,  // 18: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
+	22, // 19: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
+	23, // 20: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
+	3,  // 21: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
+	0,  // 22: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
+	28, // 23: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	29, // 24: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	29, // 25: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
+	29, // 26: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	38, // 27: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 28: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 29: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 30: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	37, // 31: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 32: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	17, // 33: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 34: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	11, // 35: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	9,  // 36: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
+	11, // 37: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 38: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	11, // 39: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	11, // 40: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	11, // 41: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	16, // 42: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	21, // 43: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	19, // 44: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	25, // 45: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	27, // 46: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	30, // 47: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	36, // 48: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	34, // 49: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	31, // 50: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	36, // 51: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	40, // 52: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	11, // 53: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	41, // 54: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	43, // 55: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	5,  // 56: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	12, // 57: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	10, // 58: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
+	12, // 59: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 60: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	14, // 61: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	15, // 62: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	12, // 63: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	18, // 64: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	24, // 65: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	20, // 66: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	26, // 67: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	18, // 68: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	33, // 69: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	39, // 70: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	35, // 71: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	32, // 72: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	39, // 73: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	12, // 74: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	12, // 75: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	42, // 76: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	44, // 77: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	56, // [56:78] is the sub-list for method output_type
+	34, // [34:56] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -3445,7 +3518,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   42,
+			NumMessages:   43,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -54,7 +54,7 @@ type MasterClient interface {
 	PutEnd(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
 	// BatchPutEnd publishes puts with one raft entry; unlike PutEnd it also
 	// publishes puts that a previous leader placed.
-	BatchPutEnd(ctx context.Context, in *BatchPutEndRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
+	BatchPutEnd(ctx context.Context, in *BatchPutEndRequest, opts ...grpc.CallOption) (*BatchPutEndResponse, error)
 	PutRevoke(ctx context.Context, in *KeysRequest, opts ...grpc.CallOption) (*ItemsResponse, error)
 	BatchPutStart(ctx context.Context, in *BatchPutStartRequest, opts ...grpc.CallOption) (*BatchPutStartResponse, error)
 	// GetReplicas describes complete objects and grants a read lease on them.
@@ -105,9 +105,9 @@ func (c *masterClient) PutEnd(ctx context.Context, in *KeysRequest, opts ...grpc
 	return out, nil
 }
 
-func (c *masterClient) BatchPutEnd(ctx context.Context, in *BatchPutEndRequest, opts ...grpc.CallOption) (*ItemsResponse, error) {
+func (c *masterClient) BatchPutEnd(ctx context.Context, in *BatchPutEndRequest, opts ...grpc.CallOption) (*BatchPutEndResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
-	out := new(ItemsResponse)
+	out := new(BatchPutEndResponse)
 	err := c.cc.Invoke(ctx, Master_BatchPutEnd_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
@@ -230,7 +230,7 @@ type MasterServer interface {
 	PutEnd(context.Context, *KeysRequest) (*ItemsResponse, error)
 	// BatchPutEnd publishes puts with one raft entry; unlike PutEnd it also
 	// publishes puts that a previous leader placed.
-	BatchPutEnd(context.Context, *BatchPutEndRequest) (*ItemsResponse, error)
+	BatchPutEnd(context.Context, *BatchPutEndRequest) (*BatchPutEndResponse, error)
 	PutRevoke(context.Context, *KeysRequest) (*ItemsResponse, error)
 	BatchPutStart(context.Context, *BatchPutStartRequest) (*BatchPutStartResponse, error)
 	// GetReplicas describes complete objects and grants a read lease on them.
@@ -267,7 +267,7 @@ func (UnimplementedMasterServer) PutStart(context.Context, *PutStartRequest) (*P
 func (UnimplementedMasterServer) PutEnd(context.Context, *KeysRequest) (*ItemsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method PutEnd not implemented")
 }
-func (UnimplementedMasterServer) BatchPutEnd(context.Context, *BatchPutEndRequest) (*ItemsResponse, error) {
+func (UnimplementedMasterServer) BatchPutEnd(context.Context, *BatchPutEndRequest) (*BatchPutEndResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method BatchPutEnd not implemented")
 }
 func (UnimplementedMasterServer) PutRevoke(context.Context, *KeysRequest) (*ItemsResponse, error) {

@@ -30,7 +30,7 @@ class MasterStub(object):
         self.BatchPutEnd = channel.unary_unary(
                 '/tidepool.v1.Master/BatchPutEnd',
                 request_serializer=tidepool__pb2.BatchPutEndRequest.SerializeToString,
-                response_deserializer=tidepool__pb2.ItemsResponse.FromString,
+                response_deserializer=tidepool__pb2.BatchPutEndResponse.FromString,
                 )
         self.PutRevoke = channel.unary_unary(
                 '/tidepool.v1.Master/PutRevoke',
@@ -199,7 +199,7 @@ def add_MasterServicer_to_server(servicer, server):
             'BatchPutEnd': grpc.unary_unary_rpc_method_handler(
                     servicer.BatchPutEnd,
                     request_deserializer=tidepool__pb2.BatchPutEndRequest.FromString,
-                    response_serializer=tidepool__pb2.ItemsResponse.SerializeToString,
+                    response_serializer=tidepool__pb2.BatchPutEndResponse.SerializeToString,
             ),
             'PutRevoke': grpc.unary_unary_rpc_method_handler(
                     servicer.PutRevoke,
@@ -311,7 +311,7 @@ class Master(object):
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Master/BatchPutEnd',
             tidepool__pb2.BatchPutEndRequest.SerializeToString,
-            tidepool__pb2.ItemsResponse.FromString,
+            tidepool__pb2.BatchPutEndResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

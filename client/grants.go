@@ -1,0 +1,133 @@
+package client
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// A grant is a put the leader placed ahead of need, for a key not known
+// yet: the client's next put of the same shape writes there at once and
+// publishes, skipping BatchPutStart. Grants are asked for with a PutEnd,
+// only for shapes the client puts repeatedly (a one-off put would leave
+// its grant unused, holding space until it expires).
+type shape struct {
+	size     uint64
+	tier     pb.Tier
+	replicas uint32
+}
+
+type grant struct {
+	id       uint64
+	replicas []*pb.Replica
+	deadline time.Time // the writes must end by then
+}
+
+// grantPool holds the grants of one client.
+type grantPool struct {
+	mu     sync.Mutex
+	byShap map[shape][]grant
+	last   map[shape]time.Time // when a put of the shape last ended
+}
+
+const (
+	// maxPooled bounds the grants pooled per shape.
+	maxPooled = 1024
+	// grantMargin: a grant with less of its write time left is not used,
+	// so a write never races its deadline.
+	grantMargin = 0.5
+	// streamGap: a shape put again within this counts as a stream, and
+	// gets grants.
+	streamGap = time.Second
+	// maxShapes bounds the shapes pooled.
+	maxShapes = 16
+)
+
+func newGrantPool() *grantPool {
+	return &grantPool{byShap: map[shape][]grant{}, last: map[shape]time.Time{}}
+}
+
+// take pops a grant of sh that has enough write time left.
+func (g *grantPool) take(sh shape, now time.Time, writeTimeout time.Duration) (grant, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	q := g.byShap[sh]
+	for len(q) > 0 {
+		gr := q[len(q)-1]
+		q = q[:len(q)-1]
+		if gr.deadline.Sub(now) > time.Duration(grantMargin*float64(writeTimeout)) {
+			g.byShap[sh] = q
+			return gr, true
+		}
+	}
+	delete(g.byShap, sh)
+	return grant{}, false
+}
+
+// want says how many grants of sh to ask for after n puts of it ended.
+func (g *grantPool) want(sh shape, n int, now time.Time) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	prev, seen := g.last[sh]
+	g.last[sh] = now
+	if len(g.last) > maxShapes {
+		for k, t := range g.last {
+			if now.Sub(t) > streamGap {
+				delete(g.last, k)
+			}
+		}
+	}
+	if (!seen || now.Sub(prev) > streamGap) && n < 2 {
+		return 0 // not a stream (yet)
+	}
+	if _, ok := g.byShap[sh]; !ok && len(g.byShap) >= maxShapes {
+		return 0
+	}
+	return max(0, min(n, maxPooled-len(g.byShap[sh])))
+}
+
+// add pools grants the leader answered, asked at asked.
+func (g *grantPool) add(sh shape, rs []*pb.PutStartResult, asked time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, r := range rs {
+		if r.Status.GetCode() != 0 || len(r.Replicas) == 0 {
+			continue
+		}
+		g.byShap[sh] = append(g.byShap[sh], grant{id: r.PutId, replicas: r.Replicas,
+			deadline: asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)})
+	}
+}
+
+// drain empties the pool and returns the grants' put ids.
+func (g *grantPool) drain() []uint64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var ids []uint64
+	for _, q := range g.byShap {
+		for _, gr := range q {
+			ids = append(ids, gr.id)
+		}
+	}
+	clear(g.byShap)
+	return ids
+}
+
+// revokeGrants gives the pooled grants back, so their space is freed now
+// rather than when they expire.
+func (c *Client) revokeGrants() {
+	ids := c.grants.drain()
+	if len(ids) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_ = c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) error {
+		_, err := m.PutRevoke(ctx, &pb.KeysRequest{Keys: make([]string, len(ids)), PutIds: ids}, o...)
+		return err
+	})
+}
