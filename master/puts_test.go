@@ -1,0 +1,225 @@
+package master
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// The put path's guarantees across a failover: a put the old leader placed
+// publishes through the new one, the new leader never places a put in the
+// old one's reservations while a write there may still land, and their
+// unpublished space is freed once none can.
+
+func TestPutPlacedBeforeFailover(t *testing.T) {
+	t.Parallel()
+	c := newCluster(t, 3, func(cfg *Config) {
+		cfg.PutTimeout = 500 * time.Millisecond
+		cfg.ReserveWindow = 200 * time.Millisecond
+	})
+	leader := c.leader()
+	register(t, leader, "s", "ep", dram("a", 1<<20))
+	var started []*pb.PutStartResult
+	for i := range 4 {
+		r, err := leader.master().PutStart(rpcCtx(t), &pb.PutStartRequest{Key: fmt.Sprintf("old%d", i), Size: 4096})
+		if err != nil {
+			t.Fatal(err)
+		}
+		started = append(started, r)
+	}
+	for i, m := range c.members {
+		if m == leader {
+			c.kill(i)
+		}
+	}
+	leader = c.leader()
+	// The new leader places new puts away from everything the old one
+	// placed, and a put of the old one publishes with its placement.
+	var fresh []*pb.Replica
+	for i := range 16 {
+		fresh = append(fresh, putObject(t, leader, fmt.Sprintf("new%d", i), 4096))
+	}
+	for _, n := range fresh {
+		for _, o := range started {
+			if overlaps(n, o.Replicas[0]) {
+				t.Fatalf("new put at %v overlaps %v, placed by the old leader", n, o.Replicas[0])
+			}
+		}
+	}
+	endPlaced(t, leader, "old0", started[0])
+	if !exists(t, leader, "old0")[0] {
+		t.Fatal("the put of the old leader is not visible after its PutEnd")
+	}
+	// A publish twice (a retry after an unknown outcome) succeeds again.
+	endPlaced(t, leader, "old0", started[0])
+	// The rest never end: their space is freed once no write can land.
+	waitFor(t, 20*time.Second, "the old leader's reservation released", func() error {
+		st, err := leader.master().Status(rpcCtx(t), &pb.StatusRequest{})
+		if err != nil {
+			return err
+		}
+		if s := st.Segments[0]; s.Reserved != 0 || s.Used != 17*4096 {
+			return fmt.Errorf("used %d, reserved %d; want %d used, nothing reserved", s.Used, s.Reserved, 17*4096)
+		}
+		return nil
+	})
+	resp, err := leader.master().BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{
+		Key: "old1", PutId: started[1].PutId, Size: 4096, Replicas: started[1].Replicas,
+	}}})
+	if err != nil || codes.Code(resp.Results[0].Code) != codes.FailedPrecondition {
+		t.Fatalf("PutEnd after its space was freed: %v, %v; want FailedPrecondition", resp, err)
+	}
+}
+
+// TestPutGrants: a PutEnd asks for grants, puts of keys not known yet; a
+// grant is used by a PutEnd naming it, and revoked by its id.
+func TestPutGrants(t *testing.T) {
+	t.Parallel()
+	c := newCluster(t, 1, nil)
+	m := c.leader()
+	mc := m.master()
+	register(t, m, "s", "ep", dram("a", 1<<20))
+	r, err := mc.PutStart(rpcCtx(t), &pb.PutStartRequest{Key: "k0", Size: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	shape := &pb.PutStartRequest{Size: 1000}
+	resp, err := mc.BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{
+		Items:  []*pb.PutEndItem{{Key: "k0", PutId: r.PutId, Size: 1000, Replicas: r.Replicas}},
+		Grants: []*pb.PutStartRequest{shape, shape, shape},
+	})
+	if err != nil || resp.Results[0].Code != 0 || len(resp.Grants) != 3 {
+		t.Fatalf("put end with grants: %v, %v", resp, err)
+	}
+	g := resp.Grants
+	for i, a := range g {
+		for _, b := range g[i+1:] {
+			if overlaps(a.Replicas[0], b.Replicas[0]) || a.PutId == b.PutId {
+				t.Fatalf("grants overlap: %v and %v", a, b)
+			}
+		}
+	}
+	// A grant is invisible until used; used, it is the key's put.
+	use := func(key string, gr *pb.PutStartResult, size uint64) *pb.ItemStatus {
+		resp, err := mc.BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{
+			Key: key, PutId: gr.PutId, Size: size, Checksum: 7, Replicas: gr.Replicas,
+		}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Results[0]
+	}
+	if st := use("g0", g[0], 1000); st.Code != 0 {
+		t.Fatalf("use grant: %v", st)
+	}
+	gr, err := mc.GetReplicas(rpcCtx(t), &pb.KeysRequest{Keys: []string{"g0"}})
+	if err != nil || gr.Results[0].Checksum != 7 || gr.Results[0].Replicas[0].Offset != g[0].Replicas[0].Offset {
+		t.Fatalf("g0 after its grant was used: %v, %v", gr, err)
+	}
+	if st := use("g1", g[1], 999); codes.Code(st.Code) != codes.InvalidArgument {
+		t.Fatalf("a grant used for another size: %v, want InvalidArgument", st)
+	}
+	// Revoked by id with no key; a second revoke finds nothing.
+	for want := range []codes.Code{codes.OK, codes.FailedPrecondition} {
+		res, err := mc.PutRevoke(rpcCtx(t), &pb.KeysRequest{Keys: []string{""}, PutIds: []uint64{g[2].PutId}})
+		if err != nil || codes.Code(res.Results[0].Code) != []codes.Code{codes.OK, codes.FailedPrecondition}[want] {
+			t.Fatalf("revoke grant (%d): %v, %v", want, res, err)
+		}
+	}
+	if _, err := mc.PutRevoke(rpcCtx(t), &pb.KeysRequest{Keys: []string{""}}); err == nil {
+		t.Fatal("a revoke with an empty key and no put id was accepted")
+	}
+}
+
+// TestPutsNeverShareSpace: concurrent puts, revokes and removes of random
+// sizes into a small segment, with evictions and reservations coming and
+// going: at every step no two live objects, and no object and open
+// reservation, share a byte.
+func TestPutsNeverShareSpace(t *testing.T) {
+	t.Parallel()
+	c := newCluster(t, 1, func(cfg *Config) {
+		cfg.ReserveWindow = 50 * time.Millisecond
+		cfg.PutTimeout = 200 * time.Millisecond
+	})
+	m := c.leader()
+	register(t, m, "s", "ep", dram("a", 8<<20))
+	waitFor(t, 5*time.Second, "evictable", func() error {
+		if m.srv.cfg.Now().Before(m.srv.evictableFrom()) {
+			return fmt.Errorf("not yet")
+		}
+		return nil
+	})
+	var wg sync.WaitGroup
+	for w := range 4 {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(w), 11))
+			for i := range 80 {
+				key := fmt.Sprintf("w%d/%d", w, i)
+				r, err := m.master().PutStart(rpcCtx(t), &pb.PutStartRequest{Key: key, Size: 1 + rng.Uint64N(96<<10)})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				switch rng.IntN(8) {
+				case 0:
+					_, err = m.master().PutRevoke(rpcCtx(t), &pb.KeysRequest{Keys: []string{key}, PutIds: []uint64{r.PutId}})
+				case 1: // abandoned: expires
+				default:
+					_, err = m.master().PutEnd(rpcCtx(t), &pb.KeysRequest{Keys: []string{key}, PutIds: []uint64{r.PutId}})
+				}
+				if err != nil {
+					t.Error(err)
+				}
+				if err := disjoint(m.srv.fsm); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// disjoint checks that object replicas, copies, pending frees and
+// reservations of every segment never overlap.
+func disjoint(f *FSM) error {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	type owned struct {
+		span
+		who string
+	}
+	bySeg := map[string][]owned{}
+	for _, o := range f.objects {
+		for _, r := range o.replicas {
+			bySeg[r.Segment] = append(bySeg[r.Segment], owned{span{r.Offset, r.Length}, "object " + o.key})
+		}
+	}
+	for _, p := range f.pending {
+		bySeg[p.Extent.Segment] = append(bySeg[p.Extent.Segment], owned{span{p.Extent.Offset, p.Extent.Length}, "pending free"})
+	}
+	for id, s := range f.segments {
+		for _, r := range s.resv {
+			for _, sp := range r.spans {
+				bySeg[id] = append(bySeg[id], owned{sp, fmt.Sprintf("reservation %d", r.id)})
+			}
+		}
+	}
+	for seg, os := range bySeg {
+		slices.SortFunc(os, func(a, b owned) int { return int(a.off) - int(b.off) })
+		for i := 1; i < len(os); i++ {
+			if os[i].off < os[i-1].off+os[i-1].len {
+				return fmt.Errorf("segment %s: %s at [%d,+%d) overlaps %s at [%d,+%d)", seg,
+					os[i].who, os[i].off, os[i].len, os[i-1].who, os[i-1].off, os[i-1].len)
+			}
+		}
+	}
+	return nil
+}
