@@ -47,6 +47,14 @@ type Config struct {
 	// CopyConcurrency caps the copies the master's heartbeats hand this
 	// node that run at once; default 4.
 	CopyConcurrency int
+	// Prefault commits the memory tiers' pages in the background at start,
+	// so puts do not take first-touch page faults.
+	Prefault bool
+}
+
+// prefaulter is a tier that can commit its memory ahead of need.
+type prefaulter interface {
+	Prefault(ctx context.Context) error
 }
 
 // Node is a running store node.
@@ -159,6 +167,9 @@ func New(cfg Config) (*Node, error) {
 				n.log.Error("transfer engine stopped", "err", err)
 			}
 		}()
+	}
+	if cfg.Prefault {
+		n.prefault()
 	}
 	n.wg.Add(1)
 	go n.run()
@@ -493,6 +504,38 @@ func (n *Node) leave() {
 		return
 	}
 	n.log.Info("left the pool", "node", n.cfg.ID, "epoch", epoch)
+}
+
+// prefault commits the memory tiers' pages in the background, one tier at
+// a time; Close stops it.
+func (n *Node) prefault() {
+	n.wg.Add(1)
+	go func() {
+		defer n.wg.Done()
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() {
+			select {
+			case <-n.stop:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		for _, t := range n.cfg.Tiers {
+			p, ok := t.(prefaulter)
+			if !ok {
+				continue
+			}
+			start := time.Now()
+			if err := p.Prefault(ctx); err != nil {
+				if ctx.Err() == nil {
+					n.log.Warn("prefault memory; its first puts take page faults", "tier", t.Name(), "err", err)
+				}
+				continue
+			}
+			n.log.Info("prefaulted memory", "tier", t.Name(), "bytes", t.Capacity(), "took", time.Since(start).Round(time.Millisecond))
+		}
+	}()
 }
 
 // Close stops heartbeats and transfers, then closes the tiers.

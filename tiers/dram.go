@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -25,7 +26,7 @@ var (
 )
 
 // NewDRAM maps capacity bytes of host memory. Pages are committed lazily by
-// the kernel, so an idle tier costs little.
+// the kernel, so an idle tier costs little, until Prefault commits them.
 func NewDRAM(name string, capacity int64) (*DRAMTier, error) {
 	if capacity <= 0 {
 		return nil, fmt.Errorf("dram tier %q: capacity must be positive, got %d", name, capacity)
@@ -46,6 +47,26 @@ func NewDRAM(name string, capacity int64) (*DRAMTier, error) {
 	// Transparent huge pages cut TLB misses on multi-MiB KV blocks; best effort.
 	_ = unix.Madvise(mem, unix.MADV_HUGEPAGE)
 	return &DRAMTier{name: name, fd: fd, mem: mem}, nil
+}
+
+// prefaultChunk is how much one step of Prefault commits.
+const prefaultChunk = 64 << 20
+
+// Prefault commits every page of the tier ahead of need, so that the first
+// write to a page (a put) does not take the fault that allocates and
+// zeroes it. It returns when done, when ctx ends, or at the first
+// failure (ENOSPC: the host or its memory limit cannot hold the tier).
+func (t *DRAMTier) Prefault(ctx context.Context) error {
+	for off := int64(0); off < int64(len(t.mem)); off += prefaultChunk {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		n := min(prefaultChunk, int64(len(t.mem))-off)
+		if err := unix.Fallocate(t.fd, 0, off, n); err != nil {
+			return fmt.Errorf("dram tier %q: commit pages at %d: %w", t.name, off, err)
+		}
+	}
+	return nil
 }
 
 func (t *DRAMTier) Kind() Kind              { return DRAM }

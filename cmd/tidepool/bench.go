@@ -8,6 +8,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
+	"runtime/pprof"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -21,8 +23,10 @@ import (
 type benchRow struct {
 	Op          string  `json:"op"`
 	Size        int64   `json:"size"`
+	Batch       int     `json:"batch"`
 	Concurrency int     `json:"concurrency"`
-	Ops         int     `json:"ops"`
+	Ops         int     `json:"ops"` // calls; each moves Batch values
+	KeysPerS    float64 `json:"keys_per_s"`
 	Errors      int     `json:"errors"`
 	Bytes       int64   `json:"bytes"`
 	Seconds     float64 `json:"seconds"`
@@ -42,25 +46,39 @@ func runBench(ctx context.Context, e *env, args []string) error {
 		return runBenchMeta(ctx, e, args[1:])
 	}
 	var ops, sizes listFlag
-	var conc listFlag
+	var conc, batches listFlag
 	var duration time.Duration
 	var asJSON bool
+	var cpuProfile string
 	var getKeys int
 	ctx, c, _, done, err := clientCommand(ctx, e, time.Hour, "bench", "[flags]",
-		"Measure put and get against a running cluster: one row per op, value size and concurrency,\nwith throughput in GB/s (10^9 bytes) and p50/p99 latency per request.",
+		"Measure put, get and exists against a running cluster: one row per op, value size, batch and\nconcurrency, with keys/s, throughput in GB/s (10^9 bytes) and p50/p99 latency per call. With\n--batch N a call is BatchPut, BatchGet or an exists check (Present) of N keys.",
 		args, 0, 0, func(fs *flag.FlagSet, cfg *client.Config) {
 			putFlags(fs, cfg)
-			fs.Var(&ops, "ops", "operations to run: put, get (default put,get)")
+			fs.Var(&ops, "ops", "operations to run: put, get, exists (default put,get)")
+			fs.Var(&batches, "batch", "keys per call (default 1)")
 			fs.Var(&sizes, "sizes", "value sizes (default 64KiB,1MiB,4MiB)")
 			fs.Var(&conc, "concurrency", "concurrent requests per row (default 1,2,4,8)")
 			fs.DurationVar(&duration, "duration", 3*time.Second, "how long each row runs")
 			fs.IntVar(&getKeys, "get-keys", 16, "distinct keys per value size that get rows read")
 			fs.BoolVar(&asJSON, "json", false, "print one JSON object per row instead of a table")
+			fs.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of this client to the file, for go tool pprof")
 		})
 	if err != nil {
 		return err
 	}
 	defer done()
+	if cpuProfile != "" {
+		f, err := os.Create(cpuProfile)
+		if err != nil {
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	if len(ops) == 0 {
 		ops = listFlag{"put", "get"}
 	}
@@ -69,6 +87,17 @@ func runBench(ctx context.Context, e *env, args []string) error {
 	}
 	if len(conc) == 0 {
 		conc = listFlag{"1", "2", "4", "8"}
+	}
+	if len(batches) == 0 {
+		batches = listFlag{"1"}
+	}
+	var batchList []int
+	for _, s := range batches {
+		var n int
+		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 || n > 4096 {
+			return fmt.Errorf("%w: --batch %q: want 1 to 4096", errUsage, s)
+		}
+		batchList = append(batchList, n)
 	}
 	var sizeList []int64
 	for _, s := range sizes {
@@ -89,30 +118,32 @@ func runBench(ctx context.Context, e *env, args []string) error {
 	b := &bench{c: c, stderr: e.stderr, duration: duration, getKeys: getKeys, prefix: fmt.Sprintf("bench/%d/", time.Now().UnixNano())}
 	defer b.cleanup()
 
-	const rowFormat = "%-4s %9s %5v %7v %7v %7v %9v %9v\n"
+	const rowFormat = "%-6s %9s %5v %5v %7v %7v %10v %7v %9v %9v\n"
 	if !asJSON {
-		fmt.Fprintf(e.stdout, rowFormat, "OP", "SIZE", "CONC", "OPS", "ERRORS", "GB/s", "P50 ms", "P99 ms")
+		fmt.Fprintf(e.stdout, rowFormat, "OP", "SIZE", "BATCH", "CONC", "CALLS", "ERRORS", "KEYS/s", "GB/s", "P50 ms", "P99 ms")
 	}
 	for _, op := range ops {
-		if op != "put" && op != "get" {
-			return fmt.Errorf("%w: --ops %q: want put or get", errUsage, op)
+		if op != "put" && op != "get" && op != "exists" {
+			return fmt.Errorf("%w: --ops %q: want put, get or exists", errUsage, op)
 		}
 		for _, size := range sizeList {
-			for _, n := range concList {
-				if ctx.Err() != nil {
-					return ctx.Err()
+			for _, batch := range batchList {
+				for _, n := range concList {
+					if ctx.Err() != nil {
+						return ctx.Err()
+					}
+					row, err := b.row(ctx, op, size, batch, n)
+					if err != nil {
+						return err
+					}
+					if asJSON {
+						line, _ := json.Marshal(row)
+						fmt.Fprintln(e.stdout, string(line))
+						continue
+					}
+					fmt.Fprintf(e.stdout, rowFormat, row.Op, human(uint64(row.Size)), row.Batch, row.Concurrency, row.Ops, row.Errors,
+						fmt.Sprintf("%.0f", row.KeysPerS), fmt.Sprintf("%.2f", row.GBps), fmt.Sprintf("%.3f", row.P50ms), fmt.Sprintf("%.3f", row.P99ms))
 				}
-				row, err := b.row(ctx, op, size, n)
-				if err != nil {
-					return err
-				}
-				if asJSON {
-					line, _ := json.Marshal(row)
-					fmt.Fprintln(e.stdout, string(line))
-					continue
-				}
-				fmt.Fprintf(e.stdout, rowFormat, row.Op, human(uint64(row.Size)), row.Concurrency, row.Ops, row.Errors,
-					fmt.Sprintf("%.2f", row.GBps), fmt.Sprintf("%.3f", row.P50ms), fmt.Sprintf("%.3f", row.P99ms))
 			}
 		}
 	}
@@ -130,22 +161,17 @@ type bench struct {
 	keys     []string // every key written, removed at the end
 }
 
-// row runs one op at one size and concurrency for the bench's duration.
-// Put rows also stop when they have written a quarter of the pool's free
-// space, and remove what they wrote afterwards, untimed.
-func (b *bench) row(ctx context.Context, op string, size int64, workers int) (benchRow, error) {
+// row runs one op at one size, batch and concurrency for the bench's
+// duration. Put rows also stop when they have written a quarter of the
+// pool's free space, and remove what they wrote afterwards, untimed.
+func (b *bench) row(ctx context.Context, op string, size int64, batch, workers int) (benchRow, error) {
 	value := make([]byte, size)
 	if _, err := rand.Read(value); err != nil {
 		return benchRow{}, err
 	}
 	var getKeys []string
 	budget := int64(-1)
-	if op == "get" {
-		var err error
-		if getKeys, err = b.populate(ctx, size, value); err != nil {
-			return benchRow{}, err
-		}
-	} else {
+	if op == "put" {
 		st, err := b.c.Status(ctx)
 		if err != nil {
 			return benchRow{}, err
@@ -153,8 +179,13 @@ func (b *bench) row(ctx context.Context, op string, size int64, workers int) (be
 		for _, s := range st.Segments {
 			budget += int64(s.Capacity-s.Used) / 4
 		}
+	} else {
+		var err error
+		if getKeys, err = b.populate(ctx, size, max(b.getKeys, batch), value); err != nil {
+			return benchRow{}, err
+		}
 	}
-	var written atomic.Int64
+	var written, keys atomic.Int64
 	var lat [][]time.Duration = make([][]time.Duration, workers)
 	var errs atomic.Int64
 	var firstErr error
@@ -164,22 +195,38 @@ func (b *bench) row(ctx context.Context, op string, size int64, workers int) (be
 	start := time.Now()
 	var wg sync.WaitGroup
 	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			buf := make([]byte, size)
+		wg.Go(func() {
+			names := make([]string, batch)
+			values := make([][]byte, batch)
+			bufs := make([][]byte, batch)
+			for j := range batch {
+				values[j], bufs[j] = value, make([]byte, size)
+			}
 			for i := 0; time.Now().Before(stop) && ctx.Err() == nil; i++ {
-				if op == "put" && budget >= 0 && written.Load()+size > budget {
+				if op == "put" && budget >= 0 && written.Load()+size*int64(batch) > budget {
 					return
+				}
+				for j := range names {
+					if op == "put" {
+						names[j] = fmt.Sprintf("%sput/%d", b.prefix, b.seq.Add(1))
+					} else {
+						names[j] = getKeys[(w+(i*batch+j)*workers)%len(getKeys)]
+					}
 				}
 				t0 := time.Now()
 				var err error
-				if op == "put" {
-					key := fmt.Sprintf("%sput/%d", b.prefix, b.seq.Add(1))
-					err = b.c.Put(ctx, key, value)
-					putKeys[w] = append(putKeys[w], key)
-				} else {
-					_, err = b.c.GetInto(ctx, getKeys[(w+i*workers)%len(getKeys)], buf)
+				switch op {
+				case "put":
+					err = errors.Join(b.c.BatchPut(ctx, names, values)...)
+					putKeys[w] = append(putKeys[w], names...)
+				case "get":
+					_, es := b.c.BatchGetInto(ctx, names, bufs)
+					err = errors.Join(es...)
+				case "exists":
+					var present []bool
+					if present, err = b.c.Present(ctx, names); err == nil && slices.Contains(present, false) {
+						err = errors.New("a key the row put is not there")
+					}
 				}
 				if err != nil {
 					errs.Add(1)
@@ -187,9 +234,12 @@ func (b *bench) row(ctx context.Context, op string, size int64, workers int) (be
 					continue
 				}
 				lat[w] = append(lat[w], time.Since(t0))
-				written.Add(size)
+				keys.Add(int64(batch))
+				if op != "exists" {
+					written.Add(size * int64(batch))
+				}
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
@@ -202,10 +252,11 @@ func (b *bench) row(ctx context.Context, op string, size int64, workers int) (be
 	all := slices.Concat(lat...)
 	slices.Sort(all)
 	row := benchRow{
-		Op: op, Size: size, Concurrency: workers, Ops: len(all), Errors: int(errs.Load()),
+		Op: op, Size: size, Batch: batch, Concurrency: workers, Ops: len(all), Errors: int(errs.Load()),
 		Bytes: written.Load(), Seconds: elapsed.Seconds(),
-		GBps:  float64(written.Load()) / 1e9 / elapsed.Seconds(),
-		P50ms: ms(percentile(all, 0.50)), P99ms: ms(percentile(all, 0.99)),
+		KeysPerS: float64(keys.Load()) / elapsed.Seconds(),
+		GBps:     float64(written.Load()) / 1e9 / elapsed.Seconds(),
+		P50ms:    ms(percentile(all, 0.50)), P99ms: ms(percentile(all, 0.99)),
 	}
 	if len(all) == 0 && firstErr != nil {
 		return row, fmt.Errorf("every %s of %d bytes failed: %w", op, size, firstErr)
@@ -213,12 +264,20 @@ func (b *bench) row(ctx context.Context, op string, size int64, workers int) (be
 	return row, nil
 }
 
-// populate writes the keys that get rows of this size read.
-func (b *bench) populate(ctx context.Context, size int64, value []byte) ([]string, error) {
-	keys := make([]string, b.getKeys)
+// populate writes n keys of this size for get and exists rows to read;
+// rows of the same size share them.
+func (b *bench) populate(ctx context.Context, size int64, n int, value []byte) ([]string, error) {
+	keys := make([]string, n)
 	for i := range keys {
 		keys[i] = fmt.Sprintf("%sget/%d/%d", b.prefix, size, i)
-		if err := b.c.Put(ctx, keys[i], value); err != nil {
+	}
+	for lo := 0; lo < n; lo += removeBatch {
+		hi := min(lo+removeBatch, n)
+		vals := make([][]byte, hi-lo)
+		for i := range vals {
+			vals[i] = value
+		}
+		if err := errors.Join(b.c.BatchPut(ctx, keys[lo:hi], vals)...); err != nil {
 			return nil, fmt.Errorf("populate keys for get: %w", err)
 		}
 	}
@@ -228,11 +287,17 @@ func (b *bench) populate(ctx context.Context, size int64, value []byte) ([]strin
 	return keys, nil
 }
 
+// removeBatch is how many keys one BatchRemove of the cleanup carries.
+const removeBatch = 1024
+
 // remove deletes keys and returns those it could not, for cleanup.
 func (b *bench) remove(ctx context.Context, keys []string) (left []string) {
-	for _, k := range keys {
-		if err := b.c.Remove(ctx, k); err != nil && !errors.Is(err, client.ErrNotFound) {
-			left = append(left, k)
+	for lo := 0; lo < len(keys); lo += removeBatch {
+		part := keys[lo:min(lo+removeBatch, len(keys))]
+		for i, err := range b.c.BatchRemove(ctx, part) {
+			if err != nil && !errors.Is(err, client.ErrNotFound) {
+				left = append(left, part[i])
+			}
 		}
 	}
 	return left

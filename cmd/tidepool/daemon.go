@@ -144,6 +144,11 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&m.noWriteBack, "no-write-back", false, "copy cold DRAM objects to SSD only when demoting them, not ahead of need (fewer SSD writes; puts spill to SSD while DRAM is full)")
 }
 
+// prefaultFlag is --prefault, of store and up.
+func prefaultFlag(fs *flag.FlagSet, p *bool) {
+	fs.BoolVar(p, "prefault", true, "commit the DRAM tiers' memory in the background at start, so puts take no first-touch page faults (false: commit pages as they are first written)")
+}
+
 // promoteFlag is --promote-after, of master and up.
 func promoteFlag(fs *flag.FlagSet, n *int) {
 	fs.IntVar(n, "promote-after", master.DefaultPromoteAfter, "give an object a DRAM replica after this many reads served from SSD alone (0: never)")
@@ -256,6 +261,7 @@ type storeFlags struct {
 	tiers                 listFlag
 	indexSync             time.Duration
 	copies                int
+	prefault              bool
 }
 
 func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
@@ -265,6 +271,7 @@ func (s *storeFlags) register(fs *flag.FlagSet, defaultTier string) {
 	fs.StringVar(&s.advertise, "advertise", "", "transfer engine address peers dial (default --listen)")
 	fs.DurationVar(&s.indexSync, "index-sync", 5*time.Second, "how often an SSD tier's index of its objects is synced with the master")
 	fs.IntVar(&s.copies, "copies", 4, "copies (demotion, promotion, drain) the master may have this node make at once")
+	prefaultFlag(fs, &s.prefault)
 	fs.Var(&s.tiers, "tier", "a tier to serve, repeatable: dram:SIZE (e.g. dram:8GiB); ssd:DIR:SIZE (a preallocated file in DIR whose objects survive a restart); hbm:SIZE[:DEVICE] (GPU memory of CUDA device DEVICE, default 0); "+
 		"hbm-emulated:SIZE (host memory standing in for HBM on hosts without a GPU, shown as emulated) (default "+defaultTier+")")
 }
@@ -350,7 +357,7 @@ func startStore(s *storeFlags, masters []string, reg prometheus.Registerer, log 
 	}
 	n, err := store.New(store.Config{
 		ID: s.id, Masters: masters, Listen: s.listen, Advertise: s.advertise,
-		Tiers: ts, IndexSyncInterval: s.indexSync, CopyConcurrency: s.copies, Registerer: reg, Logger: log.With("component", "store"),
+		Tiers: ts, IndexSyncInterval: s.indexSync, CopyConcurrency: s.copies, Prefault: s.prefault, Registerer: reg, Logger: log.With("component", "store"),
 	})
 	if err != nil {
 		for _, t := range ts {
@@ -407,6 +414,8 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	leaseTTL := fs.Duration("lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get; the master evicts nothing for this long after it starts")
 	var promoteAfter int
 	promoteFlag(fs, &promoteAfter)
+	var prefault bool
+	prefaultFlag(fs, &prefault)
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
 		return err
@@ -419,7 +428,7 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	s := storeFlags{id: "store-0", listen: *engineAddr, tiers: listFlag{"dram:" + *dram}, indexSync: 5 * time.Second}
+	s := storeFlags{id: "store-0", listen: *engineAddr, tiers: listFlag{"dram:" + *dram}, indexSync: 5 * time.Second, prefault: prefault}
 	if *ssd != "0" {
 		s.tiers = append(s.tiers, "ssd:"+filepath.Join(*dir, "ssd")+":"+*ssd)
 	}
