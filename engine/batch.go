@@ -251,7 +251,7 @@ func (e *Engine) dispatch(ctx context.Context, tasks []*Task) {
 		valid = append(valid, t)
 	}
 	var wg sync.WaitGroup
-	for _, group := range mergeContiguous(valid) {
+	for _, group := range e.copyInline(ctx, mergeContiguous(valid)) {
 		t := group[0]
 		op := t.op
 		if len(group) > 1 {
@@ -283,6 +283,66 @@ func (e *Engine) dispatch(ctx context.Context, tasks []*Task) {
 		}()
 	}
 	wg.Wait()
+}
+
+// copyInline does the groups whose peer segment is mapped here (shm)
+// right away, in this goroutine: a memcpy needs no slot, deadline or
+// goroutine of its own. Whether each peer is still alive is checked once,
+// after its copies; the groups of a peer that has exited go on to the
+// transports with the others it returns.
+func (e *Engine) copyInline(ctx context.Context, groups [][]*Task) (rest [][]*Task) {
+	if e.shm == nil {
+		return groups
+	}
+	type copied struct {
+		key    shmKey
+		groups [][]*Task
+	}
+	var byMap map[*shmMapping]*copied
+	for _, group := range groups {
+		t := group[0]
+		if ctx.Err() != nil || (!t.opts.Deadline.IsZero() && !time.Now().Before(t.opts.Deadline)) {
+			rest = append(rest, group) // the general path ends it as it should
+			continue
+		}
+		op := t.op
+		if len(group) > 1 {
+			op.Buf = t.op.Buf[:groupLen(group)]
+		}
+		key, m, handled, err := e.shm.copyCached(&op)
+		if !handled {
+			rest = append(rest, group)
+			continue
+		}
+		if err != nil {
+			for _, g := range group {
+				e.finish(g, Failed, err)
+			}
+			continue
+		}
+		if byMap == nil {
+			byMap = map[*shmMapping]*copied{}
+		}
+		c := byMap[m]
+		if c == nil {
+			c = &copied{key: key}
+			byMap[m] = c
+		}
+		c.groups = append(c.groups, group)
+	}
+	for m, c := range byMap {
+		if err := e.shm.landed(c.key, m); err != nil {
+			// The peer went: the transports try again, from describing it.
+			rest = append(rest, c.groups...)
+			continue
+		}
+		for _, group := range c.groups {
+			for _, g := range group {
+				e.finish(g, Done, nil)
+			}
+		}
+	}
+	return rest
 }
 
 // mergeContiguous groups consecutive tasks that continue each other, in the

@@ -82,6 +82,65 @@ func sameHostKey(ctx context.Context, op *Op) (shmKey, error) {
 	return key, nil
 }
 
+// copyCached does op at once if its segment's mapping is cached, without
+// the liveness check: the caller checks the peer once after a batch of
+// such copies (landed), which also proves each copy landed in a live
+// peer's memory. handled false means op must take Do.
+func (t *shmTransport) copyCached(op *Op) (key shmKey, m *shmMapping, handled bool, err error) {
+	key, err = sameHostKey(context.Background(), op)
+	if err != nil {
+		return key, nil, false, nil
+	}
+	t.cache.mu.RLock()
+	e := t.cache.mu.m[key]
+	t.cache.mu.RUnlock()
+	if e == nil {
+		return key, nil, false, nil
+	}
+	select {
+	case <-e.ready:
+	default:
+		return key, nil, false, nil
+	}
+	if e.err != nil || e.retry {
+		return key, nil, false, nil
+	}
+	m = e.h
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if m.gone != nil {
+		return key, nil, false, nil
+	}
+	n := int64(len(op.Buf))
+	if !inRange(op.Offset, n, int64(len(m.mem))) {
+		return key, m, true, fmt.Errorf("%w: %s %d+%d of %q (size %d)", ErrOutOfRange, op.Kind, op.Offset, n, key.segment, len(m.mem))
+	}
+	if op.Kind == OpRead {
+		copy(op.Buf, m.mem[op.Offset:])
+	} else {
+		copy(m.mem[op.Offset:], op.Buf)
+	}
+	return key, m, true, nil
+}
+
+// landed reports whether copies made through m by copyCached reached a
+// live peer; if the peer has exited it drops the mapping and says why.
+func (t *shmTransport) landed(key shmKey, m *shmMapping) error {
+	m.mu.RLock()
+	gone := m.gone
+	dead := gone == nil && exited(m.pidfd)
+	m.mu.RUnlock()
+	switch {
+	case gone != nil:
+		return gone
+	case dead:
+		why := fmt.Errorf("%w: shm peer %s (segment %q) exited", ErrUnavailable, key.addr, key.segment)
+		t.cache.forget(key, m, why)
+		return why
+	}
+	return nil
+}
+
 // copy moves op's bytes, holding m mapped while it does.
 func (t *shmTransport) copy(key shmKey, m *shmMapping, op *Op) error {
 	m.mu.RLock()

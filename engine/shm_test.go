@@ -462,3 +462,46 @@ func BenchmarkMemcpy(b *testing.B) {
 		copy(dst, src)
 	}
 }
+
+// TestShmCopyCached: the batch fast path copies through a cached mapping
+// only, and its one liveness check after the copies catches an owner that
+// exited: the mapping is dropped, so the op goes back to Do.
+func TestShmCopyCached(t *testing.T) {
+	f := newShmFixture(t, 4096)
+	real := f.realInfo(t)
+	child := sleeper(t, f.seg.fd)
+	viaChild := real
+	viaChild.pid, viaChild.fd = uint32(child.Process.Pid), 3
+	s := f.newShm(t, func(context.Context, string, string) (shmInfo, error) { return viaChild, nil })
+
+	op := f.op(OpWrite, "dram0", 0, []byte("inline"))
+	if _, _, handled, _ := s.copyCached(op); handled {
+		t.Fatal("copyCached handled an op before the segment was mapped")
+	}
+	if err := s.Do(context.Background(), f.op(OpWrite, "dram0", 0, []byte("mapped"))); err != nil {
+		t.Fatal(err)
+	}
+	key, m, handled, err := s.copyCached(op)
+	if !handled || err != nil {
+		t.Fatalf("copyCached of a mapped segment: handled %v, %v", handled, err)
+	}
+	if err := s.landed(key, m); err != nil || string(f.seg.Bytes()[:6]) != "inline" {
+		t.Fatalf("landed = %v; segment holds %q", err, f.seg.Bytes()[:6])
+	}
+	if _, _, handled, err := s.copyCached(f.op(OpWrite, "dram0", 4090, make([]byte, 10))); !handled || !errors.Is(err, ErrOutOfRange) {
+		t.Fatalf("copyCached past the end: handled %v, %v; want ErrOutOfRange", handled, err)
+	}
+
+	child.Process.Kill()
+	child.Wait()
+	key, m, handled, _ = s.copyCached(op)
+	if !handled {
+		t.Fatal("copyCached did not use the cached mapping")
+	}
+	if err := s.landed(key, m); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("landed after the owner exited = %v, want ErrUnavailable", err)
+	}
+	if _, _, handled, _ := s.copyCached(op); handled {
+		t.Fatal("copyCached used a mapping dropped for a dead owner")
+	}
+}
