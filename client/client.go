@@ -334,15 +334,24 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 			grantShapes = append(grantShapes, sh)
 		}
 	}
+	// The items go without their replicas, which the leader that placed
+	// them knows; another leader (after a failover) asks for them.
+	compact := &pb.BatchPutEndRequest{Items: make([]*pb.PutEndItem, len(end.Items)), Grants: end.Grants}
+	for j, it := range end.Items {
+		compact.Items[j] = &pb.PutEndItem{Key: it.Key, PutId: it.PutId, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant}
+	}
 	var resp *pb.BatchPutEndResponse
 	var asked time.Time
 	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
 		asked = time.Now()
-		resp, err = m.BatchPutEnd(ctx, end, o...)
+		resp, err = m.BatchPutEnd(ctx, compact, o...)
 		return err
 	})
-	if err == nil && (len(resp.Results) != len(endIdx) || len(resp.Grants) > len(end.Grants)) {
+	if err == nil && len(resp.Results) != len(endIdx) {
 		err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(endIdx))
+	}
+	if err == nil && len(resp.Unplaced) > 0 {
+		err = c.endUnplaced(ctx, end, resp)
 	}
 	for j, i := range endIdx {
 		if err != nil {
@@ -359,10 +368,43 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		c.revoke(r.request())
 		return errs
 	}
-	for j, g := range resp.Grants {
-		c.grants.add(grantShapes[j], []*pb.PutStartResult{g}, asked)
+	// The runs answer a prefix of the grants asked for, in order.
+	k := 0
+	for _, run := range resp.Grants {
+		if k >= len(grantShapes) || run.Count == 0 || k+int(run.Count) > len(grantShapes) {
+			break
+		}
+		c.grants.addRun(grantShapes[k], run, asked)
+		k += int(run.Count)
 	}
 	return errs
+}
+
+// endUnplaced sends again, with their replicas, the items the leader
+// answered as not placed by it, and puts their results in resp.
+func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, resp *pb.BatchPutEndResponse) error {
+	again := &pb.BatchPutEndRequest{}
+	for _, j := range resp.Unplaced {
+		if int(j) >= len(end.Items) {
+			return fmt.Errorf("%w: master named item %d of %d", ErrProtocol, j, len(end.Items))
+		}
+		again.Items = append(again.Items, end.Items[j])
+	}
+	var r *pb.BatchPutEndResponse
+	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		r, err = m.BatchPutEnd(ctx, again, o...)
+		return err
+	})
+	if err == nil && (len(r.Results) != len(again.Items) || len(r.Unplaced) > 0) {
+		err = fmt.Errorf("%w: master answered %d results for %d puts, %d unplaced with their replicas", ErrProtocol, len(r.Results), len(again.Items), len(r.Unplaced))
+	}
+	if err != nil {
+		return err
+	}
+	for k, j := range resp.Unplaced {
+		resp.Results[j] = r.Results[k]
+	}
+	return nil
 }
 
 func shapeOf(it *pb.PutStartRequest) shape {

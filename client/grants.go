@@ -90,16 +90,21 @@ func (g *grantPool) want(sh shape, n int, now time.Time) int {
 	return max(0, min(n, maxPooled-len(g.byShap[sh])))
 }
 
-// add pools grants the leader answered, asked at asked.
-func (g *grantPool) add(sh shape, rs []*pb.PutStartResult, asked time.Time) {
+// addRun pools a run of grants the leader answered, asked at asked.
+func (g *grantPool) addRun(sh shape, run *pb.GrantRun, asked time.Time) {
+	if len(run.Replicas) == 0 {
+		return
+	}
+	deadline := asked.Add(time.Duration(run.WriteTimeoutMs) * time.Millisecond)
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	for _, r := range rs {
-		if r.Status.GetCode() != 0 || len(r.Replicas) == 0 {
-			continue
+	// Pooled last first: take pops from the end, so puts go in order.
+	for i := int(run.Count) - 1; i >= 0; i-- {
+		reps := make([]*pb.Replica, len(run.Replicas))
+		for j, r := range run.Replicas {
+			reps[j] = &pb.Replica{Segment: r.Segment, Node: r.Node, Endpoint: r.Endpoint, Offset: r.Offset + uint64(i)*run.Stride, Length: r.Length, Tier: r.Tier}
 		}
-		g.byShap[sh] = append(g.byShap[sh], grant{id: r.PutId, replicas: r.Replicas,
-			deadline: asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)})
+		g.byShap[sh] = append(g.byShap[sh], grant{id: run.FirstPutId + uint64(i), replicas: reps, deadline: deadline})
 	}
 }
 

@@ -332,6 +332,8 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 	var idx []int     // errs index of each command item
 	var mine []uint64 // put ids this leader placed, ended by the command
 	var legacy []int  // puts started by a PutStartCmd (the log of an older master)
+	var unplaced []uint32
+	now := m.s.cfg.Now().UnixNano()
 	t := m.s.puts
 	t.mu.Lock()
 	for i, it := range req.Items {
@@ -358,7 +360,12 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			continue
 		}
 		if len(it.Replicas) == 0 {
-			legacy = append(legacy, i)
+			if m.s.fsm.putState(it.Key, now) == pb.ObjectState_OBJECT_STATE_PROCESSING {
+				legacy = append(legacy, i)
+			} else {
+				errs[i] = fmt.Errorf("%w: %q was not placed by this leader; send its replicas", ErrNotInProgress, it.Key)
+				unplaced = append(unplaced, uint32(i))
+			}
 			continue
 		}
 		if len(it.Parent) > MaxKeyLen || len(it.Tenant) > MaxKeyLen || len(it.Replicas) > maxPutReplicas {
@@ -408,68 +415,7 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		}
 	}
 	m.s.touch(ended, m.s.cfg.Now())
-	return &pb.BatchPutEndResponse{Results: itemsResponse(errs).Results, Grants: m.grant(ctx, req.Grants)}, nil
-}
-
-// Grants are bounded per request, in count and bytes: what a client does
-// not use stays reserved until its reservation is released.
-const (
-	maxGrants     = 1024
-	maxGrantBytes = 16 << 20
-)
-
-// grant places puts for keys not known yet. It answers the grants it
-// placed, up to maxGrants and maxGrantBytes; a grant it cannot place ends
-// the list (the client then starts those puts as usual).
-func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) []*pb.PutStartResult {
-	if len(reqs) == 0 {
-		return nil
-	}
-	host := clientHost(ctx)
-	views := map[string]segmentView{}
-	for _, v := range m.s.fsm.segmentViews() {
-		views[v.id] = v
-	}
-	cands := map[sizeTier][]string{}
-	var out []*pb.PutStartResult
-	var bytes uint64
-	for _, it := range reqs {
-		if len(out) == maxGrants || it.Size == 0 || bytes+it.Size > maxGrantBytes {
-			break
-		}
-		k := sizeTier{it.Size, it.Tier}
-		if _, ok := cands[k]; !ok {
-			cands[k] = m.s.candidates(it.Size, it.Tier, host)
-		}
-		t := m.s.puts
-		p := &pendingPut{item: &pb.PublishItem{Size: it.Size}, grant: true, deadline: m.s.cfg.Now().Add(m.s.cfg.PutTimeout)}
-		t.mu.Lock()
-		t.add(p)
-		t.mu.Unlock()
-		exts, used, err := m.s.place(ctx, p.item, max(int(it.Replicas), 1), it.Tier, cands[k], views)
-		var reps []*pb.Replica
-		if err == nil {
-			m.s.fsm.mu.RLock()
-			reps = m.s.fsm.describe(exts)
-			m.s.fsm.mu.RUnlock()
-		}
-		t.mu.Lock()
-		ok := err == nil && len(reps) == len(exts) && t.pending[p.id] == p
-		if t.pending[p.id] == p {
-			p.resv, p.item.Replicas = used, exts
-			if !ok {
-				t.done(p.id)
-			}
-		}
-		t.mu.Unlock()
-		if !ok || (len(reps) > 0 && reps[0].Tier != orDRAM(it.Tier)) {
-			break // no room, or a spill: the next puts start as usual and may evict
-		}
-		out = append(out, &pb.PutStartResult{Status: itemStatus(nil), Replicas: reps, PutId: p.id,
-			WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds())})
-		bytes += it.Size
-	}
-	return out
+	return &pb.BatchPutEndResponse{Results: itemsResponse(errs).Results, Grants: m.grant(ctx, req.Grants), Unplaced: unplaced}, nil
 }
 
 // PutRevoke abandons puts whose writes have ended. A put this leader

@@ -450,3 +450,186 @@ func (s *Server) releaseReservations(ctx context.Context, segment string, ids []
 		t.resv[segment] = rs
 	}
 }
+
+// Grants are bounded per request, in count and bytes: what a client does
+// not use stays reserved until its reservation is released.
+const (
+	maxGrants     = 1024
+	maxGrantBytes = 16 << 20
+)
+
+// grant places puts for keys not known yet, as runs: consecutive requests
+// of one shape become as few runs of contiguous space as the reservations
+// allow. The runs answer a prefix of the requests, in order: it stops at
+// maxGrants, maxGrantBytes, or a shape it cannot place without evicting or
+// spilling (the client then starts those puts as usual).
+func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) []*pb.GrantRun {
+	if len(reqs) == 0 {
+		return nil
+	}
+	host := clientHost(ctx)
+	views := map[string]segmentView{}
+	for _, v := range m.s.fsm.segmentViews() {
+		views[v.id] = v
+	}
+	var out []*pb.GrantRun
+	var count int
+	var bytes uint64
+	for i := 0; i < len(reqs); {
+		it := reqs[i]
+		same := 1
+		for i+same < len(reqs) && reqs[i+same].Size == it.Size && reqs[i+same].Tier == it.Tier && reqs[i+same].Replicas == it.Replicas {
+			same++
+		}
+		i += same
+		if it.Size == 0 {
+			continue
+		}
+		want := min(same, maxGrants-count, int((maxGrantBytes-bytes)/it.Size))
+		cands := m.s.candidates(it.Size, it.Tier, host)
+		for placed := 0; placed < want; {
+			run, err := m.s.placeRun(ctx, it, want-placed, cands, views)
+			if err != nil || run == nil {
+				return out // no room without evicting, or a spill
+			}
+			out = append(out, run)
+			placed += int(run.Count)
+			count += int(run.Count)
+			bytes += uint64(run.Count) * it.Size
+		}
+		if want < same {
+			return out // the runs answer a prefix of the requests, in order
+		}
+	}
+	return out
+}
+
+// placeRun places up to count puts of it's shape in contiguous space of
+// one reservation per replica, in its preferred tier only.
+func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int, candidates []string, views map[string]segmentView) (*pb.GrantRun, error) {
+	want := max(int(it.Replicas), 1)
+	type taken struct {
+		r   *openResv
+		off uint64
+	}
+	var got []taken
+	var n uint64
+	t := s.puts
+	nodes := map[string]bool{}
+	for _, seg := range candidates {
+		if len(got) == want {
+			break
+		}
+		v, ok := views[seg]
+		if !ok || nodes[v.node] || v.tier != orDRAM(it.Tier) {
+			continue
+		}
+		a := alignment(v.tier)
+		n = (it.Size + a - 1) / a * a
+		size := reserveSize(v.capacity, n)
+		t.mu.Lock()
+		r, off, c := t.takeRun(seg, n, count, s.cfg.Now())
+		t.mu.Unlock()
+		if c == 0 {
+			r0, off0, err := s.reserveFor(ctx, seg, size, n)
+			if err != nil {
+				continue
+			}
+			r, off, c = r0, off0, 1
+		}
+		if t.low(seg, s.cfg.Now(), s.cfg.ReserveWindow) {
+			s.reserveAhead(seg, size, n)
+		}
+		// Every replica of the run holds the same count of puts.
+		if c < count {
+			t.mu.Lock()
+			for i := range got {
+				t.giveBack(got[i].r, got[i].off+uint64(c)*n, uint64(count-c)*n, count-c)
+			}
+			t.mu.Unlock()
+			count = c
+		}
+		nodes[v.node] = true
+		got = append(got, taken{r, off})
+	}
+	if len(got) == 0 {
+		return nil, nil
+	}
+	exts := make([]*pb.Extent, len(got))
+	for i, g := range got {
+		exts[i] = &pb.Extent{Segment: g.r.segment, Offset: g.off, Length: it.Size}
+	}
+	s.fsm.mu.RLock()
+	reps := s.fsm.describe(exts)
+	s.fsm.mu.RUnlock()
+	deadline := s.cfg.Now().Add(s.cfg.PutTimeout)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(reps) < len(exts) {
+		for _, g := range got { // a segment went away: so did its space
+			for range count {
+				g.r.inflight--
+			}
+			t.kickIfDone(g.r)
+		}
+		return nil, nil
+	}
+	run := &pb.GrantRun{Count: uint32(count), Stride: n, Replicas: reps, WriteTimeoutMs: uint64(s.cfg.PutTimeout.Milliseconds())}
+	for i := range count {
+		p := &pendingPut{item: &pb.PublishItem{Size: it.Size}, grant: true, deadline: deadline}
+		for _, g := range got {
+			p.item.Replicas = append(p.item.Replicas, &pb.Extent{Segment: g.r.segment, Offset: g.off + uint64(i)*n, Length: it.Size})
+			p.resv = append(p.resv, g.r)
+		}
+		t.add(p)
+		if i == 0 {
+			run.FirstPutId = p.id
+		}
+	}
+	return run, nil
+}
+
+// takeRun hands out up to count contiguous pieces of n bytes from one open
+// reservation of segment, and reports how many it took.
+func (t *putTable) takeRun(segment string, n uint64, count int, now time.Time) (*openResv, uint64, int) {
+	for _, r := range t.resv[segment] {
+		if r.closed || !now.Before(r.allocUntil) {
+			continue
+		}
+		best := -1
+		for i, sp := range r.spans {
+			if sp.len >= n && (best < 0 || sp.len > r.spans[best].len) {
+				best = i
+			}
+		}
+		if best < 0 {
+			continue
+		}
+		sp := r.spans[best]
+		c := min(count, int(sp.len/n))
+		take := uint64(c) * n
+		if sp.len == take {
+			r.spans = append(r.spans[:best], r.spans[best+1:]...)
+		} else {
+			r.spans[best] = span{sp.off + take, sp.len - take}
+		}
+		r.left -= take
+		r.inflight += c
+		r.lastUse = time.Now()
+		return r, sp.off, c
+	}
+	return nil, 0, 0
+}
+
+// giveBack returns the tail of a run taken from r and not handed out.
+func (t *putTable) giveBack(r *openResv, off, n uint64, count int) {
+	r.inflight -= count
+	r.left += n
+	for i, sp := range r.spans {
+		if sp.off == off+n {
+			r.spans[i] = span{off, sp.len + n}
+			return
+		}
+	}
+	r.spans = append(r.spans, span{off, n})
+}

@@ -92,24 +92,38 @@ func TestPutGrants(t *testing.T) {
 	}
 	shape := &pb.PutStartRequest{Size: 1000}
 	resp, err := mc.BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{
-		Items:  []*pb.PutEndItem{{Key: "k0", PutId: r.PutId, Size: 1000, Replicas: r.Replicas}},
+		Items:  []*pb.PutEndItem{{Key: "k0", PutId: r.PutId, Size: 1000}}, // its leader knows where
 		Grants: []*pb.PutStartRequest{shape, shape, shape},
 	})
-	if err != nil || resp.Results[0].Code != 0 || len(resp.Grants) != 3 {
+	if err != nil || resp.Results[0].Code != 0 || len(resp.Unplaced) != 0 {
 		t.Fatalf("put end with grants: %v, %v", resp, err)
 	}
-	g := resp.Grants
+	// Runs of contiguous grants, three in all.
+	type grant struct {
+		id  uint64
+		rep *pb.Replica
+	}
+	var g []grant
+	for _, run := range resp.Grants {
+		for i := range uint64(run.Count) {
+			rep := &pb.Replica{Segment: run.Replicas[0].Segment, Offset: run.Replicas[0].Offset + i*run.Stride, Length: run.Replicas[0].Length}
+			g = append(g, grant{run.FirstPutId + i, rep})
+		}
+	}
+	if len(g) != 3 || g[0].rep.Length != 1000 {
+		t.Fatalf("grants %v, want 3 of 1000 bytes", resp.Grants)
+	}
 	for i, a := range g {
 		for _, b := range g[i+1:] {
-			if overlaps(a.Replicas[0], b.Replicas[0]) || a.PutId == b.PutId {
+			if overlaps(a.rep, b.rep) || a.id == b.id {
 				t.Fatalf("grants overlap: %v and %v", a, b)
 			}
 		}
 	}
 	// A grant is invisible until used; used, it is the key's put.
-	use := func(key string, gr *pb.PutStartResult, size uint64) *pb.ItemStatus {
+	use := func(key string, gr grant, size uint64) *pb.ItemStatus {
 		resp, err := mc.BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{
-			Key: key, PutId: gr.PutId, Size: size, Checksum: 7, Replicas: gr.Replicas,
+			Key: key, PutId: gr.id, Size: size, Checksum: 7,
 		}}})
 		if err != nil {
 			t.Fatal(err)
@@ -120,15 +134,21 @@ func TestPutGrants(t *testing.T) {
 		t.Fatalf("use grant: %v", st)
 	}
 	gr, err := mc.GetReplicas(rpcCtx(t), &pb.KeysRequest{Keys: []string{"g0"}})
-	if err != nil || gr.Results[0].Checksum != 7 || gr.Results[0].Replicas[0].Offset != g[0].Replicas[0].Offset {
+	if err != nil || gr.Results[0].Checksum != 7 || gr.Results[0].Replicas[0].Offset != g[0].rep.Offset {
 		t.Fatalf("g0 after its grant was used: %v, %v", gr, err)
 	}
 	if st := use("g1", g[1], 999); codes.Code(st.Code) != codes.InvalidArgument {
 		t.Fatalf("a grant used for another size: %v, want InvalidArgument", st)
 	}
+	// An item without replicas that this leader did not place is answered
+	// as unplaced, for the client to send again with them.
+	resp, err = mc.BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{Key: "x", PutId: 12345, Size: 10}}})
+	if err != nil || len(resp.Unplaced) != 1 || resp.Unplaced[0] != 0 || codes.Code(resp.Results[0].Code) != codes.FailedPrecondition {
+		t.Fatalf("put end of an unknown put without replicas: %v, %v", resp, err)
+	}
 	// Revoked by id with no key; a second revoke finds nothing.
 	for want := range []codes.Code{codes.OK, codes.FailedPrecondition} {
-		res, err := mc.PutRevoke(rpcCtx(t), &pb.KeysRequest{Keys: []string{""}, PutIds: []uint64{g[2].PutId}})
+		res, err := mc.PutRevoke(rpcCtx(t), &pb.KeysRequest{Keys: []string{""}, PutIds: []uint64{g[2].id}})
 		if err != nil || codes.Code(res.Results[0].Code) != []codes.Code{codes.OK, codes.FailedPrecondition}[want] {
 			t.Fatalf("revoke grant (%d): %v, %v", want, res, err)
 		}

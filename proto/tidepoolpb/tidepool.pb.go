@@ -635,7 +635,10 @@ func (x *PutEndItem) GetTenant() string {
 
 type BatchPutEndRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	Items []*PutEndItem          `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
+	// An item may leave out its replicas: the leader that placed it knows
+	// them. Another leader answers such an item in unplaced, and the client
+	// sends it again with them.
+	Items []*PutEndItem `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
 	// Puts to place now for keys not known yet, answered as grants: the
 	// client's next puts of these shapes (size, tier, replicas) skip
 	// BatchPutStart. Keys are empty; the leader may answer fewer.
@@ -691,9 +694,10 @@ func (x *BatchPutEndRequest) GetGrants() []*PutStartRequest {
 type BatchPutEndResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Results []*ItemStatus          `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
-	// One per grant placed (placed ones first; a grant is used by a
-	// PutEndItem naming its put_id, or revoked by PutRevoke of that id).
-	Grants        []*PutStartResult `protobuf:"bytes,2,rep,name=grants,proto3" json:"grants,omitempty"`
+	Grants  []*GrantRun            `protobuf:"bytes,2,rep,name=grants,proto3" json:"grants,omitempty"`
+	// Indices of items this leader did not place that came without their
+	// replicas (their results say so): send them again with the replicas.
+	Unplaced      []uint32 `protobuf:"varint,3,rep,packed,name=unplaced,proto3" json:"unplaced,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -735,11 +739,98 @@ func (x *BatchPutEndResponse) GetResults() []*ItemStatus {
 	return nil
 }
 
-func (x *BatchPutEndResponse) GetGrants() []*PutStartResult {
+func (x *BatchPutEndResponse) GetGrants() []*GrantRun {
 	if x != nil {
 		return x.Grants
 	}
 	return nil
+}
+
+func (x *BatchPutEndResponse) GetUnplaced() []uint32 {
+	if x != nil {
+		return x.Unplaced
+	}
+	return nil
+}
+
+// GrantRun is count grants, puts placed for keys not known yet: grant i
+// has put id first_put_id + i and its replicas at offset + i * stride of
+// each replica given. A grant is used by a PutEndItem naming its put id,
+// or given back by PutRevoke of that id with an empty key.
+type GrantRun struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	FirstPutId     uint64                 `protobuf:"varint,1,opt,name=first_put_id,json=firstPutId,proto3" json:"first_put_id,omitempty"`
+	Count          uint32                 `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	Stride         uint64                 `protobuf:"varint,3,opt,name=stride,proto3" json:"stride,omitempty"`
+	Replicas       []*Replica             `protobuf:"bytes,4,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	WriteTimeoutMs uint64                 `protobuf:"varint,5,opt,name=write_timeout_ms,json=writeTimeoutMs,proto3" json:"write_timeout_ms,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *GrantRun) Reset() {
+	*x = GrantRun{}
+	mi := &file_tidepool_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GrantRun) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GrantRun) ProtoMessage() {}
+
+func (x *GrantRun) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GrantRun.ProtoReflect.Descriptor instead.
+func (*GrantRun) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *GrantRun) GetFirstPutId() uint64 {
+	if x != nil {
+		return x.FirstPutId
+	}
+	return 0
+}
+
+func (x *GrantRun) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *GrantRun) GetStride() uint64 {
+	if x != nil {
+		return x.Stride
+	}
+	return 0
+}
+
+func (x *GrantRun) GetReplicas() []*Replica {
+	if x != nil {
+		return x.Replicas
+	}
+	return nil
+}
+
+func (x *GrantRun) GetWriteTimeoutMs() uint64 {
+	if x != nil {
+		return x.WriteTimeoutMs
+	}
+	return 0
 }
 
 type KeysRequest struct {
@@ -754,7 +845,7 @@ type KeysRequest struct {
 
 func (x *KeysRequest) Reset() {
 	*x = KeysRequest{}
-	mi := &file_tidepool_proto_msgTypes[9]
+	mi := &file_tidepool_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -766,7 +857,7 @@ func (x *KeysRequest) String() string {
 func (*KeysRequest) ProtoMessage() {}
 
 func (x *KeysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[9]
+	mi := &file_tidepool_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -779,7 +870,7 @@ func (x *KeysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysRequest.ProtoReflect.Descriptor instead.
 func (*KeysRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{9}
+	return file_tidepool_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *KeysRequest) GetKeys() []string {
@@ -805,7 +896,7 @@ type ItemsResponse struct {
 
 func (x *ItemsResponse) Reset() {
 	*x = ItemsResponse{}
-	mi := &file_tidepool_proto_msgTypes[10]
+	mi := &file_tidepool_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -817,7 +908,7 @@ func (x *ItemsResponse) String() string {
 func (*ItemsResponse) ProtoMessage() {}
 
 func (x *ItemsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[10]
+	mi := &file_tidepool_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -830,7 +921,7 @@ func (x *ItemsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemsResponse.ProtoReflect.Descriptor instead.
 func (*ItemsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{10}
+	return file_tidepool_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ItemsResponse) GetResults() []*ItemStatus {
@@ -852,7 +943,7 @@ type ObjectReplicas struct {
 
 func (x *ObjectReplicas) Reset() {
 	*x = ObjectReplicas{}
-	mi := &file_tidepool_proto_msgTypes[11]
+	mi := &file_tidepool_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -864,7 +955,7 @@ func (x *ObjectReplicas) String() string {
 func (*ObjectReplicas) ProtoMessage() {}
 
 func (x *ObjectReplicas) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[11]
+	mi := &file_tidepool_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -877,7 +968,7 @@ func (x *ObjectReplicas) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectReplicas.ProtoReflect.Descriptor instead.
 func (*ObjectReplicas) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{11}
+	return file_tidepool_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ObjectReplicas) GetStatus() *ItemStatus {
@@ -920,7 +1011,7 @@ type GetReplicasResponse struct {
 
 func (x *GetReplicasResponse) Reset() {
 	*x = GetReplicasResponse{}
-	mi := &file_tidepool_proto_msgTypes[12]
+	mi := &file_tidepool_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -932,7 +1023,7 @@ func (x *GetReplicasResponse) String() string {
 func (*GetReplicasResponse) ProtoMessage() {}
 
 func (x *GetReplicasResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[12]
+	mi := &file_tidepool_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -945,7 +1036,7 @@ func (x *GetReplicasResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicasResponse.ProtoReflect.Descriptor instead.
 func (*GetReplicasResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{12}
+	return file_tidepool_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *GetReplicasResponse) GetResults() []*ObjectReplicas {
@@ -971,7 +1062,7 @@ type ExistsResponse struct {
 
 func (x *ExistsResponse) Reset() {
 	*x = ExistsResponse{}
-	mi := &file_tidepool_proto_msgTypes[13]
+	mi := &file_tidepool_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -983,7 +1074,7 @@ func (x *ExistsResponse) String() string {
 func (*ExistsResponse) ProtoMessage() {}
 
 func (x *ExistsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[13]
+	mi := &file_tidepool_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -996,7 +1087,7 @@ func (x *ExistsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExistsResponse.ProtoReflect.Descriptor instead.
 func (*ExistsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{13}
+	return file_tidepool_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ExistsResponse) GetExists() []bool {
@@ -1019,7 +1110,7 @@ type ListRequest struct {
 
 func (x *ListRequest) Reset() {
 	*x = ListRequest{}
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1031,7 +1122,7 @@ func (x *ListRequest) String() string {
 func (*ListRequest) ProtoMessage() {}
 
 func (x *ListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1044,7 +1135,7 @@ func (x *ListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRequest.ProtoReflect.Descriptor instead.
 func (*ListRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{14}
+	return file_tidepool_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ListRequest) GetPrefix() string {
@@ -1088,7 +1179,7 @@ type ObjectInfo struct {
 
 func (x *ObjectInfo) Reset() {
 	*x = ObjectInfo{}
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1100,7 +1191,7 @@ func (x *ObjectInfo) String() string {
 func (*ObjectInfo) ProtoMessage() {}
 
 func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1113,7 +1204,7 @@ func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectInfo.ProtoReflect.Descriptor instead.
 func (*ObjectInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{15}
+	return file_tidepool_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ObjectInfo) GetKey() string {
@@ -1197,7 +1288,7 @@ type ListResponse struct {
 
 func (x *ListResponse) Reset() {
 	*x = ListResponse{}
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1209,7 +1300,7 @@ func (x *ListResponse) String() string {
 func (*ListResponse) ProtoMessage() {}
 
 func (x *ListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1222,7 +1313,7 @@ func (x *ListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResponse.ProtoReflect.Descriptor instead.
 func (*ListResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{16}
+	return file_tidepool_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ListResponse) GetObjects() []*ObjectInfo {
@@ -1253,7 +1344,7 @@ type CorruptReplica struct {
 
 func (x *CorruptReplica) Reset() {
 	*x = CorruptReplica{}
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1265,7 +1356,7 @@ func (x *CorruptReplica) String() string {
 func (*CorruptReplica) ProtoMessage() {}
 
 func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1278,7 +1369,7 @@ func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CorruptReplica.ProtoReflect.Descriptor instead.
 func (*CorruptReplica) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{17}
+	return file_tidepool_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CorruptReplica) GetKey() string {
@@ -1312,7 +1403,7 @@ type CorruptReplicaResponse struct {
 
 func (x *CorruptReplicaResponse) Reset() {
 	*x = CorruptReplicaResponse{}
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1324,7 +1415,7 @@ func (x *CorruptReplicaResponse) String() string {
 func (*CorruptReplicaResponse) ProtoMessage() {}
 
 func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1337,7 +1428,7 @@ func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CorruptReplicaResponse.ProtoReflect.Descriptor instead.
 func (*CorruptReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{18}
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CorruptReplicaResponse) GetDropped() bool {
@@ -1355,7 +1446,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1367,7 +1458,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1380,7 +1471,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
 }
 
 type MemberInfo struct {
@@ -1394,7 +1485,7 @@ type MemberInfo struct {
 
 func (x *MemberInfo) Reset() {
 	*x = MemberInfo{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1406,7 +1497,7 @@ func (x *MemberInfo) String() string {
 func (*MemberInfo) ProtoMessage() {}
 
 func (x *MemberInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1419,7 +1510,7 @@ func (x *MemberInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberInfo.ProtoReflect.Descriptor instead.
 func (*MemberInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *MemberInfo) GetId() string {
@@ -1466,7 +1557,7 @@ type SegmentInfo struct {
 
 func (x *SegmentInfo) Reset() {
 	*x = SegmentInfo{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1478,7 +1569,7 @@ func (x *SegmentInfo) String() string {
 func (*SegmentInfo) ProtoMessage() {}
 
 func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1491,7 +1582,7 @@ func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentInfo.ProtoReflect.Descriptor instead.
 func (*SegmentInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *SegmentInfo) GetName() string {
@@ -1587,7 +1678,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1599,7 +1690,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1612,7 +1703,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *StatusResponse) GetLeaderId() string {
@@ -1684,7 +1775,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1696,7 +1787,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1709,7 +1800,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *LookupRequest) GetKeys() []string {
@@ -1751,7 +1842,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1763,7 +1854,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1776,7 +1867,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *LookupResponse) GetMatched() uint32 {
@@ -1846,7 +1937,7 @@ type ChildrenRequest struct {
 
 func (x *ChildrenRequest) Reset() {
 	*x = ChildrenRequest{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1858,7 +1949,7 @@ func (x *ChildrenRequest) String() string {
 func (*ChildrenRequest) ProtoMessage() {}
 
 func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1871,7 +1962,7 @@ func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChildrenRequest.ProtoReflect.Descriptor instead.
 func (*ChildrenRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ChildrenRequest) GetKey() string {
@@ -1900,7 +1991,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1912,7 +2003,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1925,7 +2016,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -1971,7 +2062,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1983,7 +2074,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1996,7 +2087,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -2079,7 +2170,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2091,7 +2182,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2104,7 +2195,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -2156,7 +2247,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2168,7 +2259,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2181,7 +2272,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *AdoptRequest) GetNode() string {
@@ -2221,7 +2312,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2233,7 +2324,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2246,7 +2337,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *AdoptResponse) GetAdopted() uint32 {
@@ -2270,7 +2361,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2282,7 +2373,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2295,7 +2386,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -2335,7 +2426,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2347,7 +2438,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2360,7 +2451,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -2409,7 +2500,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2421,7 +2512,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2434,7 +2525,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -2465,7 +2556,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2477,7 +2568,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2490,7 +2581,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -2540,7 +2631,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2552,7 +2643,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2565,7 +2656,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{35}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -2628,7 +2719,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2640,7 +2731,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2653,7 +2744,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{36}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -2687,7 +2778,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2699,7 +2790,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2712,7 +2803,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{37}
+	return file_tidepool_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -2735,7 +2826,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2747,7 +2838,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2760,7 +2851,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{38}
+	return file_tidepool_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -2806,7 +2897,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2818,7 +2909,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2831,7 +2922,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{39}
+	return file_tidepool_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -2899,7 +2990,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2911,7 +3002,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2924,7 +3015,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{40}
+	return file_tidepool_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -2959,7 +3050,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2971,7 +3062,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2984,7 +3075,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{41}
+	return file_tidepool_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -3022,7 +3113,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3034,7 +3125,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3047,7 +3138,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{42}
+	return file_tidepool_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -3137,10 +3228,18 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06tenant\x18\a \x01(\tR\x06tenant\"y\n" +
 	"\x12BatchPutEndRequest\x12-\n" +
 	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\x124\n" +
-	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\"}\n" +
+	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\"\x93\x01\n" +
 	"\x13BatchPutEndResponse\x121\n" +
-	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\x123\n" +
-	"\x06grants\x18\x02 \x03(\v2\x1b.tidepool.v1.PutStartResultR\x06grants\":\n" +
+	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\x12-\n" +
+	"\x06grants\x18\x02 \x03(\v2\x15.tidepool.v1.GrantRunR\x06grants\x12\x1a\n" +
+	"\bunplaced\x18\x03 \x03(\rR\bunplaced\"\xb6\x01\n" +
+	"\bGrantRun\x12 \n" +
+	"\ffirst_put_id\x18\x01 \x01(\x04R\n" +
+	"firstPutId\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\rR\x05count\x12\x16\n" +
+	"\x06stride\x18\x03 \x01(\x04R\x06stride\x120\n" +
+	"\breplicas\x18\x04 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12(\n" +
+	"\x10write_timeout_ms\x18\x05 \x01(\x04R\x0ewriteTimeoutMs\":\n" +
 	"\vKeysRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x17\n" +
 	"\aput_ids\x18\x02 \x03(\x04R\x06putIds\"B\n" +
@@ -3373,7 +3472,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 44)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -3386,40 +3485,41 @@ var file_tidepool_proto_goTypes = []any{
 	(*PutEndItem)(nil),             // 8: tidepool.v1.PutEndItem
 	(*BatchPutEndRequest)(nil),     // 9: tidepool.v1.BatchPutEndRequest
 	(*BatchPutEndResponse)(nil),    // 10: tidepool.v1.BatchPutEndResponse
-	(*KeysRequest)(nil),            // 11: tidepool.v1.KeysRequest
-	(*ItemsResponse)(nil),          // 12: tidepool.v1.ItemsResponse
-	(*ObjectReplicas)(nil),         // 13: tidepool.v1.ObjectReplicas
-	(*GetReplicasResponse)(nil),    // 14: tidepool.v1.GetReplicasResponse
-	(*ExistsResponse)(nil),         // 15: tidepool.v1.ExistsResponse
-	(*ListRequest)(nil),            // 16: tidepool.v1.ListRequest
-	(*ObjectInfo)(nil),             // 17: tidepool.v1.ObjectInfo
-	(*ListResponse)(nil),           // 18: tidepool.v1.ListResponse
-	(*CorruptReplica)(nil),         // 19: tidepool.v1.CorruptReplica
-	(*CorruptReplicaResponse)(nil), // 20: tidepool.v1.CorruptReplicaResponse
-	(*StatusRequest)(nil),          // 21: tidepool.v1.StatusRequest
-	(*MemberInfo)(nil),             // 22: tidepool.v1.MemberInfo
-	(*SegmentInfo)(nil),            // 23: tidepool.v1.SegmentInfo
-	(*StatusResponse)(nil),         // 24: tidepool.v1.StatusResponse
-	(*LookupRequest)(nil),          // 25: tidepool.v1.LookupRequest
-	(*LookupResponse)(nil),         // 26: tidepool.v1.LookupResponse
-	(*ChildrenRequest)(nil),        // 27: tidepool.v1.ChildrenRequest
-	(*SegmentSpec)(nil),            // 28: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 29: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 30: tidepool.v1.RegisterRequest
-	(*AdoptRequest)(nil),           // 31: tidepool.v1.AdoptRequest
-	(*AdoptResponse)(nil),          // 32: tidepool.v1.AdoptResponse
-	(*RegisterResponse)(nil),       // 33: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 34: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 35: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 36: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 37: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 38: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 39: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 40: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 41: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 42: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 43: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 44: tidepool.v1.DrainProgress
+	(*GrantRun)(nil),               // 11: tidepool.v1.GrantRun
+	(*KeysRequest)(nil),            // 12: tidepool.v1.KeysRequest
+	(*ItemsResponse)(nil),          // 13: tidepool.v1.ItemsResponse
+	(*ObjectReplicas)(nil),         // 14: tidepool.v1.ObjectReplicas
+	(*GetReplicasResponse)(nil),    // 15: tidepool.v1.GetReplicasResponse
+	(*ExistsResponse)(nil),         // 16: tidepool.v1.ExistsResponse
+	(*ListRequest)(nil),            // 17: tidepool.v1.ListRequest
+	(*ObjectInfo)(nil),             // 18: tidepool.v1.ObjectInfo
+	(*ListResponse)(nil),           // 19: tidepool.v1.ListResponse
+	(*CorruptReplica)(nil),         // 20: tidepool.v1.CorruptReplica
+	(*CorruptReplicaResponse)(nil), // 21: tidepool.v1.CorruptReplicaResponse
+	(*StatusRequest)(nil),          // 22: tidepool.v1.StatusRequest
+	(*MemberInfo)(nil),             // 23: tidepool.v1.MemberInfo
+	(*SegmentInfo)(nil),            // 24: tidepool.v1.SegmentInfo
+	(*StatusResponse)(nil),         // 25: tidepool.v1.StatusResponse
+	(*LookupRequest)(nil),          // 26: tidepool.v1.LookupRequest
+	(*LookupResponse)(nil),         // 27: tidepool.v1.LookupResponse
+	(*ChildrenRequest)(nil),        // 28: tidepool.v1.ChildrenRequest
+	(*SegmentSpec)(nil),            // 29: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 30: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 31: tidepool.v1.RegisterRequest
+	(*AdoptRequest)(nil),           // 32: tidepool.v1.AdoptRequest
+	(*AdoptResponse)(nil),          // 33: tidepool.v1.AdoptResponse
+	(*RegisterResponse)(nil),       // 34: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 35: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 36: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 37: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 38: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 39: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 40: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 41: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 42: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 43: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 44: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 45: tidepool.v1.DrainProgress
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -3432,79 +3532,80 @@ var file_tidepool_proto_depIdxs = []int32{
 	8,  // 7: tidepool.v1.BatchPutEndRequest.items:type_name -> tidepool.v1.PutEndItem
 	4,  // 8: tidepool.v1.BatchPutEndRequest.grants:type_name -> tidepool.v1.PutStartRequest
 	2,  // 9: tidepool.v1.BatchPutEndResponse.results:type_name -> tidepool.v1.ItemStatus
-	5,  // 10: tidepool.v1.BatchPutEndResponse.grants:type_name -> tidepool.v1.PutStartResult
-	2,  // 11: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
-	2,  // 12: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
-	3,  // 13: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
-	13, // 14: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
-	1,  // 15: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
-	3,  // 16: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
-	17, // 17: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	0,  // 18: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
-	22, // 19: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
-	23, // 20: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
-	3,  // 21: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
-	0,  // 22: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	28, // 23: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	29, // 24: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	29, // 25: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
-	29, // 26: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	38, // 27: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
-	3,  // 28: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
-	3,  // 29: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
-	2,  // 30: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	37, // 31: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
-	0,  // 32: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	17, // 33: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 34: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	11, // 35: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	9,  // 36: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
-	11, // 37: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 38: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	11, // 39: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	11, // 40: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	11, // 41: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	16, // 42: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	21, // 43: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	19, // 44: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	25, // 45: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	27, // 46: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	30, // 47: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	36, // 48: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	34, // 49: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	31, // 50: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
-	36, // 51: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	40, // 52: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	11, // 53: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	41, // 54: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	43, // 55: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	5,  // 56: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	12, // 57: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	10, // 58: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
-	12, // 59: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 60: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	14, // 61: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	15, // 62: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	12, // 63: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	18, // 64: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	24, // 65: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	20, // 66: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	26, // 67: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	18, // 68: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	33, // 69: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	39, // 70: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	35, // 71: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	32, // 72: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
-	39, // 73: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	12, // 74: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	12, // 75: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	42, // 76: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	44, // 77: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	56, // [56:78] is the sub-list for method output_type
-	34, // [34:56] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	11, // 10: tidepool.v1.BatchPutEndResponse.grants:type_name -> tidepool.v1.GrantRun
+	3,  // 11: tidepool.v1.GrantRun.replicas:type_name -> tidepool.v1.Replica
+	2,  // 12: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
+	2,  // 13: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
+	3,  // 14: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
+	14, // 15: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
+	1,  // 16: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
+	3,  // 17: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
+	18, // 18: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	0,  // 19: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
+	23, // 20: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
+	24, // 21: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
+	3,  // 22: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
+	0,  // 23: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
+	29, // 24: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	30, // 25: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	30, // 26: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
+	30, // 27: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	39, // 28: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 29: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 30: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 31: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	38, // 32: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 33: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	18, // 34: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 35: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	12, // 36: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	9,  // 37: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
+	12, // 38: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 39: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	12, // 40: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	12, // 41: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	12, // 42: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	17, // 43: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	22, // 44: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	20, // 45: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	26, // 46: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	28, // 47: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	31, // 48: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	37, // 49: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	35, // 50: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	32, // 51: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	37, // 52: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	41, // 53: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	12, // 54: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	42, // 55: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	44, // 56: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	5,  // 57: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	13, // 58: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	10, // 59: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
+	13, // 60: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 61: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	15, // 62: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	16, // 63: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	13, // 64: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	19, // 65: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	25, // 66: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	21, // 67: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	27, // 68: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	19, // 69: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	34, // 70: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	40, // 71: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	36, // 72: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	33, // 73: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	40, // 74: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	13, // 75: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	13, // 76: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	43, // 77: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	45, // 78: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	57, // [57:79] is the sub-list for method output_type
+	35, // [35:57] is the sub-list for method input_type
+	35, // [35:35] is the sub-list for extension type_name
+	35, // [35:35] is the sub-list for extension extendee
+	0,  // [0:35] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -3518,7 +3619,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   43,
+			NumMessages:   44,
 			NumExtensions: 0,
 			NumServices:   3,
 		},
