@@ -19,7 +19,7 @@ func runBenchMeta(ctx context.Context, e *env, args []string) error {
 	var cfgp *client.Config // the client's config, Masters set once the flags are parsed
 	ctx, _, _, done, err := clientCommand(ctx, e, time.Hour, "bench meta", "[flags]",
 		`Measure the master alone, as Mooncake's master_bench does: batches of metadata calls with tiny
-values and no data transfer (put: BatchPutStart and PutEnd; get: GetReplicas; exists: Exists), one
+values and no data transfer (put: BatchPutStart and BatchPutEnd; get: GetReplicas; exists: Exists), one
 row per op, batch size and client count: keys/s, mean and p99 per call. Keys it puts are removed.`,
 		args, 0, 0, func(fs *flag.FlagSet, cfg *client.Config) {
 			fs.Var(&ops, "ops", "operations: put, get, exists (default all)")

@@ -200,7 +200,7 @@ func runStatus(ctx context.Context, e *env, args []string) error {
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\n", m.Id, m.Address, role)
 	}
-	fmt.Fprintln(tw, "\nSEGMENT\tNODE\tTIER\tENDPOINT\tUSED\tCAPACITY\tOBJECTS\tSTATE")
+	fmt.Fprintln(tw, "\nSEGMENT\tNODE\tTIER\tENDPOINT\tUSED\tRESERVED\tCAPACITY\tOBJECTS\tSTATE")
 	for _, s := range st.Segments {
 		state := "alive"
 		switch {
@@ -209,7 +209,7 @@ func runStatus(ctx context.Context, e *env, args []string) error {
 		case s.Draining:
 			state = "draining"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Name, s.Node, segmentTier(s), s.Endpoint, human(s.Used), human(s.Capacity), s.Objects, state)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Name, s.Node, segmentTier(s), s.Endpoint, human(s.Used), human(s.Reserved), human(s.Capacity), s.Objects, state)
 	}
 	return tw.Flush()
 }
