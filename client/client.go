@@ -271,7 +271,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 				// The writes must end before the master may reuse the space,
 				// measured conservatively from before we asked.
 				c.setWriteTimeout(time.Duration(r.WriteTimeoutMs) * time.Millisecond)
-				placed[i] = grant{id: r.PutId, replicas: r.Replicas, deadline: asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)}
+				placed[i] = grant{id: r.PutId, replicas: r.Replicas, reservations: r.Reservations, deadline: asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)}
 			}
 		}
 	}
@@ -315,7 +315,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		it := items[i]
 		end.Items = append(end.Items, &pb.PutEndItem{
 			Key: it.Key, PutId: placed[i].id, Size: it.Size, Checksum: it.Checksum,
-			Replicas: placed[i].replicas, Parent: it.Parent, Tenant: it.Tenant,
+			Replicas: placed[i].replicas, Reservations: placed[i].reservations, Parent: it.Parent, Tenant: it.Tenant,
 		})
 		endIdx = append(endIdx, i)
 		shapes[shapeOf(it)]++
@@ -350,45 +350,51 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	if err == nil && len(resp.Results) != len(endIdx) {
 		err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(endIdx))
 	}
-	if err == nil && len(resp.Unplaced) > 0 {
-		err = c.endUnplaced(ctx, end, resp)
-	}
-	for j, i := range endIdx {
-		if err != nil {
-			errs[i] = err
-		} else {
-			errs[i] = itemError(resp.Results[j])
-		}
-	}
 	if err != nil {
 		var r puts
 		for _, it := range end.Items {
 			r.add(it.Key, it.PutId)
 		}
 		c.revoke(r.request())
+		for _, i := range endIdx {
+			errs[i] = err
+		}
 		return errs
 	}
 	// The runs answer a prefix of the grants asked for, in order.
 	k := 0
 	for _, run := range resp.Grants {
 		if k >= len(grantShapes) || run.Count == 0 || k+int(run.Count) > len(grantShapes) {
-			break
+			c.revokeIDs(runIDs(run))
+			continue
 		}
-		c.grants.addRun(grantShapes[k], run, asked)
+		c.revokeIDs(c.grants.addRun(grantShapes[k], run, asked))
 		k += int(run.Count)
+	}
+	failed := c.endUnplaced(ctx, end, resp)
+	for j, i := range endIdx {
+		if errs[i] = failed[uint32(j)]; errs[i] == nil {
+			errs[i] = itemError(resp.Results[j])
+		}
 	}
 	return errs
 }
 
 // endUnplaced sends again, with their replicas, the items the leader
-// answered as not placed by it, and puts their results in resp.
-func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, resp *pb.BatchPutEndResponse) error {
+// answered as not placed by it, and puts their results in resp. If that
+// fails it returns the error of each (they are revoked); the others keep
+// their results.
+func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, resp *pb.BatchPutEndResponse) map[uint32]error {
 	again := &pb.BatchPutEndRequest{}
+	var idx []uint32
 	for _, j := range resp.Unplaced {
-		if int(j) >= len(end.Items) {
-			return fmt.Errorf("%w: master named item %d of %d", ErrProtocol, j, len(end.Items))
+		if int(j) < len(end.Items) {
+			again.Items = append(again.Items, end.Items[j])
+			idx = append(idx, j)
 		}
-		again.Items = append(again.Items, end.Items[j])
+	}
+	if len(again.Items) == 0 {
+		return nil
 	}
 	var r *pb.BatchPutEndResponse
 	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
@@ -399,9 +405,18 @@ func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, re
 		err = fmt.Errorf("%w: master answered %d results for %d puts, %d unplaced with their replicas", ErrProtocol, len(r.Results), len(again.Items), len(r.Unplaced))
 	}
 	if err != nil {
-		return err
+		var rv puts
+		for _, it := range again.Items {
+			rv.add(it.Key, it.PutId)
+		}
+		c.revoke(rv.request())
+		failed := map[uint32]error{}
+		for _, j := range idx {
+			failed[j] = err
+		}
+		return failed
 	}
-	for k, j := range resp.Unplaced {
+	for k, j := range idx {
 		resp.Results[j] = r.Results[k]
 	}
 	return nil

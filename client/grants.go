@@ -22,9 +22,10 @@ type shape struct {
 }
 
 type grant struct {
-	id       uint64
-	replicas []*pb.Replica
-	deadline time.Time // the writes must end by then
+	id           uint64
+	replicas     []*pb.Replica
+	reservations []uint64  // where the leader placed each replica
+	deadline     time.Time // the writes must end by then
 }
 
 // grantPool holds the grants of one client.
@@ -90,22 +91,38 @@ func (g *grantPool) want(sh shape, n int, now time.Time) int {
 	return max(0, min(n, maxPooled-len(g.byShap[sh])))
 }
 
-// addRun pools a run of grants the leader answered, asked at asked.
-func (g *grantPool) addRun(sh shape, run *pb.GrantRun, asked time.Time) {
-	if len(run.Replicas) == 0 {
-		return
+// addRun pools a run of grants the leader answered, asked at asked, up to
+// maxPooled of a shape, and returns the put ids of those it did not pool.
+func (g *grantPool) addRun(sh shape, run *pb.GrantRun, asked time.Time) (left []uint64) {
+	if len(run.Replicas) == 0 || len(run.Reservations) != len(run.Replicas) {
+		return runIDs(run)
 	}
 	deadline := asked.Add(time.Duration(run.WriteTimeoutMs) * time.Millisecond)
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	// Pooled last first: take pops from the end, so puts go in order.
 	for i := int(run.Count) - 1; i >= 0; i-- {
+		id := run.FirstPutId + uint64(i)
+		if len(g.byShap[sh]) >= maxPooled {
+			left = append(left, id)
+			continue
+		}
 		reps := make([]*pb.Replica, len(run.Replicas))
 		for j, r := range run.Replicas {
 			reps[j] = &pb.Replica{Segment: r.Segment, Node: r.Node, Endpoint: r.Endpoint, Offset: r.Offset + uint64(i)*run.Stride, Length: r.Length, Tier: r.Tier}
 		}
-		g.byShap[sh] = append(g.byShap[sh], grant{id: run.FirstPutId + uint64(i), replicas: reps, deadline: deadline})
+		g.byShap[sh] = append(g.byShap[sh], grant{id: id, replicas: reps, reservations: run.Reservations, deadline: deadline})
 	}
+	return left
+}
+
+// runIDs lists the put ids of a run.
+func runIDs(run *pb.GrantRun) []uint64 {
+	ids := make([]uint64, run.Count)
+	for i := range ids {
+		ids[i] = run.FirstPutId + uint64(i)
+	}
+	return ids
 }
 
 // drain empties the pool and returns the grants' put ids.
@@ -124,15 +141,22 @@ func (g *grantPool) drain() []uint64 {
 
 // revokeGrants gives the pooled grants back, so their space is freed now
 // rather than when they expire.
-func (c *Client) revokeGrants() {
-	ids := c.grants.drain()
-	if len(ids) == 0 {
-		return
+func (c *Client) revokeGrants() { c.revokeIDs(c.grants.drain()) }
+
+// revokeIDs gives grants back by put id, in requests the master takes.
+func (c *Client) revokeIDs(ids []uint64) {
+	for len(ids) > 0 {
+		n := min(len(ids), maxRevoke)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		_ = c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) error {
+			_, err := m.PutRevoke(ctx, &pb.KeysRequest{Keys: make([]string, n), PutIds: ids[:n]}, o...)
+			return err
+		})
+		cancel()
+		ids = ids[n:]
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	_ = c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) error {
-		_, err := m.PutRevoke(ctx, &pb.KeysRequest{Keys: make([]string, len(ids)), PutIds: ids}, o...)
-		return err
-	})
 }
+
+// maxRevoke is the most grants one PutRevoke gives back (the master's
+// batch limit).
+const maxRevoke = 16384

@@ -254,12 +254,17 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 	t.mu.Lock()
 	if t.pending[p.id] == p {
 		p.resv = used
-		item.Replicas = exts
+		item.Replicas, item.Reservations = exts, resvIDs(used)
 		if err != nil {
 			t.done(p.id)
 		}
-	} else if err == nil {
-		err = fmt.Errorf("%w: the leader changed while placing a put; retry", ErrNotLeader)
+	} else {
+		// The leader changed while it was placed: what it took is not
+		// handed out.
+		t.unclaim(used)
+		if err == nil {
+			err = fmt.Errorf("%w: the leader changed while placing a put; retry", ErrNotLeader)
+		}
 	}
 	t.mu.Unlock()
 	if ctx.Err() != nil {
@@ -272,7 +277,7 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 		m.s.spill()
 	}
 	return &pb.PutStartResult{
-		Status: itemStatus(nil), Replicas: reps, PutId: p.id,
+		Status: itemStatus(nil), Replicas: reps, PutId: p.id, Reservations: item.Reservations,
 		WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds()),
 	}, nil
 }
@@ -372,7 +377,7 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			errs[i] = fmt.Errorf("%w: PutEnd item of %q", ErrInvalidRequest, it.Key)
 			continue
 		}
-		pi := &pb.PublishItem{Key: it.Key, Size: it.Size, Checksum: it.Checksum, PutId: it.PutId, Parent: it.Parent, Tenant: it.Tenant}
+		pi := &pb.PublishItem{Key: it.Key, Size: it.Size, Checksum: it.Checksum, PutId: it.PutId, Parent: it.Parent, Tenant: it.Tenant, Reservations: it.Reservations}
 		for _, r := range it.Replicas {
 			pi.Replicas = append(pi.Replicas, &pb.Extent{Segment: r.Segment, Offset: r.Offset, Length: it.Size})
 		}

@@ -184,6 +184,23 @@ func (t *putTable) add(p *pendingPut) {
 	}
 }
 
+// unclaim gives back pieces taken for a put that is not handed out: they
+// stay unused in their reservations (released with them).
+func (t *putTable) unclaim(used []*openResv) {
+	for _, r := range used {
+		r.inflight--
+		t.kickIfDone(r)
+	}
+}
+
+func resvIDs(rs []*openResv) []uint64 {
+	ids := make([]uint64, len(rs))
+	for i, r := range rs {
+		ids[i] = r.id
+	}
+	return ids
+}
+
 // inProgress reports whether a put of key placed by this leader is open.
 func (t *putTable) inProgress(key string, now time.Time) bool {
 	id, ok := t.byKey[key]
@@ -230,6 +247,9 @@ func (s *Server) place(ctx context.Context, it *pb.PublishItem, want int, tier p
 			var err error
 			if r, off, err = s.reserveFor(ctx, seg, size, n); err != nil {
 				if ctx.Err() != nil {
+					t.mu.Lock()
+					t.unclaim(used)
+					t.mu.Unlock()
 					return nil, nil, ctx.Err()
 				}
 				if firstErr == nil || !errors.Is(err, ErrNoSpace) {
@@ -341,9 +361,7 @@ func (s *Server) startReserve(segment string, size, n uint64, need, join bool) (
 	if need && view.largestFree < n {
 		cmd.Reclaim = s.reclaimFor([]*pb.PutStartItem{{Size: n, Candidates: []string{segment}}})
 	}
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
+	started := s.goOwned(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_Reserve{Reserve: cmd}})
@@ -380,7 +398,17 @@ func (s *Server) startReserve(segment string, size, n uint64, need, join bool) (
 		if need {
 			call.claimed, call.off, _ = t.takeFrom(r, n)
 		}
-	}()
+	})
+	if !started { // closing
+		t.mu.Lock()
+		if t.reserving[segment] == call {
+			delete(t.reserving, segment)
+		}
+		call.err = ErrNotLeader
+		close(call.done)
+		t.mu.Unlock()
+		return nil, ErrNotLeader
+	}
 	return call, nil
 }
 
@@ -483,7 +511,7 @@ func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) [
 		}
 		i += same
 		if it.Size == 0 {
-			continue
+			return out // the runs answer a prefix of the requests
 		}
 		want := min(same, maxGrants-count, int((maxGrantBytes-bytes)/it.Size))
 		cands := m.s.candidates(it.Size, it.Tier, host)
@@ -537,7 +565,10 @@ func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int
 			}
 			r, off, c = r0, off0, 1
 		}
-		if t.low(seg, s.cfg.Now(), s.cfg.ReserveWindow) {
+		t.mu.Lock()
+		low := t.low(seg, s.cfg.Now(), s.cfg.ReserveWindow)
+		t.mu.Unlock()
+		if low {
 			s.reserveAhead(seg, size, n)
 		}
 		// Every replica of the run holds the same count of puts.
@@ -575,8 +606,11 @@ func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int
 		return nil, nil
 	}
 	run := &pb.GrantRun{Count: uint32(count), Stride: n, Replicas: reps, WriteTimeoutMs: uint64(s.cfg.PutTimeout.Milliseconds())}
+	for _, g := range got {
+		run.Reservations = append(run.Reservations, g.r.id)
+	}
 	for i := range count {
-		p := &pendingPut{item: &pb.PublishItem{Size: it.Size}, grant: true, deadline: deadline}
+		p := &pendingPut{item: &pb.PublishItem{Size: it.Size, Reservations: run.Reservations}, grant: true, deadline: deadline}
 		for _, g := range got {
 			p.item.Replicas = append(p.item.Replicas, &pb.Extent{Segment: g.r.segment, Offset: g.off + uint64(i)*n, Length: it.Size})
 			p.resv = append(p.resv, g.r)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -71,7 +72,7 @@ func TestPutPlacedBeforeFailover(t *testing.T) {
 		return nil
 	})
 	resp, err := leader.master().BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{
-		Key: "old1", PutId: started[1].PutId, Size: 4096, Replicas: started[1].Replicas,
+		Key: "old1", PutId: started[1].PutId, Size: 4096, Replicas: started[1].Replicas, Reservations: started[1].Reservations,
 	}}})
 	if err != nil || codes.Code(resp.Results[0].Code) != codes.FailedPrecondition {
 		t.Fatalf("PutEnd after its space was freed: %v, %v; want FailedPrecondition", resp, err)
@@ -183,6 +184,11 @@ func TestPutsNeverShareSpace(t *testing.T) {
 			for i := range 80 {
 				key := fmt.Sprintf("w%d/%d", w, i)
 				r, err := m.master().PutStart(rpcCtx(t), &pb.PutStartRequest{Key: key, Size: 1 + rng.Uint64N(96<<10)})
+				if status.Code(err) == codes.ResourceExhausted {
+					// Abandoned puts hold their space for the grace: on a
+					// slow run the segment can be out of evictable room.
+					continue
+				}
 				if err != nil {
 					t.Error(err)
 					return

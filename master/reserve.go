@@ -79,10 +79,13 @@ func (s *segment) reserved() uint64 {
 	return n
 }
 
-// carve takes [off, off+n) out of a reservation of s, if some reservation
-// still holds all of it.
-func (s *segment) carve(off, n uint64) bool {
+// carve takes [off, off+n) out of reservation id of s, if it still holds
+// all of it unpublished.
+func (s *segment) carve(id, off, n uint64) bool {
 	for _, r := range s.resv {
+		if r.id != id {
+			continue
+		}
 		i := sort.Search(len(r.spans), func(i int) bool { return r.spans[i].off+r.spans[i].len > off })
 		if i == len(r.spans) || r.spans[i].off > off || off+n > r.spans[i].off+r.spans[i].len {
 			continue
@@ -117,13 +120,16 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 	if it.Size == 0 {
 		return fmt.Errorf("%w: zero-length value", ErrInvalidRequest)
 	}
+	if len(it.Reservations) != len(it.Replicas) {
+		return fmt.Errorf("%w: %d replicas and %d reservations for %q", ErrInvalidRequest, len(it.Replicas), len(it.Reservations), it.Key)
+	}
 	var exts []*pb.Extent
-	for _, e := range it.Replicas {
+	for i, e := range it.Replicas {
 		s := f.segments[e.Segment]
 		if s == nil || slices.ContainsFunc(exts, func(x *pb.Extent) bool { return f.segments[x.Segment].node == s.node }) {
 			continue
 		}
-		if e.Offset%s.alloc.align != 0 || it.Size > s.alloc.capacity || !s.carve(e.Offset, s.alloc.rounded(it.Size)) {
+		if e.Offset%s.alloc.align != 0 || it.Size > s.alloc.capacity || !s.carve(it.Reservations[i], e.Offset, s.alloc.rounded(it.Size)) {
 			continue
 		}
 		s.objects++

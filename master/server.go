@@ -123,7 +123,11 @@ type Server struct {
 	rngMu sync.Mutex
 	rng   *rand.Rand // placement sampling; leader-local, never in Apply
 
-	stop      chan struct{}
+	stop chan struct{}
+	// goMu makes wg.Add of work started by requests and the Wait of Close
+	// exclusive: after closing is set no goroutine starts.
+	goMu      sync.Mutex
+	closing   bool
 	closeOnce sync.Once
 	closeErr  error
 	wg        sync.WaitGroup
@@ -273,6 +277,9 @@ func (s *Server) Serve(ln net.Listener) error {
 // call more than once.
 func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
+		s.goMu.Lock()
+		s.closing = true
+		s.goMu.Unlock()
 		close(s.stop)
 		s.grpc.Stop()
 		var errs []error
@@ -295,6 +302,22 @@ func (s *Server) closeStores() error {
 		errs = append(errs, s.logs.Close())
 	}
 	return errors.Join(errs...)
+}
+
+// goOwned runs f in a goroutine that Close waits for, unless the server is
+// closing; it reports whether it started it.
+func (s *Server) goOwned(f func()) bool {
+	s.goMu.Lock()
+	defer s.goMu.Unlock()
+	if s.closing {
+		return false
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		f()
+	}()
+	return true
 }
 
 // IsLeader reports whether this master is the raft leader and has caught

@@ -241,7 +241,7 @@ func putObject(t testing.TB, m *member, key string, size uint64) *pb.Replica {
 func endPlaced(t testing.TB, m *member, key string, r *pb.PutStartResult) {
 	t.Helper()
 	resp, err := m.master().BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{
-		Key: key, PutId: r.PutId, Size: r.Replicas[0].Length, Replicas: r.Replicas,
+		Key: key, PutId: r.PutId, Size: r.Replicas[0].Length, Replicas: r.Replicas, Reservations: r.Reservations,
 	}}})
 	if err != nil {
 		t.Fatalf("batch put end %q: %v", key, err)
@@ -623,7 +623,7 @@ func TestServerRevokesStalePut(t *testing.T) {
 	})
 	// Too late to publish now: the space may be someone else's.
 	resp, err := mc.BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{
-		Key: "stale", PutId: stale.PutId, Size: 4096, Replicas: stale.Replicas,
+		Key: "stale", PutId: stale.PutId, Size: 4096, Replicas: stale.Replicas, Reservations: stale.Reservations,
 	}}})
 	if err != nil || codes.Code(resp.Results[0].Code) != codes.FailedPrecondition {
 		t.Fatalf("publish after the space was freed: %v, %v", resp, err)

@@ -529,17 +529,22 @@ func (x *ReserveCmd) GetReclaim() []*Reclaimable {
 	return nil
 }
 
-// PublishItem makes one put COMPLETE: its replicas must lie in space
-// still reserved and unpublished, which only this put can have written.
+// PublishItem makes one put COMPLETE: each replica must lie in space still
+// unpublished of the reservation it was placed in, which only this put can
+// have written. A reservation released is gone for good (ids are raft
+// indexes), so a put published too late fails even if its space has been
+// reserved again.
 type PublishItem struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
-	Size          uint64                 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
-	Checksum      uint32                 `protobuf:"varint,3,opt,name=checksum,proto3" json:"checksum,omitempty"`
-	Replicas      []*Extent              `protobuf:"bytes,4,rep,name=replicas,proto3" json:"replicas,omitempty"`
-	PutId         uint64                 `protobuf:"varint,5,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
-	Parent        string                 `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
-	Tenant        string                 `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Key      string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Size     uint64                 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	Checksum uint32                 `protobuf:"varint,3,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	Replicas []*Extent              `protobuf:"bytes,4,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	PutId    uint64                 `protobuf:"varint,5,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	Parent   string                 `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant   string                 `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	// The reservation of each replica, in order.
+	Reservations  []uint64 `protobuf:"varint,8,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -621,6 +626,13 @@ func (x *PublishItem) GetTenant() string {
 		return x.Tenant
 	}
 	return ""
+}
+
+func (x *PublishItem) GetReservations() []uint64 {
+	if x != nil {
+		return x.Reservations
+	}
+	return nil
 }
 
 type PublishCmd struct {
@@ -2576,7 +2588,7 @@ const file_fsm_proto_rawDesc = "" +
 	"\bmin_span\x18\x03 \x01(\x04R\aminSpan\x121\n" +
 	"\x15alloc_until_unix_nano\x18\x04 \x01(\x03R\x12allocUntilUnixNano\x125\n" +
 	"\x17release_after_unix_nano\x18\x05 \x01(\x03R\x14releaseAfterUnixNano\x122\n" +
-	"\areclaim\x18\x06 \x03(\v2\x18.tidepool.v1.ReclaimableR\areclaim\"\xc7\x01\n" +
+	"\areclaim\x18\x06 \x03(\v2\x18.tidepool.v1.ReclaimableR\areclaim\"\xeb\x01\n" +
 	"\vPublishItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -2584,7 +2596,8 @@ const file_fsm_proto_rawDesc = "" +
 	"\breplicas\x18\x04 \x03(\v2\x13.tidepool.v1.ExtentR\breplicas\x12\x15\n" +
 	"\x06put_id\x18\x05 \x01(\x04R\x05putId\x12\x16\n" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\a \x01(\tR\x06tenant\"<\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\x12\"\n" +
+	"\freservations\x18\b \x03(\x04R\freservations\"<\n" +
 	"\n" +
 	"PublishCmd\x12.\n" +
 	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"[\n" +

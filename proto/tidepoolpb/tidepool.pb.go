@@ -382,8 +382,10 @@ type PutStartResult struct {
 	// Writes must end within this long of the answer; then the leader may
 	// revoke the put and reuse its space.
 	WriteTimeoutMs uint64 `protobuf:"varint,5,opt,name=write_timeout_ms,json=writeTimeoutMs,proto3" json:"write_timeout_ms,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The reservation each replica was placed in, for PutEnd.
+	Reservations  []uint64 `protobuf:"varint,6,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PutStartResult) Reset() {
@@ -449,6 +451,13 @@ func (x *PutStartResult) GetWriteTimeoutMs() uint64 {
 		return x.WriteTimeoutMs
 	}
 	return 0
+}
+
+func (x *PutStartResult) GetReservations() []uint64 {
+	if x != nil {
+		return x.Reservations
+	}
+	return nil
 }
 
 type BatchPutStartRequest struct {
@@ -542,14 +551,16 @@ func (x *BatchPutStartResponse) GetResults() []*PutStartResult {
 // PutEndItem publishes one put: what BatchPutStart answered for it, so a
 // new leader can publish a put the old one placed.
 type PutEndItem struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
-	PutId         uint64                 `protobuf:"varint,2,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
-	Size          uint64                 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
-	Checksum      uint32                 `protobuf:"varint,4,opt,name=checksum,proto3" json:"checksum,omitempty"`
-	Replicas      []*Replica             `protobuf:"bytes,5,rep,name=replicas,proto3" json:"replicas,omitempty"`
-	Parent        string                 `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
-	Tenant        string                 `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Key      string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	PutId    uint64                 `protobuf:"varint,2,opt,name=put_id,json=putId,proto3" json:"put_id,omitempty"`
+	Size     uint64                 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	Checksum uint32                 `protobuf:"varint,4,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	Replicas []*Replica             `protobuf:"bytes,5,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	Parent   string                 `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant   string                 `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	// With replicas: the reservation each was placed in, as PutStart answered.
+	Reservations  []uint64 `protobuf:"varint,8,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -631,6 +642,13 @@ func (x *PutEndItem) GetTenant() string {
 		return x.Tenant
 	}
 	return ""
+}
+
+func (x *PutEndItem) GetReservations() []uint64 {
+	if x != nil {
+		return x.Reservations
+	}
+	return nil
 }
 
 type BatchPutEndRequest struct {
@@ -764,8 +782,10 @@ type GrantRun struct {
 	Stride         uint64                 `protobuf:"varint,3,opt,name=stride,proto3" json:"stride,omitempty"`
 	Replicas       []*Replica             `protobuf:"bytes,4,rep,name=replicas,proto3" json:"replicas,omitempty"`
 	WriteTimeoutMs uint64                 `protobuf:"varint,5,opt,name=write_timeout_ms,json=writeTimeoutMs,proto3" json:"write_timeout_ms,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The reservation each replica's run lies in.
+	Reservations  []uint64 `protobuf:"varint,6,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GrantRun) Reset() {
@@ -831,6 +851,13 @@ func (x *GrantRun) GetWriteTimeoutMs() uint64 {
 		return x.WriteTimeoutMs
 	}
 	return 0
+}
+
+func (x *GrantRun) GetReservations() []uint64 {
+	if x != nil {
+		return x.Reservations
+	}
+	return nil
 }
 
 type KeysRequest struct {
@@ -3206,17 +3233,18 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x04tier\x18\x04 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x1a\n" +
 	"\breplicas\x18\x05 \x01(\rR\breplicas\x12\x16\n" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\a \x01(\tR\x06tenant\"\xcc\x01\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\"\xf0\x01\n" +
 	"\x0ePutStartResult\x12/\n" +
 	"\x06status\x18\x01 \x01(\v2\x17.tidepool.v1.ItemStatusR\x06status\x12\x16\n" +
 	"\x06exists\x18\x02 \x01(\bR\x06exists\x120\n" +
 	"\breplicas\x18\x03 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x15\n" +
 	"\x06put_id\x18\x04 \x01(\x04R\x05putId\x12(\n" +
-	"\x10write_timeout_ms\x18\x05 \x01(\x04R\x0ewriteTimeoutMs\"J\n" +
+	"\x10write_timeout_ms\x18\x05 \x01(\x04R\x0ewriteTimeoutMs\x12\"\n" +
+	"\freservations\x18\x06 \x03(\x04R\freservations\"J\n" +
 	"\x14BatchPutStartRequest\x122\n" +
 	"\x05items\x18\x01 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x05items\"N\n" +
 	"\x15BatchPutStartResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.tidepool.v1.PutStartResultR\aresults\"\xc7\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.tidepool.v1.PutStartResultR\aresults\"\xeb\x01\n" +
 	"\n" +
 	"PutEndItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x15\n" +
@@ -3225,21 +3253,23 @@ const file_tidepool_proto_rawDesc = "" +
 	"\bchecksum\x18\x04 \x01(\rR\bchecksum\x120\n" +
 	"\breplicas\x18\x05 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x16\n" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\a \x01(\tR\x06tenant\"y\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\x12\"\n" +
+	"\freservations\x18\b \x03(\x04R\freservations\"y\n" +
 	"\x12BatchPutEndRequest\x12-\n" +
 	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\x124\n" +
 	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\"\x93\x01\n" +
 	"\x13BatchPutEndResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\x12-\n" +
 	"\x06grants\x18\x02 \x03(\v2\x15.tidepool.v1.GrantRunR\x06grants\x12\x1a\n" +
-	"\bunplaced\x18\x03 \x03(\rR\bunplaced\"\xb6\x01\n" +
+	"\bunplaced\x18\x03 \x03(\rR\bunplaced\"\xda\x01\n" +
 	"\bGrantRun\x12 \n" +
 	"\ffirst_put_id\x18\x01 \x01(\x04R\n" +
 	"firstPutId\x12\x14\n" +
 	"\x05count\x18\x02 \x01(\rR\x05count\x12\x16\n" +
 	"\x06stride\x18\x03 \x01(\x04R\x06stride\x120\n" +
 	"\breplicas\x18\x04 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12(\n" +
-	"\x10write_timeout_ms\x18\x05 \x01(\x04R\x0ewriteTimeoutMs\":\n" +
+	"\x10write_timeout_ms\x18\x05 \x01(\x04R\x0ewriteTimeoutMs\x12\"\n" +
+	"\freservations\x18\x06 \x03(\x04R\freservations\":\n" +
 	"\vKeysRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x17\n" +
 	"\aput_ids\x18\x02 \x03(\x04R\x06putIds\"B\n" +
