@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Reproduces the put-path table of docs/benchmarks.md in one run on this
+# host: the baselines (fio's fsync rate of the disk under the raft log,
+# one-stream iperf3 on loopback) next to `tidepool bench` puts on one
+# master (`tidepool up`) and batch puts on three masters (raft replicated,
+# every entry fsynced on each), and `tidepool bench meta`.
+# Needs Debian's iperf3 and fio.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DURATION=${DURATION:-3s}
+for cmd in iperf3 fio; do
+	command -v "$cmd" >/dev/null || { echo "bench-puts.sh: $cmd not found (apt-get install -y iperf3 fio)" >&2; exit 1; }
+done
+PY=/usr/bin/python3
+work=$(mktemp -d -p "${TMPDIR:-/var/tmp}")
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+
+echo "building tidepool" >&2
+go build -o "$work/tidepool" ./cmd/tidepool
+tp="$work/tidepool"
+
+echo "fio: 4 KiB writes, each followed by fdatasync, on the file system of the raft log" >&2
+fio --name=fsync --filename="$work/fio.dat" --size=64M --bs=4k --rw=write --ioengine=sync --fdatasync=1 \
+	--runtime=5 --time_based --output-format=json >"$work/fio.json" 2>/dev/null
+rm -f "$work/fio.dat"
+fsyncs=$($PY -c 'import json,sys; print("%.0f" % json.load(open(sys.argv[1]))["jobs"][0]["write"]["iops"])' "$work/fio.json")
+
+iperf3 -s -p 55301 >/dev/null 2>&1 & pids+=($!)
+echo "iperf3 loopback, 5 s, one stream" >&2
+for _ in $(seq 50); do
+	iperf3 -c 127.0.0.1 -p 55301 -t 5 -J >"$work/iperf.json" 2>/dev/null && grep -q sum_received "$work/iperf.json" && break
+	sleep 0.2
+done
+iperf1=$($PY -c 'import json,sys; print("%.2f" % (json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_per_second"]/8e9))' "$work/iperf.json")
+
+echo "tidepool up + bench (each row $DURATION)" >&2
+"$tp" up --dir "$work/up" --dram 4GiB --ssd 0 --lease-ttl 2s --listen 127.0.0.1:55303 --raft 127.0.0.1:55304 \
+	--engine 127.0.0.1:55305 --http 127.0.0.1:55306 --log-level warn & pids+=($!)
+up=$!
+for _ in $(seq 100); do "$tp" status --masters 127.0.0.1:55303 2>/dev/null | grep -q alive && break; sleep 0.1; done
+m=(--masters 127.0.0.1:55303 --duration "$DURATION" --json)
+# A first row warms the client's page tables of the store's mapping.
+"$tp" bench "${m[@]}" --ops put --sizes 64KiB --concurrency 1 >/dev/null
+{
+	"$tp" bench "${m[@]}" --ops put --sizes 64KiB --concurrency 1,8
+	"$tp" bench "${m[@]}" --ops put --sizes 1MiB,4MiB --concurrency 1 --no-shm
+	"$tp" bench "${m[@]}" --ops put --sizes 1MiB,4MiB --concurrency 1
+	"$tp" bench "${m[@]}" --ops put --sizes 4KiB --batch 128 --concurrency 1,2
+} >"$work/one.json"
+"$tp" bench meta --masters 127.0.0.1:55303 --duration "$DURATION" --json --ops put --batch 1,128 --clients 1,2 >"$work/meta.json"
+kill "$up"; wait "$up" 2>/dev/null || true
+
+echo "three masters and a store, batch puts" >&2
+peers=m1=127.0.0.1:55312,m2=127.0.0.1:55322,m3=127.0.0.1:55332
+for i in 1 2 3; do
+	"$tp" master --id "m$i" --dir "$work/m$i" --listen "127.0.0.1:553${i}1" --raft "127.0.0.1:553${i}2" \
+		--http "127.0.0.1:553${i}3" --peers "$peers" --lease-ttl 2s --log-level warn & pids+=($!)
+done
+masters=127.0.0.1:55311,127.0.0.1:55321,127.0.0.1:55331
+"$tp" store --id s1 --masters "$masters" --listen 127.0.0.1:55341 --http 127.0.0.1:55342 --tier dram:4GiB --log-level warn & pids+=($!)
+for _ in $(seq 200); do "$tp" status --masters "$masters" 2>/dev/null | grep -q alive && break; sleep 0.1; done
+"$tp" bench --masters "$masters" --duration "$DURATION" --json --ops put --sizes 4KiB --batch 128 --concurrency 1,2 >"$work/three.json"
+
+$PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" <<'PYEOF'
+import json, sys
+def load(p): return [json.loads(l) for l in open(p) if l.strip()]
+one, meta, three = load(sys.argv[1]), load(sys.argv[2]), load(sys.argv[3])
+fsyncs, iperf1 = float(sys.argv[4]), float(sys.argv[5])
+def size(n): return f"{n>>20} MiB" if n >= 1<<20 else f"{n>>10} KiB"
+print(f"Baselines: fio 4 KiB write + fdatasync {fsyncs:.0f}/s; iperf3 loopback, one stream, {iperf1:.2f} GB/s\n")
+print("| masters | path | size | batch | conc | keys/s | vs fsyncs/s | GB/s | vs iperf3 | p50 ms | p99 ms |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+paths = ["shm", "shm", "tcp", "tcp", "shm", "shm", "shm", "shm"]
+for r, path in zip(one, paths):
+    print(f"| 1 | {path} | {size(r['size'])} | {r['batch']} | {r['concurrency']} | {r['keys_per_s']:.0f} | {r['keys_per_s']/fsyncs:.2f}x | {r['gbps']:.2f} | {r['gbps']/iperf1:.0%} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
+for r in three:
+    print(f"| 3 | shm | {size(r['size'])} | {r['batch']} | {r['concurrency']} | {r['keys_per_s']:.0f} | {r['keys_per_s']/fsyncs:.2f}x | {r['gbps']:.2f} | {r['gbps']/iperf1:.0%} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
+print("\n`tidepool bench meta`, put (BatchPutStart + BatchPutEnd, no data), one master:\n")
+print("| batch | clients | keys/s | mean ms | p99 ms |")
+print("|---|---|---|---|---|")
+for r in meta:
+    print(f"| {r['batch']} | {r['clients']} | {r['keys_per_s']:.0f} | {r['mean_ms']:.3f} | {r['p99_ms']:.3f} |")
+PYEOF
