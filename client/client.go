@@ -121,6 +121,9 @@ func (c *Client) Close() error {
 	return errors.Join(errs...)
 }
 
+// Engine is the client's transfer engine.
+func (c *Client) Engine() *engine.Engine { return c.eng }
+
 func (c *Client) leaseTTL() time.Duration     { return time.Duration(c.lease.Load()) }
 func (c *Client) setLeaseTTL(d time.Duration) { c.lease.Store(int64(d)) }
 

@@ -7,22 +7,18 @@ import (
 	"io"
 	"sync"
 	"sync/atomic"
-	"unsafe"
-
 	"golang.org/x/sys/unix"
-)
 
-// directAlign is the alignment O_DIRECT needs of an op's offset, length and buffer address: the
-// page size, which is a multiple of the logical block size of the disks SSD tiers live on.
-const directAlign = 4096
+	"github.com/tidepool-kv/tidepool/engine/directio"
+)
 
 // fileTransport is the same-host Transport for FileBacked segments (an SSD tier's preallocated
 // file). It opens the peer's file through /proc/<pid>/fd/<fd>, as shm does, but never maps it:
-// an op is a pread or pwrite at its offset. An op whose offset, length and buffer address are
-// all multiples of directAlign goes through a second fd opened with O_DIRECT, straight between
-// op.Buf and the disk; others go through the page cache, as the owner's own I/O does. Where
-// O_DIRECT cannot be opened (tmpfs on older kernels) or an aligned op is refused (a disk with
-// larger blocks), ops are buffered.
+// an op is a pread or pwrite at its offset, through a second fd opened with O_DIRECT: straight
+// between op.Buf and the disk when its offset, length and address are multiples of the block,
+// else through an aligned bounce buffer (package directio), so the tier's bytes never sit in the
+// page cache. Where O_DIRECT cannot be opened (tmpfs on older kernels) or is refused (a disk with
+// larger blocks, a write that does not start on a block), ops are buffered.
 //
 // It caches what it opens per (rail, segment) as shm caches mappings, negative answers included,
 // and polls the owner's pidfd before each op: once the owner has exited the fds are closed, Do
@@ -34,7 +30,9 @@ type fileTransport struct {
 	// openDirect reopens fd with O_DIRECT; tests replace it to exercise the buffered fallback.
 	openDirect func(fd int) (int, error)
 
-	direct, buffered atomic.Int64 // ops served through each path
+	// Ops served through each path: O_DIRECT from the caller's buffer, O_DIRECT through an
+	// aligned bounce buffer, the page cache.
+	direct, bounced, buffered atomic.Int64
 }
 
 // fileHandle is one peer file opened in this process.
@@ -54,6 +52,20 @@ func newFileTransport(desc func(ctx context.Context, addr, segment string) (shmI
 }
 
 func (t *fileTransport) Name() string { return "file" }
+
+// FileIO counts the ops the file transport (same-host SSD segments) has
+// served through each path: O_DIRECT from the caller's buffer, O_DIRECT
+// through a bounce buffer, the page cache.
+type FileIO struct{ Direct, Bounced, Buffered int64 }
+
+// FileIO says how this engine's same-host SSD ops went; zero without the
+// file transport.
+func (e *Engine) FileIO() FileIO {
+	if e.file == nil {
+		return FileIO{}
+	}
+	return FileIO{e.file.direct.Load(), e.file.bounced.Load(), e.file.buffered.Load()}
+}
 
 // Do preads or pwrites op.Buf at op.Offset in the peer's file.
 func (t *fileTransport) Do(ctx context.Context, op *Op) error {
@@ -91,32 +103,35 @@ func (t *fileTransport) io(key shmKey, h *fileHandle, op *Op) error {
 		return nil
 	}
 	var err error
-	direct := h.direct >= 0 && aligned(op)
+	var bounced bool
+	direct := h.direct >= 0
 	if direct {
-		err = pio(op.Kind, h.direct, op.Buf, op.Offset)
-		// EINVAL: the disk wants more alignment than directAlign. The op is idempotent, so
-		// it is safe to do it again through the page cache.
-		direct = !errors.Is(err, unix.EINVAL)
+		if op.Kind == OpRead {
+			bounced, err = directio.ReadAt(h.direct, op.Buf, op.Offset)
+		} else {
+			bounced, err = directio.WriteAt(h.direct, op.Buf, op.Offset, h.size)
+		}
+		// EINVAL: the disk wants more alignment than directio.Align; ErrUnaligned: a write
+		// that does not start on a block. The op is idempotent, so it is safe to do it again
+		// through the page cache.
+		direct = !errors.Is(err, unix.EINVAL) && !errors.Is(err, directio.ErrUnaligned)
 	}
 	if !direct {
 		err = pio(op.Kind, h.fd, op.Buf, op.Offset)
 	}
 	h.mu.RUnlock()
-	if direct {
-		t.direct.Add(1)
-	} else {
+	switch {
+	case !direct:
 		t.buffered.Add(1)
+	case bounced:
+		t.bounced.Add(1)
+	default:
+		t.direct.Add(1)
 	}
 	if err != nil {
 		return fmt.Errorf("%w: file %s/%s: %s %d+%d: %w", ErrRemote, key.addr, key.segment, op.Kind, op.Offset, n, err)
 	}
 	return nil
-}
-
-// aligned reports whether op may go through O_DIRECT.
-func aligned(op *Op) bool {
-	addr := uintptr(unsafe.Pointer(unsafe.SliceData(op.Buf)))
-	return op.Offset%directAlign == 0 && len(op.Buf)%directAlign == 0 && addr%directAlign == 0
 }
 
 // pio preads b from, or pwrites b to, fd at off, all of it.

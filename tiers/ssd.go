@@ -10,19 +10,21 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/engine/directio"
 )
 
 // SSDTier is a preallocated file on a disk: dir/<name>.data, capacity bytes
-// long, read and written with pread and pwrite. An access whose offset,
-// length and buffer address are all multiples of 4096 goes through a second
-// fd opened with O_DIRECT, straight between the caller's buffer and the disk;
-// any other access, and every access where the filesystem refuses O_DIRECT
-// (tmpfs on older kernels), goes through the page cache.
+// long, read and written with pread and pwrite through a second fd opened
+// with O_DIRECT: straight between the caller's buffer and the disk when the
+// offset, length and buffer address are all multiples of 4096, else through
+// an aligned bounce buffer (package engine/directio), so the tier's bytes
+// never sit in the page cache. A write that does not start on a block, and
+// every access where the filesystem refuses O_DIRECT (tmpfs on older
+// kernels), goes through the page cache.
 //
 // The segment is not Mapped: the server stages payloads through a buffer. It
 // is Shareable and FileBacked, so same-host clients pread and pwrite the file
@@ -48,7 +50,9 @@ type SSDTier struct {
 	}
 
 	// Accesses served through each path, for tests and status.
-	nDirect, nBuffered atomic.Int64
+	// Accesses through each path: O_DIRECT from the caller's buffer, O_DIRECT
+	// through an aligned bounce buffer, the page cache.
+	nDirect, nBounced, nBuffered atomic.Int64
 	// directRefused is set once O_DIRECT answered EINVAL: the disk wants
 	// more alignment than ssdAlign, so every later access goes buffered
 	// instead of paying for a refused attempt first.
@@ -62,9 +66,9 @@ var (
 	_ engine.FileBacked = (*SSDTier)(nil)
 )
 
-// ssdAlign is the alignment of offset, length and buffer address that sends
-// an access through O_DIRECT.
-const ssdAlign = 4096
+// ssdAlign is the block of O_DIRECT: an access on whole blocks from an
+// aligned buffer needs no bounce.
+const ssdAlign = directio.Align
 
 // NewSSD opens the SSD tier name in dir, creating dir, the data file and the
 // index as needed. A new data file is preallocated to capacity bytes
@@ -259,20 +263,32 @@ func (t *SSDTier) access(write bool, p []byte, off int64) (int, error) {
 		return 0, nil
 	}
 	var err error
-	direct := t.mu.direct >= 0 && !t.directRefused.Load() && ssdAligned(p, off)
+	var bounced bool
+	direct := t.mu.direct >= 0 && !t.directRefused.Load()
 	if direct {
-		err = fileIO(write, t.mu.direct, p, off)
-		// EINVAL: the access is idempotent, so it is safe to do it again
-		// through the page cache.
-		if errors.Is(err, unix.EINVAL) {
+		if write {
+			bounced, err = directio.WriteAt(t.mu.direct, p, off, t.capacity)
+		} else {
+			bounced, err = directio.ReadAt(t.mu.direct, p, off)
+		}
+		switch {
+		case errors.Is(err, directio.ErrUnaligned):
+			direct = false // a write that does not start on a block
+		case errors.Is(err, unix.EINVAL):
+			// The disk wants more alignment than directio.Align. The
+			// access is idempotent, so it is safe to do it again through
+			// the page cache.
 			direct = false
 			t.directRefused.Store(true)
 		}
 	}
-	if !direct {
+	switch {
+	case !direct:
 		err = fileIO(write, t.mu.fd, p, off)
 		t.nBuffered.Add(1)
-	} else {
+	case bounced:
+		t.nBounced.Add(1)
+	default:
 		t.nDirect.Add(1)
 	}
 	if err != nil {
@@ -285,11 +301,6 @@ func (t *SSDTier) access(write bool, p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-// ssdAligned reports whether an access may go through O_DIRECT.
-func ssdAligned(p []byte, off int64) bool {
-	addr := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
-	return off%ssdAlign == 0 && len(p)%ssdAlign == 0 && addr%ssdAlign == 0
-}
 
 // fileIO preads p from, or pwrites p to, fd at off, all of it.
 func fileIO(write bool, fd int, p []byte, off int64) error {

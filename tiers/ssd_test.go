@@ -111,26 +111,34 @@ func TestSSDInvalid(t *testing.T) {
 	}
 }
 
-// TestSSDPaths checks which fd serves an access: O_DIRECT for aligned ones
-// (where the filesystem allows it), the page cache for the rest, and that the
-// two see each other's bytes.
+// TestSSDPaths checks which path serves an access: O_DIRECT from the
+// caller's buffer for whole blocks from an aligned buffer, O_DIRECT through
+// a bounce buffer for other reads and for writes that start on a block, the
+// page cache only for writes that do not (where the filesystem allows
+// O_DIRECT at all), and that all of them see each other's bytes.
 func TestSSDPaths(t *testing.T) {
 	tier := newTestSSD(t, t.TempDir(), ssdTestCapacity)
 	t.Logf("O_DIRECT available: %v", tier.DirectIO())
 
-	check := func(what string, wantDirect bool, f func() error) {
+	const (
+		direct = iota
+		bounced
+		buffered
+	)
+	check := func(what string, want int, f func() error) {
 		t.Helper()
-		d0, b0 := tier.nDirect.Load(), tier.nBuffered.Load()
+		d0, bo0, b0 := tier.nDirect.Load(), tier.nBounced.Load(), tier.nBuffered.Load()
 		if err := f(); err != nil {
 			t.Fatalf("%s: %v", what, err)
 		}
-		d, b := tier.nDirect.Load()-d0, tier.nBuffered.Load()-b0
-		t.Logf("%s: %d direct, %d buffered", what, d, b)
+		got := [3]int64{tier.nDirect.Load() - d0, tier.nBounced.Load() - bo0, tier.nBuffered.Load() - b0}
 		if !tier.DirectIO() {
-			wantDirect = false
+			want = buffered
 		}
-		if wantDirect && (d != 1 || b != 0) || !wantDirect && (d != 0 || b != 1) {
-			t.Errorf("%s: %d direct and %d buffered accesses, want direct=%v", what, d, b, wantDirect)
+		var w [3]int64
+		w[want] = 1
+		if got != w {
+			t.Errorf("%s: direct, bounced, buffered accesses %v, want %v", what, got, w)
 		}
 	}
 	const n = 64 << 10
@@ -139,18 +147,18 @@ func TestSSDPaths(t *testing.T) {
 	copy(buf, want)
 	got := alignedBuf(n)
 
-	check("aligned write", true, func() error { _, err := tier.WriteAt(buf, 3*ssdAlign); return err })
-	check("unaligned-offset read", false, func() error {
+	check("aligned write", direct, func() error { _, err := tier.WriteAt(buf, 3*ssdAlign); return err })
+	check("unaligned-offset read", bounced, func() error {
 		p := make([]byte, n-1)
 		if _, err := tier.ReadAt(p, 3*ssdAlign+1); err != nil {
 			return err
 		}
 		if !bytes.Equal(p, want[1:]) {
-			return errors.New("buffered read does not see the direct write")
+			return errors.New("bounced read does not see the direct write")
 		}
 		return nil
 	})
-	check("aligned read", true, func() error {
+	check("aligned read", direct, func() error {
 		if _, err := tier.ReadAt(got, 3*ssdAlign); err != nil {
 			return err
 		}
@@ -161,28 +169,52 @@ func TestSSDPaths(t *testing.T) {
 	})
 
 	want2 := pattern(n, 9)
-	check("unaligned-address write", false, func() error {
+	check("unaligned-address write", bounced, func() error {
 		p := alignedBuf(n + 1)[1:]
 		copy(p, want2)
 		_, err := tier.WriteAt(p, 3*ssdAlign)
 		return err
 	})
-	check("aligned read after buffered write", true, func() error {
+	check("aligned read after bounced write", direct, func() error {
 		if _, err := tier.ReadAt(got, 3*ssdAlign); err != nil {
 			return err
 		}
 		if !bytes.Equal(got, want2) {
+			return errors.New("direct read does not see the bounced write")
+		}
+		return nil
+	})
+	check("unaligned-length read", bounced, func() error {
+		_, err := tier.ReadAt(got[:n-100], 3*ssdAlign)
+		return err
+	})
+	check("unaligned-offset write", buffered, func() error {
+		_, err := tier.WriteAt(buf, 3*ssdAlign+512)
+		return err
+	})
+	check("direct read after buffered write", direct, func() error {
+		if _, err := tier.ReadAt(got, 3*ssdAlign+ssdAlign); err != nil {
+			return err
+		}
+		if !bytes.Equal(got[:n-(ssdAlign-512)], want[ssdAlign-512:]) {
 			return errors.New("direct read does not see the buffered write")
 		}
 		return nil
 	})
-	check("unaligned-length read", false, func() error {
-		_, err := tier.ReadAt(got[:n-100], 3*ssdAlign)
+	// A bounced write of a partial last block pads it with zeros, within the
+	// file, and a read of a range that ends mid-block at the end of the file
+	// reads what is there.
+	tail := pattern(100, 5)
+	check("write of the last bytes", bounced, func() error {
+		_, err := tier.WriteAt(tail, ssdTestCapacity-ssdAlign)
 		return err
 	})
-	check("unaligned-offset aligned-length write", false, func() error {
-		_, err := tier.WriteAt(buf, 3*ssdAlign+512)
-		return err
+	check("read of the last bytes", bounced, func() error {
+		p := make([]byte, 100)
+		if _, err := tier.ReadAt(p, ssdTestCapacity-ssdAlign); err != nil || !bytes.Equal(p, tail) {
+			return fmt.Errorf("read %x, %v", p[:8], err)
+		}
+		return nil
 	})
 }
 

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/tidepool-kv/tidepool/client"
+	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/tiers"
 )
 
@@ -33,6 +34,8 @@ type benchRow struct {
 	GBps        float64 `json:"gbps"`
 	P50ms       float64 `json:"p50_ms"`
 	P99ms       float64 `json:"p99_ms"`
+	// The row's same-host SSD ops by path (see engine.FileIO), if any.
+	FileIO *engine.FileIO `json:"file_io,omitempty"`
 }
 
 func runBench(ctx context.Context, e *env, args []string) error {
@@ -143,6 +146,9 @@ func runBench(ctx context.Context, e *env, args []string) error {
 					}
 					fmt.Fprintf(e.stdout, rowFormat, row.Op, human(uint64(row.Size)), row.Batch, row.Concurrency, row.Ops, row.Errors,
 						fmt.Sprintf("%.0f", row.KeysPerS), fmt.Sprintf("%.2f", row.GBps), fmt.Sprintf("%.3f", row.P50ms), fmt.Sprintf("%.3f", row.P99ms))
+					if io := row.FileIO; io != nil {
+						fmt.Fprintf(e.stdout, "       SSD file ops: %d O_DIRECT, %d O_DIRECT through a bounce buffer, %d through the page cache\n", io.Direct, io.Bounced, io.Buffered)
+					}
 				}
 			}
 		}
@@ -185,6 +191,7 @@ func (b *bench) row(ctx context.Context, op string, size int64, batch, workers i
 			return benchRow{}, err
 		}
 	}
+	io0 := b.c.Engine().FileIO()
 	var written, keys atomic.Int64
 	var lat [][]time.Duration = make([][]time.Duration, workers)
 	var errs atomic.Int64
@@ -257,6 +264,9 @@ func (b *bench) row(ctx context.Context, op string, size int64, batch, workers i
 		KeysPerS: float64(keys.Load()) / elapsed.Seconds(),
 		GBps:     float64(written.Load()) / 1e9 / elapsed.Seconds(),
 		P50ms:    ms(percentile(all, 0.50)), P99ms: ms(percentile(all, 0.99)),
+	}
+	if io := b.c.Engine().FileIO(); io != io0 {
+		row.FileIO = &engine.FileIO{Direct: io.Direct - io0.Direct, Bounced: io.Bounced - io0.Bounced, Buffered: io.Buffered - io0.Buffered}
 	}
 	if len(all) == 0 && firstErr != nil {
 		return row, fmt.Errorf("every %s of %d bytes failed: %w", op, size, firstErr)
