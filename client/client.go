@@ -61,6 +61,7 @@ type Client struct {
 	// putTimeout is the master's put timeout in ns, as last answered.
 	putTimeout atomic.Int64
 	grants     *grantPool
+	ends       *endQueue
 }
 
 // New returns a client of the cluster; it connects lazily.
@@ -89,6 +90,7 @@ func New(cfg Config) (*Client, error) {
 	c.lease.Store(int64(10 * time.Second))
 	c.putTimeout.Store(int64(30 * time.Second))
 	c.grants = newGrantPool()
+	c.ends = newEndQueue()
 	if cfg.LookupCache >= 0 {
 		n := cfg.LookupCache
 		if n == 0 {
@@ -329,51 +331,31 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	if len(end.Items) == 0 {
 		return errs
 	}
-	// Ask for grants for the next puts of a shape put repeatedly.
-	var grantShapes []shape
+	// Ask for grants for the next puts of a shape put repeatedly. The
+	// items go without their replicas, which the leader that placed them
+	// knows; another leader (after a failover) asks for them.
+	call := &endCall{items: make([]*pb.PutEndItem, len(end.Items))}
 	for sh, n := range shapes {
 		for range c.grants.want(sh, n, now) {
-			end.Grants = append(end.Grants, &pb.PutStartRequest{Size: sh.size, Tier: sh.tier, Replicas: sh.replicas, Tenant: c.tenant})
-			grantShapes = append(grantShapes, sh)
+			call.grants = append(call.grants, sh)
 		}
 	}
-	// The items go without their replicas, which the leader that placed
-	// them knows; another leader (after a failover) asks for them.
-	compact := &pb.BatchPutEndRequest{Items: make([]*pb.PutEndItem, len(end.Items)), Grants: end.Grants}
 	for j, it := range end.Items {
-		compact.Items[j] = &pb.PutEndItem{Key: it.Key, PutId: it.PutId, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant}
+		call.items[j] = &pb.PutEndItem{Key: it.Key, PutId: it.PutId, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant}
 	}
-	var resp *pb.BatchPutEndResponse
-	var asked time.Time
-	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
-		asked = time.Now()
-		resp, err = m.BatchPutEnd(ctx, compact, o...)
-		return err
-	})
-	if err == nil && len(resp.Results) != len(endIdx) {
-		err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(endIdx))
-	}
-	if err != nil {
+	c.end(ctx, call)
+	if call.err != nil {
 		var r puts
 		for _, it := range end.Items {
 			r.add(it.Key, it.PutId)
 		}
 		c.revoke(r.request())
 		for _, i := range endIdx {
-			errs[i] = err
+			errs[i] = call.err
 		}
 		return errs
 	}
-	// The runs answer a prefix of the grants asked for, in order.
-	k := 0
-	for _, run := range resp.Grants {
-		if k >= len(grantShapes) || run.Count == 0 || k+int(run.Count) > len(grantShapes) {
-			c.revokeIDs(runIDs(run))
-			continue
-		}
-		c.revokeIDs(c.grants.addRun(grantShapes[k], run, asked))
-		k += int(run.Count)
-	}
+	resp := &pb.BatchPutEndResponse{Results: call.results, Unplaced: call.unplaced}
 	failed := c.endUnplaced(ctx, end, resp)
 	for j, i := range endIdx {
 		if errs[i] = failed[uint32(j)]; errs[i] == nil {
