@@ -76,26 +76,43 @@ func (f *FSM) lookup(keys []string) *pb.LookupResponse {
 		ReplicaCounts:  make([]uint32, 0, len(keys)),
 		ReplicaOffsets: make([]uint64, 0, len(keys)),
 	}
-	index := map[string]uint32{}
+	// Each segment of the answer once: its index in resp.Segments and its
+	// read rank, so a replica costs one map lookup.
+	type segRef struct {
+		i    uint32
+		rank int
+		ok   bool
+	}
+	refs := map[string]segRef{}
+	ref := func(id string) segRef {
+		if r, seen := refs[id]; seen {
+			return r
+		}
+		var r segRef
+		if s := f.segments[id]; s != nil {
+			r = segRef{i: uint32(len(resp.Segments)), rank: readRank(s.tier), ok: true}
+			resp.Segments = append(resp.Segments, &pb.Replica{Segment: id, Node: s.node, Endpoint: s.endpoint, Tier: s.tier})
+		}
+		refs[id] = r
+		return r
+	}
 	for _, k := range keys {
 		o := f.objects[k]
 		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 			break
 		}
 		count := uint32(0)
-		for rank := range 3 { // fastest tier first; an object has few replicas
-			for _, r := range o.replicas {
-				s := f.segments[r.Segment]
-				if s == nil || readRank(s.tier) != rank {
+		var mine [4]segRef // an object has few replicas
+		rs := mine[:0]
+		for _, r := range o.replicas {
+			rs = append(rs, ref(r.Segment))
+		}
+		for rank := range 3 { // fastest tier first
+			for j, r := range o.replicas {
+				if !rs[j].ok || rs[j].rank != rank {
 					continue
 				}
-				i, ok := index[r.Segment]
-				if !ok {
-					i = uint32(len(resp.Segments))
-					index[r.Segment] = i
-					resp.Segments = append(resp.Segments, &pb.Replica{Segment: r.Segment, Node: s.node, Endpoint: s.endpoint, Tier: s.tier})
-				}
-				resp.ReplicaSegments = append(resp.ReplicaSegments, i)
+				resp.ReplicaSegments = append(resp.ReplicaSegments, rs[j].i)
 				resp.ReplicaOffsets = append(resp.ReplicaOffsets, r.Offset)
 				count++
 			}
