@@ -14,7 +14,8 @@ done
 PY=/usr/bin/python3
 work=$(mktemp -d -p "${TMPDIR:-/var/tmp}")
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+# Newest first: stores leave before the masters go.
+cleanup() { for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill "${pids[i]}" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
 
 echo "building tidepool" >&2
@@ -28,12 +29,18 @@ rm -f "$work/fio.dat"
 fsyncs=$($PY -c 'import json,sys; print("%.0f" % json.load(open(sys.argv[1]))["jobs"][0]["write"]["iops"])' "$work/fio.json")
 
 iperf3 -s -p 55301 >/dev/null 2>&1 & pids+=($!)
-echo "iperf3 loopback, 5 s, one stream" >&2
-for _ in $(seq 50); do
-	iperf3 -c 127.0.0.1 -p 55301 -t 5 -J >"$work/iperf.json" 2>/dev/null && grep -q sum_received "$work/iperf.json" && break
-	sleep 0.2
-done
-iperf1=$($PY -c 'import json,sys; print("%.2f" % (json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_per_second"]/8e9))' "$work/iperf.json")
+# One stream, and four: the engine sprays a large value's slices over the
+# four connections it pools per peer.
+iperf() {
+	echo "iperf3 loopback, 5 s, $1 stream(s)" >&2
+	for _ in $(seq 50); do
+		iperf3 -c 127.0.0.1 -p 55301 -t 5 -P "$1" -J >"$work/iperf.json" 2>/dev/null && grep -q sum_received "$work/iperf.json" && break
+		sleep 0.2
+	done
+	$PY -c 'import json,sys; print("%.2f" % (json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_per_second"]/8e9))' "$work/iperf.json"
+}
+iperf1=$(iperf 1)
+iperf4=$(iperf 4)
 
 echo "tidepool up + bench (each row $DURATION)" >&2
 "$tp" up --dir "$work/up" --dram 4GiB --ssd 0 --lease-ttl 2s --listen 127.0.0.1:55303 --raft 127.0.0.1:55304 \
@@ -63,20 +70,20 @@ masters=127.0.0.1:55311,127.0.0.1:55321,127.0.0.1:55331
 for _ in $(seq 200); do "$tp" status --masters "$masters" 2>/dev/null | grep -q alive && break; sleep 0.1; done
 "$tp" bench --masters "$masters" --duration "$DURATION" --json --ops put --sizes 4KiB --batch 128 --concurrency 1,2 >"$work/three.json"
 
-$PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" <<'PYEOF'
+$PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" "$iperf4" <<'PYEOF'
 import json, sys
 def load(p): return [json.loads(l) for l in open(p) if l.strip()]
 one, meta, three = load(sys.argv[1]), load(sys.argv[2]), load(sys.argv[3])
-fsyncs, iperf1 = float(sys.argv[4]), float(sys.argv[5])
+fsyncs, iperf1, iperf4 = float(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
 def size(n): return f"{n>>20} MiB" if n >= 1<<20 else f"{n>>10} KiB"
-print(f"Baselines: fio 4 KiB write + fdatasync {fsyncs:.0f}/s; iperf3 loopback, one stream, {iperf1:.2f} GB/s\n")
-print("| masters | path | size | batch | conc | keys/s | vs fsyncs/s | GB/s | vs iperf3 | p50 ms | p99 ms |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print(f"Baselines: fio 4 KiB write + fdatasync {fsyncs:.0f}/s; iperf3 loopback {iperf1:.2f} GB/s with one stream, {iperf4:.2f} GB/s with four\n")
+print("| masters | path | size | batch | conc | keys/s | vs fsyncs/s | GB/s | vs iperf3 | vs iperf3 -P 4 | p50 ms | p99 ms |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 paths = ["shm", "shm", "tcp", "tcp", "shm", "shm", "shm", "shm"]
 for r, path in zip(one, paths):
-    print(f"| 1 | {path} | {size(r['size'])} | {r['batch']} | {r['concurrency']} | {r['keys_per_s']:.0f} | {r['keys_per_s']/fsyncs:.2f}x | {r['gbps']:.2f} | {r['gbps']/iperf1:.0%} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
+    print(f"| 1 | {path} | {size(r['size'])} | {r['batch']} | {r['concurrency']} | {r['keys_per_s']:.0f} | {r['keys_per_s']/fsyncs:.2f}x | {r['gbps']:.2f} | {r['gbps']/iperf1:.0%} | {r['gbps']/iperf4:.0%} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
 for r in three:
-    print(f"| 3 | shm | {size(r['size'])} | {r['batch']} | {r['concurrency']} | {r['keys_per_s']:.0f} | {r['keys_per_s']/fsyncs:.2f}x | {r['gbps']:.2f} | {r['gbps']/iperf1:.0%} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
+    print(f"| 3 | shm | {size(r['size'])} | {r['batch']} | {r['concurrency']} | {r['keys_per_s']:.0f} | {r['keys_per_s']/fsyncs:.2f}x | {r['gbps']:.2f} | {r['gbps']/iperf1:.0%} | {r['gbps']/iperf4:.0%} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
 print("\n`tidepool bench meta`, put (BatchPutStart + BatchPutEnd, no data), one master:\n")
 print("| batch | clients | keys/s | mean ms | p99 ms |")
 print("|---|---|---|---|---|")
