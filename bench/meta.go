@@ -163,7 +163,7 @@ func (m *meta) put(ctx context.Context, c *leaderconn.Conn, keys []string) error
 			return fmt.Errorf("put start %q: %s", keys[i], r.Status.GetMessage())
 		}
 		if !r.Exists {
-			end.Items = append(end.Items, &pb.PutEndItem{Key: keys[i], PutId: r.PutId, Size: metaValue, Replicas: r.Replicas})
+			end.Items = append(end.Items, &pb.PutEndItem{Key: keys[i], PutId: r.PutId, Size: metaValue, Replicas: r.Replicas, Reservations: r.Reservations})
 		}
 	}
 	if len(end.Items) == 0 {

@@ -27,7 +27,7 @@ type endQueue struct {
 type endCall struct {
 	items  []*pb.PutEndItem
 	grants []shape
-	// Set before done is closed.
+	// Set by the call's sender before done; done is set under endQueue.mu.
 	results  []*pb.ItemStatus
 	unplaced []uint32 // indices into items
 	err      error
@@ -66,6 +66,9 @@ func (c *Client) end(ctx context.Context, call *endCall) {
 		q.mu.Unlock()
 		c.sendEnds(ctx, batch)
 		q.mu.Lock()
+		for _, b := range batch {
+			b.done = true // under mu: the waiters read it there
+		}
 		q.busy = false
 		q.cond.Broadcast()
 	}
@@ -127,6 +130,5 @@ func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
 			}
 		}
 		base += len(call.items)
-		call.done = true
 	}
 }

@@ -67,3 +67,42 @@ row per op, batch size and client count: keys/s, mean and p99 per call. Keys it 
 	}
 	return nil
 }
+
+func runBenchFill(ctx context.Context, e *env, args []string) error {
+	var fc measure.FillConfig
+	var cfgp *client.Config
+	ctx, _, _, done, err := clientCommand(ctx, e, time.Hour, "bench fill", "[flags]",
+		`Put many tiny objects through the master alone (BatchPutStart and BatchPutEnd, no bytes written)
+and leave them there, to measure what the master's object table costs: its memory per object
+(process_resident_memory_bytes on its /metrics) and its restart time. Remove them afterwards with
+tidepool admin evict --prefix PREFIX.`,
+		args, 0, 0, func(fs *flag.FlagSet, cfg *client.Config) {
+			fs.IntVar(&fc.Count, "count", 1<<20, "objects to put")
+			fs.IntVar(&fc.Batch, "batch", 4096, "objects a call")
+			fs.IntVar(&fc.KeyBytes, "key-bytes", 30, "length of every key")
+			fs.IntVar(&fc.ValueBytes, "value-bytes", 64, "size every object declares")
+			fs.StringVar(&fc.Prefix, "prefix", "fill/", "start of every key")
+			cfgp = cfg
+		})
+	if err != nil {
+		return err
+	}
+	defer done()
+	if fc.Count < 1 || fc.Batch < 1 || fc.Batch > 16384 {
+		return fmt.Errorf("%w: --count must be positive and --batch 1 to 16384", errUsage)
+	}
+	fc.Masters = cfgp.Masters
+	step := max(fc.Count/10, 1)
+	start := time.Now()
+	fc.Progress = func(n int) {
+		if n%step < fc.Batch || n == fc.Count {
+			fmt.Fprintf(e.stderr, "bench fill: %d of %d objects (%.0f keys/s)\n", n, fc.Count, float64(n)/time.Since(start).Seconds())
+		}
+	}
+	took, err := measure.Fill(ctx, fc)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(e.stdout, "put %d objects of %d-byte keys in %v: %.0f keys/s\n", fc.Count, fc.KeyBytes, took.Round(time.Millisecond), float64(fc.Count)/took.Seconds())
+	return nil
+}
