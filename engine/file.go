@@ -7,6 +7,7 @@ import (
 	"io"
 	"sync"
 	"sync/atomic"
+
 	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-kv/tidepool/engine/directio"

@@ -301,7 +301,6 @@ func (t *SSDTier) access(write bool, p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-
 // fileIO preads p from, or pwrites p to, fd at off, all of it.
 func fileIO(write bool, fd int, p []byte, off int64) error {
 	for len(p) > 0 {
