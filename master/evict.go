@@ -29,24 +29,7 @@ const (
 // pinned; soft-pinned ones only when the rest did not free enough.
 
 // touch records an access for recency.
-func (s *Server) touch(keys []string, now time.Time) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, k := range keys {
-		s.mu.access[k] = now
-	}
-}
-
-// lastUse is an object's recency: its last access, else its creation.
-func (s *Server) lastUse(o evictable) time.Time {
-	s.mu.Lock()
-	t, ok := s.mu.access[o.key]
-	s.mu.Unlock()
-	if ok {
-		return t
-	}
-	return time.Unix(0, o.created)
-}
+func (s *Server) touch(keys []string, now time.Time) { s.fsm.touch(keys, now.UnixNano()) }
 
 // byRecency sorts objects least recently used first, and
 // reports which are read-leased at now; it takes the lock once.
@@ -55,11 +38,7 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 	leased = map[string]bool{}
 	s.mu.Lock()
 	for _, o := range objs {
-		t, ok := s.mu.access[o.key]
-		if !ok {
-			t = time.Unix(0, o.created)
-		}
-		uses[o.key] = t
+		uses[o.key] = o.lastUse()
 		if exp, ok := s.mu.leases[o.key]; ok && exp.After(now) {
 			leased[o.key] = true
 		}
@@ -74,13 +53,6 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 		return cmp.Or(uses[a.key].Compare(uses[b.key]), cmp.Compare(b.depth, a.depth), cmp.Compare(a.children, b.children), cmp.Compare(a.key, b.key))
 	})
 	return leased
-}
-
-// forget drops an evicted object's recency.
-func (s *Server) forget(key string) {
-	s.mu.Lock()
-	delete(s.mu.access, key)
-	s.mu.Unlock()
 }
 
 // pickVictims chooses, least recently used first, objects worth at least
@@ -141,8 +113,7 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 			v := sizes[keys[i]]
 			n++
 			bytes += v.size
-			s.metrics.evicted(reason, tier, v.size, now.Sub(s.lastUse(v)))
-			s.forget(v.key)
+			s.metrics.evicted(reason, tier, v.size, now.Sub(v.lastUse()))
 		}
 	}
 	return n, bytes, nil
@@ -354,7 +325,7 @@ func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []ev
 	cutoff := now.Add(-time.Duration(req.OlderThanMs) * time.Millisecond)
 	s.byRecency(objs, now)
 	for _, o := range objs {
-		if (req.OlderThanMs > 0 && s.lastUse(o).After(cutoff)) || (req.Tenant != "" && o.tenant != req.Tenant) {
+		if (req.OlderThanMs > 0 && o.lastUse().After(cutoff)) || (req.Tenant != "" && o.tenant != req.Tenant) {
 			continue
 		}
 		if req.Tier != pb.Tier_TIER_UNSPECIFIED && !slices.ContainsFunc(o.segments, func(id string) bool { return segTier[id] == req.Tier }) {

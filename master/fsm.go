@@ -6,6 +6,7 @@ import (
 	"io"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/proto"
@@ -42,6 +43,11 @@ type object struct {
 	copies   []*pb.PendingCopy // replicas being written; not readable yet
 	parent   string
 	tenant   string
+	// used is leader-local soft state kept here so that recency costs no
+	// map entry per object: the last get or put this node saw while it
+	// led (unix nanos; 0: none, the creation counts). Apply never reads
+	// it, and it is not in snapshots.
+	used atomic.Int64
 }
 
 type node struct {
@@ -290,7 +296,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		}
 		s.objects++
 		nodes[s.node] = true
-		exts = append(exts, &pb.Extent{Segment: id, Offset: off, Length: it.Size})
+		exts = append(exts, &pb.Extent{Segment: s.id, Offset: off, Length: it.Size})
 		if len(exts) == want {
 			break
 		}
@@ -492,6 +498,9 @@ func (f *FSM) drop(o *object) { f.retire(o, 0) }
 func (f *FSM) add(o *object) {
 	f.objects[o.key] = o
 	if o.parent != "" {
+		if p := f.objects[o.parent]; p != nil {
+			o.parent = p.key // one copy of the key for the object and its children
+		}
 		f.children[o.parent]++
 	}
 }

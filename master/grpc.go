@@ -517,9 +517,6 @@ func (m *masterService) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.It
 	}
 	for j, e := range out.([]error) {
 		errs[idx[j]] = e
-		if e == nil {
-			m.s.forget(keys[j])
-		}
 	}
 	return itemsResponse(errs), nil
 }

@@ -121,11 +121,7 @@ func TestLookupLeaseStopsEviction(t *testing.T) {
 		t.Fatalf("matched %d", r.Matched)
 	}
 	// Recency would pick old first; make the lookup's recency the oldest.
-	m.srv.mu.Lock()
-	for _, k := range old {
-		m.srv.mu.access[k] = time.Unix(0, 1)
-	}
-	m.srv.mu.Unlock()
+	m.srv.fsm.touch(old, 1)
 	// Fill well past the watermark: the sweep and allocation must evict
 	// around the leased chain.
 	putBatch(t, m, sized(64*kib, nil, keyNames("new", 12)...)...)

@@ -1,6 +1,7 @@
 package master
 
 import (
+	"time"
 	"cmp"
 	"slices"
 	"strings"
@@ -216,6 +217,27 @@ type evictable struct {
 	children int  // objects that name it as their parent
 	depth    int  // its ancestors in the table, by parent keys: 0 for a chain's root
 	tenant   string
+	used     int64 // the object's used, when scanned
+}
+
+// lastUse is an object's recency: the last access this leader saw, else
+// its creation.
+func (o evictable) lastUse() time.Time {
+	if o.used > 0 {
+		return time.Unix(0, o.used)
+	}
+	return time.Unix(0, o.created)
+}
+
+// touch records an access of keys at now (unix nanos), for recency.
+func (f *FSM) touch(keys []string, now int64) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	for _, k := range keys {
+		if o := f.objects[k]; o != nil {
+			o.used.Store(now)
+		}
+	}
 }
 
 // completeObjects lists the complete objects that match, in key order.
@@ -245,7 +267,7 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 		e := evictable{
 			key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin, checksum: o.checksum,
 			putID: o.putID, copying: len(o.copies) > 0, children: f.children[k], tenant: o.tenant,
-			depth: f.depth(k, depths),
+			depth: f.depth(k, depths), used: o.used.Load(),
 		}
 		for _, r := range o.replicas {
 			e.segments = append(e.segments, r.Segment)

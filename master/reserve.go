@@ -133,7 +133,7 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 			continue
 		}
 		s.objects++
-		exts = append(exts, &pb.Extent{Segment: e.Segment, Offset: e.Offset, Length: it.Size})
+		exts = append(exts, &pb.Extent{Segment: s.id, Offset: e.Offset, Length: it.Size}) // s.id: one copy of the name for all its objects
 	}
 	if len(exts) == 0 {
 		if slices.ContainsFunc(it.Replicas, func(e *pb.Extent) bool { return f.segments[e.Segment] == nil }) {

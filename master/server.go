@@ -112,7 +112,6 @@ type Server struct {
 		lastSeen    map[string]time.Time    // node -> last heartbeat, leader only
 		leases      map[string]time.Time    // key -> read lease expiry, leader only
 		removing    map[string]int          // keys with a Remove in flight: no new leases
-		access      map[string]time.Time    // key -> last get or put, leader only: eviction recency
 		copyQueue   map[string][]queuedCopy // node -> copies for its next heartbeat
 		slowReads   map[string]int          // key -> reads served from a slow tier only: promotion
 		promote     map[string]bool         // keys read often enough to promote
@@ -178,7 +177,6 @@ func New(cfg Config) (*Server, error) {
 	s.mu.lastSeen = map[string]time.Time{}
 	s.mu.leases = map[string]time.Time{}
 	s.mu.removing = map[string]int{}
-	s.mu.access = map[string]time.Time{}
 	s.mu.copyQueue = map[string][]queuedCopy{}
 	s.mu.slowReads = map[string]int{}
 	s.mu.promote = map[string]bool{}
@@ -455,7 +453,6 @@ func (s *Server) setLeader(leader bool) {
 	s.mu.leaderSince = now
 	clear(s.mu.leases)
 	clear(s.mu.lastSeen)
-	clear(s.mu.access)
 	clear(s.mu.copyQueue) // their copies expire and the sweep ends them
 	clear(s.mu.slowReads)
 	clear(s.mu.promote)
@@ -550,7 +547,9 @@ func countNil(errs []error) int {
 // leasing them: a removal that finished earlier shows in the read, one that
 // starts later sees the lease.
 func (s *Server) lease(keys []string) (refused map[string]bool) {
-	exp := s.cfg.Now().Add(s.cfg.LeaseTTL)
+	now := s.cfg.Now()
+	exp := now.Add(s.cfg.LeaseTTL)
+	defer s.touch(keys, now) // a refused key is answered as missing: its recency does not matter
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, k := range keys {
@@ -562,13 +561,12 @@ func (s *Server) lease(keys []string) (refused map[string]bool) {
 			continue
 		}
 		s.mu.leases[k] = exp
-		s.mu.access[k] = exp.Add(-s.cfg.LeaseTTL)
 	}
 	return refused
 }
 
-// unlease drops the leases and recency lease took for keys that turned out
-// to be missing.
+// unlease drops the leases lease took for keys that turned out to be
+// missing.
 func (s *Server) unlease(keys []string) {
 	if len(keys) == 0 {
 		return
@@ -577,43 +575,22 @@ func (s *Server) unlease(keys []string) {
 	defer s.mu.Unlock()
 	for _, k := range keys {
 		delete(s.mu.leases, k)
-		delete(s.mu.access, k)
 	}
 }
 
-// prune forgets the leader's bookkeeping of objects and segments that are
-// gone (lost with a node, dropped corrupt, revoked) once it outgrows the
-// table, so the maps stay bounded by what exists.
+// prune forgets the leader's bookkeeping of segments that are gone.
 func (s *Server) prune() {
-	_, complete, _ := s.fsm.objectStats()
 	segs := map[string]bool{}
 	for _, v := range s.fsm.segmentViews() {
 		segs[v.id] = true
 	}
 	s.mu.Lock()
-	var keys []string
-	if len(s.mu.access) > complete+1024 {
-		for k := range s.mu.access {
-			keys = append(keys, k)
-		}
-	}
+	defer s.mu.Unlock()
 	for id := range s.mu.reclaim {
 		if !segs[id] {
 			delete(s.mu.reclaim, id)
 		}
 	}
-	s.mu.Unlock()
-	if len(keys) == 0 {
-		return
-	}
-	exists := s.fsm.exists(keys)
-	s.mu.Lock()
-	for i, k := range keys {
-		if !exists[i] {
-			delete(s.mu.access, k)
-		}
-	}
-	s.mu.Unlock()
 }
 
 // startRemove marks keys as being removed and returns when their space may
