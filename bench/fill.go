@@ -67,6 +67,8 @@ func Fill(ctx context.Context, cfg FillConfig) (time.Duration, error) {
 	return time.Since(start), nil
 }
 
+// fillBatch starts and ends the keys' puts, as BatchPut does minus the
+// bytes.
 func fillBatch(ctx context.Context, c *leaderconn.Conn, keys []string, size uint64) error {
 	req := &pb.BatchPutStartRequest{Items: make([]*pb.PutStartRequest, len(keys))}
 	for i, k := range keys {

@@ -144,39 +144,6 @@ func (m *meta) keys(n int) []string {
 	return out
 }
 
-// put starts and ends the keys' puts, as BatchPut does minus the bytes.
-func (m *meta) put(ctx context.Context, c *leaderconn.Conn, keys []string) error {
-	req := &pb.BatchPutStartRequest{Items: make([]*pb.PutStartRequest, len(keys))}
-	for i, k := range keys {
-		req.Items[i] = &pb.PutStartRequest{Key: k, Size: metaValue, Tier: pb.Tier_TIER_DRAM}
-	}
-	var start *pb.BatchPutStartResponse
-	if err := do(ctx, c, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
-		start, err = mc.BatchPutStart(ctx, req, o...)
-		return err
-	}); err != nil {
-		return err
-	}
-	end := &pb.BatchPutEndRequest{}
-	for i, r := range start.Results {
-		if r.Status.GetCode() != 0 {
-			return fmt.Errorf("put start %q: %s", keys[i], r.Status.GetMessage())
-		}
-		if !r.Exists {
-			end.Items = append(end.Items, &pb.PutEndItem{Key: keys[i], PutId: r.PutId, Size: metaValue, Replicas: r.Replicas, Reservations: r.Reservations})
-		}
-	}
-	if len(end.Items) == 0 {
-		return nil
-	}
-	return do(ctx, c, func(mc pb.MasterClient, o ...grpc.CallOption) error {
-		resp, err := mc.BatchPutEnd(ctx, end, o...)
-		if err == nil {
-			err = firstItemError(resp.Results)
-		}
-		return err
-	})
-}
 
 func (m *meta) seed(ctx context.Context, n int) error {
 	if len(m.seeded) >= n {
@@ -184,7 +151,7 @@ func (m *meta) seed(ctx context.Context, n int) error {
 	}
 	keys := m.keys(n - len(m.seeded))
 	for i := 0; i < len(keys); i += 1024 {
-		if err := m.put(ctx, m.conns[0], keys[i:min(i+1024, len(keys))]); err != nil {
+		if err := fillBatch(ctx, m.conns[0], keys[i:min(i+1024, len(keys))], metaValue); err != nil {
 			return fmt.Errorf("bench meta: seed keys: %w", err)
 		}
 	}
@@ -256,7 +223,7 @@ func (m *meta) call(ctx context.Context, c *leaderconn.Conn, op string, keys []s
 	req := &pb.KeysRequest{Keys: keys}
 	switch op {
 	case "put":
-		return m.put(ctx, c, keys)
+		return fillBatch(ctx, c, keys, metaValue)
 	case "get":
 		return do(ctx, c, func(mc pb.MasterClient, o ...grpc.CallOption) error {
 			resp, err := mc.GetReplicas(ctx, req, o...)

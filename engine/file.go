@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"sync"
 	"sync/atomic"
 
@@ -118,7 +117,7 @@ func (t *fileTransport) io(key shmKey, h *fileHandle, op *Op) error {
 		direct = !errors.Is(err, unix.EINVAL) && !errors.Is(err, directio.ErrUnaligned)
 	}
 	if !direct {
-		err = pio(op.Kind, h.fd, op.Buf, op.Offset)
+		err = directio.All(h.fd, op.Kind == OpWrite, op.Buf, op.Offset)
 	}
 	h.mu.RUnlock()
 	switch {
@@ -135,30 +134,6 @@ func (t *fileTransport) io(key shmKey, h *fileHandle, op *Op) error {
 	return nil
 }
 
-// pio preads b from, or pwrites b to, fd at off, all of it.
-func pio(kind OpKind, fd int, b []byte, off int64) error {
-	for len(b) > 0 {
-		var n int
-		var err error
-		if kind == OpRead {
-			n, err = unix.Pread(fd, b, off)
-		} else {
-			n, err = unix.Pwrite(fd, b, off)
-		}
-		switch {
-		case err == unix.EINTR:
-			continue
-		case err != nil:
-			return err
-		case n == 0 && kind == OpRead:
-			return io.ErrUnexpectedEOF // the file shrank under the segment
-		case n == 0:
-			return io.ErrShortWrite
-		}
-		b, off = b[n:], off+int64(n)
-	}
-	return nil
-}
 
 // open asks the peer to describe key's segment, then opens its file, buffered and O_DIRECT.
 func (t *fileTransport) open(ctx context.Context, key shmKey) (*fileHandle, error) {

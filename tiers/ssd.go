@@ -3,7 +3,6 @@ package tiers
 import (
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -284,7 +283,7 @@ func (t *SSDTier) access(write bool, p []byte, off int64) (int, error) {
 	}
 	switch {
 	case !direct:
-		err = fileIO(write, t.mu.fd, p, off)
+		err = directio.All(t.mu.fd, write, p, off)
 		t.nBuffered.Add(1)
 	case bounced:
 		t.nBounced.Add(1)
@@ -301,30 +300,6 @@ func (t *SSDTier) access(write bool, p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-// fileIO preads p from, or pwrites p to, fd at off, all of it.
-func fileIO(write bool, fd int, p []byte, off int64) error {
-	for len(p) > 0 {
-		var n int
-		var err error
-		if write {
-			n, err = unix.Pwrite(fd, p, off)
-		} else {
-			n, err = unix.Pread(fd, p, off)
-		}
-		switch {
-		case err == unix.EINTR:
-			continue
-		case err != nil:
-			return err
-		case n == 0 && write:
-			return io.ErrShortWrite
-		case n == 0:
-			return io.ErrUnexpectedEOF // the file shrank under the tier
-		}
-		p, off = p[n:], off+int64(n)
-	}
-	return nil
-}
 
 // Sync flushes written bytes to the disk (fdatasync).
 func (t *SSDTier) Sync() error {

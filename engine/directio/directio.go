@@ -42,7 +42,7 @@ func Aligned(p []byte, off int64) bool {
 // and reports whether it bounced.
 func ReadAt(fd int, p []byte, off int64) (bounced bool, err error) {
 	if Aligned(p, off) {
-		return false, full(fd, false, p, off)
+		return false, All(fd, false, p, off)
 	}
 	b := bounces.Get().(*[bounceSize]byte)
 	defer bounces.Put(b)
@@ -95,7 +95,7 @@ func WriteAt(fd int, p []byte, off, size int64) (bounced bool, err error) {
 		return false, ErrUnaligned
 	}
 	if Aligned(p, off) {
-		return false, full(fd, true, p, off)
+		return false, All(fd, true, p, off)
 	}
 	b := bounces.Get().(*[bounceSize]byte)
 	defer bounces.Put(b)
@@ -103,7 +103,7 @@ func WriteAt(fd int, p []byte, off, size int64) (bounced bool, err error) {
 		c := copy(b[:], p)
 		n := roundUp(c)
 		clear(b[c:n])
-		if err := full(fd, true, b[:n], off); err != nil {
+		if err := All(fd, true, b[:n], off); err != nil {
 			return true, err
 		}
 		p, off = p[c:], off+int64(c)
@@ -113,8 +113,10 @@ func WriteAt(fd int, p []byte, off, size int64) (bounced bool, err error) {
 
 func roundUp(n int) int { return (n + Align - 1) &^ (Align - 1) }
 
-// full preads b from, or pwrites b to, fd at off, all of it.
-func full(fd int, write bool, b []byte, off int64) error {
+// All preads b from, or pwrites b to, fd at off, all of it: short
+// transfers continue, EINTR retries. It is the plain path too (a file
+// opened without O_DIRECT).
+func All(fd int, write bool, b []byte, off int64) error {
 	for len(b) > 0 {
 		var n int
 		var err error
