@@ -144,7 +144,6 @@ func (m *meta) keys(n int) []string {
 	return out
 }
 
-
 func (m *meta) seed(ctx context.Context, n int) error {
 	if len(m.seeded) >= n {
 		return nil

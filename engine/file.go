@@ -134,7 +134,6 @@ func (t *fileTransport) io(key shmKey, h *fileHandle, op *Op) error {
 	return nil
 }
 
-
 // open asks the peer to describe key's segment, then opens its file, buffered and O_DIRECT.
 func (t *fileTransport) open(ctx context.Context, key shmKey) (*fileHandle, error) {
 	info, err := describeKind(ctx, t.describe, key, segFile)

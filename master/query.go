@@ -1,10 +1,10 @@
 package master
 
 import (
-	"time"
 	"cmp"
 	"slices"
 	"strings"
+	"time"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )

@@ -300,7 +300,6 @@ func (t *SSDTier) access(write bool, p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-
 // Sync flushes written bytes to the disk (fdatasync).
 func (t *SSDTier) Sync() error {
 	t.mu.RLock()
