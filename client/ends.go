@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -13,73 +14,129 @@ import (
 
 // endQueue coalesces the PutEnds of concurrent puts: while one BatchPutEnd
 // is in flight, those that come meanwhile wait and go together in the
-// next. Concurrent puts so share round trips and the leader's raft
-// entries, and a put alone waits for nothing (its PutEnd goes at once).
+// next, sent by the first of them. Concurrent puts so share round trips
+// and the leader's raft entries, and a put alone waits for nothing (its
+// PutEnd goes at once).
 type endQueue struct {
 	mu      sync.Mutex
-	cond    *sync.Cond
-	busy    bool
+	busy    bool // a BatchPutEnd is in flight, or its successor is picked
 	waiting []*endCall
 }
 
 // endCall is one BatchPutWith's PutEnd: its items (without replicas) and
 // the grants it asks for.
 type endCall struct {
-	items  []*pb.PutEndItem
-	grants []shape
-	// Set by the call's sender before done; done is set under endQueue.mu.
+	items    []*pb.PutEndItem
+	grants   []shape
+	deadline time.Time     // of the put's context; zero: none
+	bytes    int           // about what its items weigh on the wire
+	turn     chan struct{} // closed when it is to send the next batch
+	done     chan struct{} // closed when a batch with it has been answered
+	// Set by the call's sender before done is closed.
 	results  []*pb.ItemStatus
 	unplaced []uint32 // indices into items
 	err      error
-	done     bool
 }
 
-func newEndQueue() *endQueue {
-	q := &endQueue{}
-	q.cond = sync.NewCond(&q.mu)
-	return q
-}
+func newEndQueue() *endQueue { return &endQueue{} }
 
-// maxEndItems bounds the items of one coalesced BatchPutEnd (the master's
-// batch limit).
-const maxEndItems = 16384
+// A coalesced BatchPutEnd carries at most maxEndItems items (the master's
+// batch limit) and about maxEndBytes (well within gRPC's 64 MiB message).
+const (
+	maxEndItems = 16384
+	maxEndBytes = 32 << 20
+)
 
 // end publishes call's items, alone or with others' that wait, and pools
-// the grants the leader answers.
+// the grants the leader answers. A call still waiting when its ctx ends
+// leaves the queue with ctx's error; once a sender has it, it waits for
+// that answer (bounded by the latest deadline of the batch).
 func (c *Client) end(ctx context.Context, call *endCall) {
+	call.deadline, _ = ctx.Deadline()
+	call.turn, call.done = make(chan struct{}), make(chan struct{})
+	for _, it := range call.items {
+		call.bytes += len(it.Key) + len(it.Parent) + len(it.Tenant) + 48
+	}
 	q := c.ends
 	q.mu.Lock()
 	q.waiting = append(q.waiting, call)
-	for !call.done {
-		if q.busy {
-			q.cond.Wait()
-			continue
-		}
+	if !q.busy {
 		q.busy = true
-		var batch []*endCall
-		n := 0
-		for len(q.waiting) > 0 && (len(batch) == 0 || n+len(q.waiting[0].items) <= maxEndItems) {
-			batch = append(batch, q.waiting[0])
-			n += len(q.waiting[0].items)
-			q.waiting = q.waiting[1:]
+		close(call.turn)
+	}
+	q.mu.Unlock()
+	select {
+	case <-call.turn:
+	case <-call.done:
+		return
+	case <-ctx.Done():
+		q.mu.Lock()
+		if i := slices.Index(q.waiting, call); i >= 0 && !closed(call.turn) {
+			q.waiting = slices.Delete(q.waiting, i, i+1)
+			q.mu.Unlock()
+			call.err = fmt.Errorf("%w: %w", ErrUnavailable, context.Cause(ctx))
+			return
 		}
 		q.mu.Unlock()
-		c.sendEnds(ctx, batch)
-		q.mu.Lock()
-		for _, b := range batch {
-			b.done = true // under mu: the waiters read it there
+		select { // a sender has it, or it was handed the turn meanwhile
+		case <-call.turn:
+		case <-call.done:
+			return
 		}
+	}
+	if closed(call.done) {
+		return
+	}
+	// This call sends: it and those waiting behind it, within the bounds.
+	q.mu.Lock()
+	var batch []*endCall
+	n, bytes := 0, 0
+	for len(q.waiting) > 0 {
+		w := q.waiting[0]
+		if len(batch) > 0 && (n+len(w.items) > maxEndItems || bytes+w.bytes > maxEndBytes) {
+			break
+		}
+		batch = append(batch, w)
+		n, bytes = n+len(w.items), bytes+w.bytes
+		q.waiting = q.waiting[1:]
+	}
+	q.mu.Unlock()
+	c.sendEnds(ctx, batch)
+	q.mu.Lock()
+	for _, b := range batch {
+		close(b.done)
+	}
+	if len(q.waiting) > 0 {
+		close(q.waiting[0].turn) // the next batch is the first waiter's to send
+	} else {
 		q.busy = false
-		q.cond.Broadcast()
 	}
 	q.mu.Unlock()
 }
 
+func closed(ch chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
 // sendEnds sends one BatchPutEnd for the calls of batch and hands each its
-// results. The round trip is bounded by the sender's deadline but not its
+// results. The round trip is bounded by the latest deadline among the
+// batch's puts (the write timeout if one has none), not by the sender's
 // cancellation: the others' puts ride in it.
 func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.writeTimeout())
+	var latest time.Time
+	for _, call := range batch {
+		if call.deadline.IsZero() {
+			latest = time.Now().Add(c.writeTimeout())
+			break
+		}
+		latest = later(latest, call.deadline)
+	}
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), latest)
 	defer cancel()
 	req := &pb.BatchPutEndRequest{}
 	var shapes []shape
@@ -131,4 +188,11 @@ func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
 		}
 		base += len(call.items)
 	}
+}
+
+func later(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
 }
