@@ -529,7 +529,7 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 		return nil, err
 	}
 	refused := m.s.lease(req.Keys)
-	res := m.s.fsm.replicas(req.Keys)
+	res := m.s.fsm.replicas(req.Keys, m.s.cfg.Now().UnixNano())
 	var missing []string
 	for i, k := range req.Keys {
 		if refused[k] {

@@ -30,7 +30,7 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 	if refused := m.s.lease(req.Keys[:n]); len(refused) > 0 {
 		n = slices.IndexFunc(req.Keys[:n], func(k string) bool { return refused[k] })
 	}
-	resp := m.s.fsm.lookup(req.Keys[:n])
+	resp := m.s.fsm.lookup(req.Keys[:n], m.s.cfg.Now().UnixNano())
 	resp.LeaseTtlMs = uint64(m.s.cfg.LeaseTTL.Milliseconds())
 	m.s.noteLookup(req.Keys[:resp.Matched], resp)
 	return resp, nil
@@ -65,9 +65,10 @@ func (f *FSM) prefix(keys []string) int {
 	return len(keys)
 }
 
-// lookup describes the leading complete objects of keys, column by column;
-// it stops at the first key that is missing or has no live replica.
-func (f *FSM) lookup(keys []string) *pb.LookupResponse {
+// lookup describes the leading complete objects of keys, column by column,
+// recording the read at now (unix nanos) for recency; it stops at the first
+// key that is missing or has no live replica.
+func (f *FSM) lookup(keys []string, now int64) *pb.LookupResponse {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	resp := &pb.LookupResponse{
@@ -120,6 +121,7 @@ func (f *FSM) lookup(keys []string) *pb.LookupResponse {
 		if count == 0 {
 			break
 		}
+		o.used.Store(now)
 		resp.Sizes = append(resp.Sizes, o.size)
 		resp.Checksums = append(resp.Checksums, o.checksum)
 		resp.ReplicaCounts = append(resp.ReplicaCounts, count)

@@ -12,7 +12,9 @@ import (
 // Read-only views of the FSM for the services. They take the read lock and
 // return copies, so callers never race with Apply.
 
-func (f *FSM) replicas(keys []string) []*pb.ObjectReplicas {
+// replicas describes keys' replicas, recording the read at now (unix nanos)
+// for recency.
+func (f *FSM) replicas(keys []string, now int64) []*pb.ObjectReplicas {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	out := make([]*pb.ObjectReplicas, len(keys))
@@ -22,6 +24,7 @@ func (f *FSM) replicas(keys []string) []*pb.ObjectReplicas {
 			out[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
 			continue
 		}
+		o.used.Store(now)
 		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.replicas)}
 	}
 	return out

@@ -547,9 +547,7 @@ func countNil(errs []error) int {
 // leasing them: a removal that finished earlier shows in the read, one that
 // starts later sees the lease.
 func (s *Server) lease(keys []string) (refused map[string]bool) {
-	now := s.cfg.Now()
-	exp := now.Add(s.cfg.LeaseTTL)
-	defer s.touch(keys, now) // a refused key is answered as missing: its recency does not matter
+	exp := s.cfg.Now().Add(s.cfg.LeaseTTL)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, k := range keys {
