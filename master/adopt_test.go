@@ -32,7 +32,7 @@ func TestFSMAdopt(t *testing.T) {
 	if r.Epoch != 2 || r.Adopted != 1 {
 		t.Fatalf("register = %+v, want epoch 2 and 1 adopted", r)
 	}
-	got := d.f.replicas([]string{"kept", "lost"}, 0)
+	got := d.f.replicasOf([]string{"kept", "lost"})
 	if got[0].Status.Code != 0 || len(got[0].Replicas) != 1 || got[0].Replicas[0].Segment != "n1/ssd0@2" || got[0].Replicas[0].Offset != ext.Offset {
 		t.Fatalf("kept object after adoption: %v", got[0])
 	}
@@ -52,7 +52,7 @@ func TestFSMAdopt(t *testing.T) {
 	}
 	// The same bytes become a second replica.
 	r = register(&pb.AdoptedObject{Key: "k2", Segment: "ssd0", Offset: 0, Size: 300, Checksum: 300})
-	if r.Adopted != 1 || len(d.f.replicas([]string{"k2"}, 0)[0].Replicas) != 2 {
+	if r.Adopted != 1 || len(d.f.replicasOf([]string{"k2"})[0].Replicas) != 2 {
 		t.Fatalf("a matching copy did not become a replica: %+v", r)
 	}
 }
@@ -243,7 +243,7 @@ func TestFSMAdoptMergesPins(t *testing.T) {
 				Key: "k", Segment: "ssd0", Offset: 0, Size: 300, Checksum: 300,
 				HardPinned: tc.offer.hard, SoftPinUntilUnixNano: tc.offer.softPin, Parent: tc.offer.parent, Tenant: tc.offer.tenant,
 			}})
-			if r.Adopted != 1 || len(d.f.replicas([]string{"k"}, 0)[0].Replicas) != 2 {
+			if r.Adopted != 1 || len(d.f.replicasOf([]string{"k"})[0].Replicas) != 2 {
 				t.Fatalf("a matching copy did not become a replica: %+v", r)
 			}
 			if got := objectMeta(t, d.f, "k"); got != tc.want {

@@ -348,12 +348,10 @@ func (s *Server) endExpiredCopies(ctx context.Context, now time.Time) {
 // sends it to the next one if the space was reused.
 func (s *Server) leaseEnd(keys []string) time.Time {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
-	for _, k := range keys {
-		if exp, ok := s.mu.leases[k]; ok && exp.After(t) {
-			t = exp
-		}
+	s.mu.Unlock()
+	if end := time.Unix(0, s.fsm.leaseEnd(keys)); end.After(t) {
+		t = end
 	}
 	return t
 }

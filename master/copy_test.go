@@ -78,7 +78,7 @@ func copiesOf(f *FSM, key string) []*pb.PendingCopy {
 // tier first (as readers get them); nil if it is not readable.
 func replicaSegments(f *FSM, key string) []string {
 	var out []string
-	for _, r := range f.replicas([]string{key}, 0)[0].Replicas {
+	for _, r := range f.replicasOf([]string{key})[0].Replicas {
 		out = append(out, r.Segment)
 	}
 	return out

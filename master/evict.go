@@ -32,18 +32,16 @@ const (
 func (s *Server) touch(keys []string, now time.Time) { s.fsm.touch(keys, now.UnixNano()) }
 
 // byRecency sorts objects least recently used first, and
-// reports which are read-leased at now; it takes the lock once.
+// reports which were read-leased at now when scanned.
 func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]bool) {
 	uses := make(map[string]time.Time, len(objs))
 	leased = map[string]bool{}
-	s.mu.Lock()
 	for _, o := range objs {
 		uses[o.key] = o.lastUse()
-		if exp, ok := s.mu.leases[o.key]; ok && exp.After(now) {
+		if o.lease > now.UnixNano() {
 			leased[o.key] = true
 		}
 	}
-	s.mu.Unlock()
 	slices.SortStableFunc(objs, func(a, b evictable) int {
 		// When recency ties (a chain put or read in one batch), deeper
 		// blocks go first, so no block goes before its descendants and

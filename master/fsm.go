@@ -48,6 +48,11 @@ type object struct {
 	// led (unix nanos; 0: none, the creation counts). Apply never reads
 	// it, and it is not in snapshots.
 	used atomic.Int64
+	// lease is soft state of the same kind: when the last read lease this
+	// node granted on the object ends (unix nanos). Kept here, a lookup of
+	// N blocks costs N atomic stores rather than N map writes under a lock.
+	lease atomic.Int64
+	gone  bool // out of the table (under f.mu): a reader holding it rereads
 }
 
 type node struct {
@@ -508,6 +513,7 @@ func (f *FSM) add(o *object) {
 // forget takes an object out of the table; its space is the caller's.
 func (f *FSM) forget(o *object) {
 	delete(f.objects, o.key)
+	o.gone = true
 	if o.parent != "" {
 		if f.children[o.parent]--; f.children[o.parent] <= 0 {
 			delete(f.children, o.parent)

@@ -146,7 +146,7 @@ func listKeys(f *FSM) []string {
 // exists agree on it.
 func visible(t testing.TB, f *FSM, key string) bool {
 	t.Helper()
-	r := f.replicas([]string{key}, 0)[0]
+	r := f.replicasOf([]string{key})[0]
 	ok := r.Status.Code == int32(codes.OK)
 	if ok != f.exists([]string{key})[0] {
 		t.Fatalf("replicas (code %d) and exists disagree on %q", r.Status.Code, key)
@@ -194,7 +194,7 @@ func TestFSMTwoPhasePut(t *testing.T) {
 	if visible(t, d.f, "k") {
 		t.Fatal("a PROCESSING object is visible")
 	}
-	if got := d.f.replicas([]string{"k"}, 0)[0].Status.Code; got != int32(codes.NotFound) {
+	if got := d.f.replicasOf([]string{"k"})[0].Status.Code; got != int32(codes.NotFound) {
 		t.Fatalf("replicas of a PROCESSING object: code %d, want NotFound", got)
 	}
 	objs, _ := d.f.list("", "", 10)
@@ -214,7 +214,7 @@ func TestFSMTwoPhasePut(t *testing.T) {
 	if !visible(t, d.f, "k") {
 		t.Fatal("a COMPLETE object is invisible")
 	}
-	got := d.f.replicas([]string{"k"}, 0)[0]
+	got := d.f.replicasOf([]string{"k"})[0]
 	want := &pb.ObjectReplicas{Status: &pb.ItemStatus{}, Size: 100, Checksum: 100, Replicas: []*pb.Replica{
 		{Segment: seg, Node: "n1", Endpoint: "ep1", Offset: 0, Length: 100, Tier: pb.Tier_TIER_DRAM},
 	}}
@@ -603,7 +603,7 @@ func sameState(t testing.TB, a, b *FSM) {
 		t.Fatalf("segment views:\n%+v\n%+v", va, vb)
 	}
 	if len(keys) > 0 {
-		ra, rb := a.replicas(keys, 0), b.replicas(keys, 0)
+		ra, rb := a.replicasOf(keys), b.replicasOf(keys)
 		for i := range ra {
 			if !proto.Equal(ra[i], rb[i]) {
 				t.Fatalf("replicas of %q:\n%v\n%v", keys[i], ra[i], rb[i])

@@ -528,18 +528,14 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	refused := m.s.lease(req.Keys)
-	res := m.s.fsm.replicas(req.Keys, m.s.cfg.Now().UnixNano())
-	var missing []string
+	objs := m.s.fsm.complete(req.Keys)
+	refused := m.s.lease(req.Keys, objs)
+	res := m.s.fsm.replicas(req.Keys, objs, m.s.cfg.Now().UnixNano())
 	for i, k := range req.Keys {
 		if refused[k] {
 			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
 		}
-		if res[i].Status.GetCode() != 0 {
-			missing = append(missing, k)
-		}
 	}
-	m.s.unlease(missing) // misses leave nothing behind in the leader's maps
 	m.s.noteReads(req.Keys, res)
 	return &pb.GetReplicasResponse{Results: res, LeaseTtlMs: uint64(m.s.cfg.LeaseTTL.Milliseconds())}, nil
 }

@@ -23,16 +23,18 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	n := m.s.fsm.prefix(req.Keys)
+	objs := m.s.fsm.prefix(req.Keys)
 	if req.CountOnly {
-		return &pb.LookupResponse{Matched: uint32(n)}, nil
+		return &pb.LookupResponse{Matched: uint32(len(objs))}, nil
 	}
-	if refused := m.s.lease(req.Keys[:n]); len(refused) > 0 {
-		n = slices.IndexFunc(req.Keys[:n], func(k string) bool { return refused[k] })
+	keys := req.Keys[:len(objs)]
+	if refused := m.s.lease(keys, objs); len(refused) > 0 {
+		n := slices.IndexFunc(keys, func(k string) bool { return refused[k] })
+		keys, objs = keys[:n], objs[:n]
 	}
-	resp := m.s.fsm.lookup(req.Keys[:n], m.s.cfg.Now().UnixNano())
+	resp := m.s.fsm.lookup(objs, m.s.cfg.Now().UnixNano())
 	resp.LeaseTtlMs = uint64(m.s.cfg.LeaseTTL.Milliseconds())
-	m.s.noteLookup(req.Keys[:resp.Matched], resp)
+	m.s.noteLookup(keys[:resp.Matched], resp)
 	return resp, nil
 }
 
@@ -53,53 +55,62 @@ func (m *masterService) Children(ctx context.Context, req *pb.ChildrenRequest) (
 	return &pb.ListResponse{Objects: objs, Truncated: truncated}, nil
 }
 
-// prefix counts the leading keys whose objects are complete.
-func (f *FSM) prefix(keys []string) int {
+// prefix returns the objects of the leading keys that are complete.
+func (f *FSM) prefix(keys []string) []*object {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	for i, k := range keys {
-		if o := f.objects[k]; o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
-			return i
+	out := make([]*object, 0, len(keys))
+	for _, k := range keys {
+		o := f.objects[k]
+		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+			break
 		}
+		out = append(out, o)
 	}
-	return len(keys)
+	return out
 }
 
-// lookup describes the leading complete objects of keys, column by column,
-// recording the read at now (unix nanos) for recency; it stops at the first
-// key that is missing or has no live replica.
-func (f *FSM) lookup(keys []string, now int64) *pb.LookupResponse {
+// lookup describes the leading objects that are still complete and in the
+// table, column by column, recording the read at now (unix nanos) for
+// recency; it stops at the first that is not or has no live replica.
+func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	resp := &pb.LookupResponse{
-		Sizes:          make([]uint64, 0, len(keys)),
-		Checksums:      make([]uint32, 0, len(keys)),
-		ReplicaCounts:  make([]uint32, 0, len(keys)),
-		ReplicaOffsets: make([]uint64, 0, len(keys)),
+		Sizes:          make([]uint64, 0, len(objs)),
+		Checksums:      make([]uint32, 0, len(objs)),
+		ReplicaCounts:  make([]uint32, 0, len(objs)),
+		ReplicaOffsets: make([]uint64, 0, len(objs)),
 	}
 	// Each segment of the answer once: its index in resp.Segments and its
-	// read rank, so a replica costs one map lookup.
+	// read rank. A chain's blocks mostly share a segment, so the last one
+	// found is tried before the map.
 	type segRef struct {
+		id   string
 		i    uint32
 		rank int
 		ok   bool
 	}
 	refs := map[string]segRef{}
+	var last segRef
 	ref := func(id string) segRef {
-		if r, seen := refs[id]; seen {
-			return r
+		if last.id == id {
+			return last
 		}
-		var r segRef
-		if s := f.segments[id]; s != nil {
-			r = segRef{i: uint32(len(resp.Segments)), rank: readRank(s.tier), ok: true}
-			resp.Segments = append(resp.Segments, &pb.Replica{Segment: id, Node: s.node, Endpoint: s.endpoint, Tier: s.tier})
+		r, seen := refs[id]
+		if !seen {
+			r.id = id
+			if s := f.segments[id]; s != nil {
+				r.i, r.rank, r.ok = uint32(len(resp.Segments)), readRank(s.tier), true
+				resp.Segments = append(resp.Segments, &pb.Replica{Segment: id, Node: s.node, Endpoint: s.endpoint, Tier: s.tier})
+			}
+			refs[id] = r
 		}
-		refs[id] = r
+		last = r
 		return r
 	}
-	for _, k := range keys {
-		o := f.objects[k]
-		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+	for _, o := range objs {
+		if o.gone || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 			break
 		}
 		count := uint32(0)

@@ -85,10 +85,8 @@ func TestLookup(t *testing.T) {
 
 	// Matched blocks are leased; unmatched ones and count-only lookups are not.
 	lookup(t, m, &pb.LookupRequest{Keys: []string{chain[5]}, CountOnly: true})
-	m.srv.mu.Lock()
-	_, leasedMatched := m.srv.mu.leases[chain[0]]
-	_, leasedAfterGap := m.srv.mu.leases[chain[5]]
-	m.srv.mu.Unlock()
+	leasedMatched := m.srv.fsm.leaseEnd([]string{chain[0]}) > 0
+	leasedAfterGap := m.srv.fsm.leaseEnd([]string{chain[5]}) > 0
 	if !leasedMatched || leasedAfterGap {
 		t.Fatalf("leased: matched block %v, count-only block %v; want true, false", leasedMatched, leasedAfterGap)
 	}

@@ -14,18 +14,69 @@ import (
 
 // replicas describes keys' replicas, recording the read at now (unix nanos)
 // for recency.
-func (f *FSM) replicas(keys []string, now int64) []*pb.ObjectReplicas {
+func (f *FSM) replicas(keys []string, objs []*object, now int64) []*pb.ObjectReplicas {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	out := make([]*pb.ObjectReplicas, len(keys))
 	for i, k := range keys {
-		o := f.objects[k]
-		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+		o := objs[i]
+		if o == nil || o.gone || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 			out[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
 			continue
 		}
 		o.used.Store(now)
 		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.replicas)}
+	}
+	return out
+}
+
+// complete returns the objects of keys that are complete, nil for the
+// others.
+func (f *FSM) complete(keys []string) []*object {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	out := make([]*object, len(keys))
+	for i, k := range keys {
+		if o := f.objects[k]; o != nil && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+			out[i] = o
+		}
+	}
+	return out
+}
+
+// leaseUntil extends the object's read lease to end no earlier than exp.
+func (o *object) leaseUntil(exp int64) {
+	for {
+		old := o.lease.Load()
+		if old >= exp || o.lease.CompareAndSwap(old, exp) {
+			return
+		}
+	}
+}
+
+// leaseEnd is when the last read lease on the objects of keys ends (unix
+// nanos; 0: none).
+func (f *FSM) leaseEnd(keys []string) int64 {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var end int64
+	for _, k := range keys {
+		if o := f.objects[k]; o != nil {
+			end = max(end, o.lease.Load())
+		}
+	}
+	return end
+}
+
+// leasedAt reports which of keys have objects read-leased at now.
+func (f *FSM) leasedAt(keys []string, now int64) map[string]bool {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	out := map[string]bool{}
+	for _, k := range keys {
+		if o := f.objects[k]; o != nil && o.lease.Load() > now {
+			out[k] = true
+		}
 	}
 	return out
 }
@@ -221,6 +272,7 @@ type evictable struct {
 	depth    int  // its ancestors in the table, by parent keys: 0 for a chain's root
 	tenant   string
 	used     int64 // the object's used, when scanned
+	lease    int64 // the end of its read lease, when scanned
 }
 
 // lastUse is an object's recency: the last access this leader saw, else
@@ -270,7 +322,7 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 		e := evictable{
 			key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin, checksum: o.checksum,
 			putID: o.putID, copying: len(o.copies) > 0, children: f.children[k], tenant: o.tenant,
-			depth: f.depth(k, depths), used: o.used.Load(),
+			depth: f.depth(k, depths), used: o.used.Load(), lease: o.lease.Load(),
 		}
 		for _, r := range o.replicas {
 			e.segments = append(e.segments, r.Segment)

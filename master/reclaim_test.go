@@ -121,28 +121,3 @@ func TestReclaimAfterElection(t *testing.T) {
 			r.Replicas[0], keys[0], m.srv.evictableFrom(), m.srv.cfg.Now())
 	}
 }
-
-// TestAccessBoundedOnMisses: GetReplicas leases every key it is asked
-// about before it reads them; misses (the common answer of a KV-cache
-// probe) must leave no lease or recency behind in the leader's memory.
-func TestAccessBoundedOnMisses(t *testing.T) {
-	t.Parallel()
-	e := newTierEnv(t, nil)
-	m := e.m
-	for round := range 4 {
-		resp, err := m.master().GetReplicas(rpcCtx(t), &pb.KeysRequest{Keys: keyNames(fmt.Sprintf("miss%d-", round), MaxBatchKeys)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if resp.Results[0].Status.GetCode() == 0 {
-			t.Fatal("a missing key was found")
-		}
-	}
-	time.Sleep(2 * m.srv.cfg.LeaseTTL) // leases expired, several sweeps ran
-	m.srv.mu.Lock()
-	leases := len(m.srv.mu.leases)
-	m.srv.mu.Unlock()
-	if leases > 0 { // recency lives in the objects: misses leave none
-		t.Fatalf("after %d misses: %d leases kept for keys that do not exist", 4*MaxBatchKeys, leases)
-	}
-}

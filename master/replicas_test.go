@@ -115,7 +115,7 @@ func TestReplicasFastestFirst(t *testing.T) {
 		t.Fatal(err)
 	}
 	var tiers []pb.Tier
-	for _, r := range d.f.replicas([]string{"k"}, 0)[0].Replicas {
+	for _, r := range d.f.replicasOf([]string{"k"})[0].Replicas {
 		tiers = append(tiers, r.Tier)
 	}
 	want := []pb.Tier{pb.Tier_TIER_DRAM, pb.Tier_TIER_HBM, pb.Tier_TIER_SSD}
@@ -148,7 +148,7 @@ func TestFSMDropReplica(t *testing.T) {
 	if drop(4, "nosuch", 10) {
 		t.Fatal("a report about an unknown segment dropped a replica")
 	}
-	if !drop(5, a, 10) || len(d.f.replicas([]string{"k"}, 0)[0].Replicas) != 1 {
+	if !drop(5, a, 10) || len(d.f.replicasOf([]string{"k"})[0].Replicas) != 1 {
 		t.Fatal("the corrupt replica was not dropped")
 	}
 	if v := d.segment(a); v.used != 0 || v.objects != 0 {

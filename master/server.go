@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -110,7 +111,6 @@ type Server struct {
 		leaderTerm  uint64 // the term in which this node caught up
 		leaderSince time.Time
 		lastSeen    map[string]time.Time    // node -> last heartbeat, leader only
-		leases      map[string]time.Time    // key -> read lease expiry, leader only
 		removing    map[string]int          // keys with a Remove in flight: no new leases
 		copyQueue   map[string][]queuedCopy // node -> copies for its next heartbeat
 		slowReads   map[string]int          // key -> reads served from a slow tier only: promotion
@@ -118,6 +118,10 @@ type Server struct {
 		drains      map[string]*pb.DrainProgress
 		reclaim     map[string]reclaimList // segment -> written-back replicas puts may drop
 	}
+
+	// removals counts the keys in mu.removing, so that a lease need not
+	// take mu to learn that nothing is being removed.
+	removals atomic.Int64
 
 	rngMu sync.Mutex
 	rng   *rand.Rand // placement sampling; leader-local, never in Apply
@@ -175,7 +179,6 @@ func New(cfg Config) (*Server, error) {
 	pb.RegisterAdminServer(s.grpc, &adminService{s: s})
 	s.rng = rand.New(rand.NewPCG(uint64(cfg.Now().UnixNano()), 0x7469646570))
 	s.mu.lastSeen = map[string]time.Time{}
-	s.mu.leases = map[string]time.Time{}
 	s.mu.removing = map[string]int{}
 	s.mu.copyQueue = map[string][]queuedCopy{}
 	s.mu.slowReads = map[string]int{}
@@ -451,7 +454,6 @@ func (s *Server) setLeader(leader bool) {
 	s.mu.leader = leader
 	s.mu.leaderTerm = s.raft.CurrentTerm()
 	s.mu.leaderSince = now
-	clear(s.mu.leases)
 	clear(s.mu.lastSeen)
 	clear(s.mu.copyQueue) // their copies expire and the sweep ends them
 	clear(s.mu.slowReads)
@@ -504,11 +506,6 @@ func (s *Server) sweep() {
 			dead = append(dead, id)
 		}
 	}
-	for k, exp := range s.mu.leases {
-		if now.After(exp) {
-			delete(s.mu.leases, k)
-		}
-	}
 	s.mu.Unlock()
 	s.endExpiredCopies(ctx, now)
 	s.prune()
@@ -540,40 +537,35 @@ func countNil(errs []error) int {
 	return n
 }
 
-// lease grants read leases on keys before their replicas are read, and
-// reports the keys it refused because a Remove or eviction of them is in
-// flight: such a key is answered as not found. Leasing first closes the
-// window in which a removal could finish between reading the replicas and
-// leasing them: a removal that finished earlier shows in the read, one that
-// starts later sees the lease.
-func (s *Server) lease(keys []string) (refused map[string]bool) {
-	exp := s.cfg.Now().Add(s.cfg.LeaseTTL)
+// lease grants read leases on objs, the objects read for keys (nil where
+// missing), and reports the keys it refused because a Remove or eviction
+// of them is in flight: such a key is answered as not found. The caller
+// reads the objects again after: a removal that finished before the lease
+// shows there (the object is gone), one in flight is refused here, one
+// that starts later sees the lease. The leases are stored before the
+// count of removals is read, and startRemove counts itself in before it
+// reads the leases, so one of the two sees the other.
+func (s *Server) lease(keys []string, objs []*object) (refused map[string]bool) {
+	exp := s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano()
+	for _, o := range objs {
+		if o != nil {
+			o.leaseUntil(exp)
+		}
+	}
+	if s.removals.Load() == 0 {
+		return nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, k := range keys {
-		if s.mu.removing[k] > 0 {
+	for i, k := range keys {
+		if objs[i] != nil && s.mu.removing[k] > 0 {
 			if refused == nil {
 				refused = map[string]bool{}
 			}
 			refused[k] = true
-			continue
 		}
-		s.mu.leases[k] = exp
 	}
 	return refused
-}
-
-// unlease drops the leases lease took for keys that turned out to be
-// missing.
-func (s *Server) unlease(keys []string) {
-	if len(keys) == 0 {
-		return
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, k := range keys {
-		delete(s.mu.leases, k)
-	}
 }
 
 // prune forgets the leader's bookkeeping of segments that are gone.
@@ -596,10 +588,12 @@ func (s *Server) prune() {
 // lease an earlier leader may have granted. The returned func unmarks them.
 func (s *Server) startRemove(keys []string) (time.Time, func()) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	for _, k := range keys {
 		s.mu.removing[k]++
 	}
+	s.removals.Add(int64(len(keys)))
+	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
+	s.mu.Unlock()
 	done := func() {
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -608,12 +602,10 @@ func (s *Server) startRemove(keys []string) (time.Time, func()) {
 				delete(s.mu.removing, k)
 			}
 		}
+		s.removals.Add(-int64(len(keys)))
 	}
-	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
-	for _, k := range keys {
-		if exp, ok := s.mu.leases[k]; ok && exp.After(t) {
-			t = exp
-		}
+	if end := time.Unix(0, s.fsm.leaseEnd(keys)); end.After(t) {
+		t = end
 	}
 	return t, done
 }

@@ -338,10 +338,12 @@ func (s *Server) reclaimFor(items []*pb.PutStartItem) []*pb.Reclaimable {
 		out = append(out, s.reclaimable(v, need[v.id], now)...)
 	}
 	// The list may be up to reclaimTTL old: leave out keys leased since.
-	s.mu.Lock()
-	out = slices.DeleteFunc(out, func(r *pb.Reclaimable) bool { return s.mu.leases[r.Key].After(now) })
-	s.mu.Unlock()
-	return out
+	keys := make([]string, len(out))
+	for i, r := range out {
+		keys[i] = r.Key
+	}
+	leased := s.fsm.leasedAt(keys, now.UnixNano())
+	return slices.DeleteFunc(out, func(r *pb.Reclaimable) bool { return leased[r.Key] })
 }
 
 // reclaimable lists the written-back replicas on segment v worth twice
