@@ -30,14 +30,14 @@ func (f *FSM) copyStart(it *pb.CopyStartItem, id uint64) CopyStartResult {
 	switch {
 	case o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || (it.PutId != 0 && o.putID != it.PutId):
 		return CopyStartResult{Err: errorf(ErrNotFound, it.Key)}
-	case len(o.copies) > 0:
+	case len(o.copies()) > 0:
 		return CopyStartResult{Err: errorf(ErrCopyInProgress, it.Key)}
-	case !slices.ContainsFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == it.Source }):
+	case !o.onSegment(it.Source):
 		return CopyStartResult{Err: fmt.Errorf("%w: %q has no replica on %s", ErrNotFound, it.Key, it.Source)}
 	}
 	for _, segID := range it.Candidates {
 		s := f.segments[segID]
-		if s == nil || slices.ContainsFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == segID }) {
+		if s == nil || o.onSegment(segID) {
 			continue
 		}
 		off, ok := s.alloc.alloc(o.size)
@@ -45,10 +45,10 @@ func (f *FSM) copyStart(it *pb.CopyStartItem, id uint64) CopyStartResult {
 			continue
 		}
 		c := &pb.PendingCopy{
-			Id: id, Target: &pb.Extent{Segment: segID, Offset: off, Length: o.size}, Source: it.Source,
+			Id: id, Target: &pb.Extent{Segment: s.id, Offset: off, Length: o.size}, Source: it.Source,
 			DeadlineUnixNano: it.DeadlineUnixNano, Reason: it.Reason,
 		}
-		o.copies = append(o.copies, c)
+		o.edit(func(r *rare) { r.copies = append(slices.Clone(r.copies), c) })
 		return CopyStartResult{Copy: c}
 	}
 	return CopyStartResult{Err: fmt.Errorf("%w to copy %q (%d bytes)", ErrNoSpace, it.Key, o.size)}
@@ -60,7 +60,7 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 	o := f.objects[it.Key]
 	i := -1
 	if o != nil {
-		i = slices.IndexFunc(o.copies, func(c *pb.PendingCopy) bool { return c.Id == it.CopyId })
+		i = slices.IndexFunc(o.copies(), func(c *pb.PendingCopy) bool { return c.Id == it.CopyId })
 	}
 	if i < 0 {
 		if !it.OnlyExpired {
@@ -68,11 +68,11 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 		}
 		return CopyEndResult{Err: fmt.Errorf("%w: copy %d of %q", ErrNotInProgress, it.CopyId, it.Key)}
 	}
-	c := o.copies[i]
+	c := o.copies()[i]
 	if it.OnlyExpired && c.DeadlineUnixNano >= now {
 		return CopyEndResult{Err: fmt.Errorf("%w: copy %d of %q has not expired", ErrNotInProgress, it.CopyId, it.Key)}
 	}
-	o.copies = slices.Delete(slices.Clone(o.copies), i, i+1)
+	o.edit(func(r *rare) { r.copies = slices.Delete(slices.Clone(r.copies), i, i+1) })
 	res := CopyEndResult{Reason: c.Reason, Size: o.size}
 	if src := f.segments[c.Source]; src != nil {
 		res.Node = src.node
@@ -80,17 +80,17 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 	switch {
 	case it.OnlyExpired, now > c.DeadlineUnixNano:
 		// The copier stops at the deadline, but its bytes may still land.
-		f.free(c.Target, now+lateWriteGrace)
+		f.freeExtent(c.Target, now+lateWriteGrace)
 		res.Err = fmt.Errorf("%w: copy %d of %q expired", ErrNotInProgress, it.CopyId, it.Key)
 	case it.Failed:
-		f.free(c.Target, 0)
+		f.freeExtent(c.Target, 0)
 	default:
-		o.replicas = append(slices.Clone(o.replicas), c.Target)
+		o.replicas = append(slices.Clone(o.replicas), extent{c.Target.Segment, c.Target.Offset})
 		if s := f.segments[c.Target.Segment]; s != nil {
 			s.objects++
 		}
 		if moves(c.Reason) {
-			if j := slices.IndexFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == c.Source }); j >= 0 {
+			if j := slices.IndexFunc(o.replicas, func(e extent) bool { return e.segment == c.Source }); j >= 0 {
 				f.dropExtent(o, j, freeAfter, now)
 			}
 		}
@@ -129,7 +129,7 @@ func (f *FSM) holds(n *node) bool {
 		return true
 	}
 	for _, o := range f.objects {
-		for _, c := range o.copies {
+		for _, c := range o.copies() {
 			if mine(c.Target) {
 				return true
 			}
@@ -144,7 +144,7 @@ func (f *FSM) expiredCopies(now int64) []*pb.CopyEndItem {
 	defer f.mu.RUnlock()
 	var out []*pb.CopyEndItem
 	for k, o := range f.objects {
-		for _, c := range o.copies {
+		for _, c := range o.copies() {
 			if c.DeadlineUnixNano < now {
 				out = append(out, &pb.CopyEndItem{Key: k, CopyId: c.Id, OnlyExpired: true})
 			}
@@ -223,16 +223,11 @@ func (f *FSM) copyTask(key string, c *pb.PendingCopy, deadline time.Time) (*pb.C
 	if o == nil || src == nil {
 		return nil, "", false
 	}
-	var ext *pb.Extent
-	for _, r := range o.replicas {
-		if r.Segment == c.Source {
-			ext = r
-		}
-	}
-	if ext == nil { // dropped since the copy started (found corrupt)
+	i := slices.IndexFunc(o.replicas, func(e extent) bool { return e.segment == c.Source })
+	if i < 0 { // dropped since the copy started (found corrupt)
 		return nil, "", false
 	}
-	reps := f.describe([]*pb.Extent{ext, c.Target})
+	reps := f.describe(o.size, []extent{o.replicas[i], {c.Target.Segment, c.Target.Offset}})
 	if len(reps) != 2 {
 		return nil, "", false
 	}

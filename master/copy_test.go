@@ -69,7 +69,7 @@ func copiesOf(f *FSM, key string) []*pb.PendingCopy {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	if o := f.objects[key]; o != nil {
-		return slices.Clone(o.copies)
+		return slices.Clone(o.copies())
 	}
 	return nil
 }
@@ -650,7 +650,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	}
 	var processing []string
 	for _, k := range sortedKeys(f.objects) {
-		if o := f.objects[k]; o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline >= now {
+		if o := f.objects[k]; o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline() >= now {
 			processing = append(processing, k)
 		}
 	}
@@ -665,7 +665,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 		c := &pb.CopyStartCmd{}
 		for range 1 + rng.IntN(2) {
 			o := f.objects[g.pick(complete)]
-			src := o.replicas[rng.IntN(len(o.replicas))].Segment
+			src := o.replicas[rng.IntN(len(o.replicas))].segment
 			if rng.IntN(10) == 0 {
 				src = g.pick(segs) // mostly not a replica
 			}
@@ -689,7 +689,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	case p < 60:
 		var ids []*pb.CopyEndItem
 		for _, k := range sortedKeys(f.objects) {
-			for _, c := range f.objects[k].copies {
+			for _, c := range f.objects[k].copies() {
 				ids = append(ids, &pb.CopyEndItem{Key: k, CopyId: c.Id})
 			}
 		}
@@ -714,7 +714,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	case p < 76 && len(complete) > 0:
 		o := f.objects[g.pick(complete)]
 		cmd = &pb.Command{Op: &pb.Command_DropReplica{DropReplica: &pb.DropReplicaCmd{
-			Key: o.key, Segment: o.replicas[rng.IntN(len(o.replicas))].Segment, Checksum: o.checksum,
+			Key: o.key, Segment: o.replicas[rng.IntN(len(o.replicas))].segment, Checksum: o.checksum,
 			FreeAfterUnixNano: now - 50 + rng.Int64N(200), KeepLast: rng.IntN(4) != 0,
 		}}}
 	case p < 80 && len(complete) > 0:

@@ -52,12 +52,12 @@ func (f *FSM) nodeStates(match func(*node) bool) []nodeState {
 		ns := nodeState{id: id, epoch: n.epoch, segments: slices.Clone(n.segments), down: n.down, draining: n.draining, drained: n.drained}
 		for _, o := range f.objects {
 			for _, r := range o.replicas {
-				if slices.Contains(n.segments, r.Segment) {
+				if slices.Contains(n.segments, r.segment) {
 					ns.objects++
 					ns.bytes += o.size
 				}
 			}
-			for _, c := range o.copies {
+			for _, c := range o.copies() {
 				if slices.Contains(n.segments, c.Target.Segment) {
 					ns.incoming++
 				}

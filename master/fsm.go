@@ -27,22 +27,51 @@ type FSM struct {
 	members  map[string]string   // raft server id -> gRPC address
 	pending  []*pb.PendingFree   // removed ranges still covered by read leases
 	children map[string]int      // key -> objects naming it as their parent
+	tenants  map[string]string   // one copy of each tenant name (up to maxTenants)
 }
 
+// maxTenants bounds the tenant names interned; objects of further tenants
+// keep their own copy of the name.
+const maxTenants = 4096
+
+// tenant returns the interned copy of name.
+func (f *FSM) tenant(name string) string {
+	if t, ok := f.tenants[name]; ok || name == "" {
+		return t
+	}
+	if len(f.tenants) < maxTenants {
+		f.tenants[name] = name
+	}
+	return name
+}
+
+// newObject is a complete object of the put described, in the table; its
+// parent and tenant names share the bytes of copies the table has.
+func (f *FSM) newObject(key string, size uint64, checksum uint32, putID uint64, created int64, parent, tenant string, exts []extent) *object {
+	o := &object{key: key, size: size, checksum: checksum, putID: putID, created: created, parent: parent,
+		state: pb.ObjectState_OBJECT_STATE_COMPLETE}
+	o.setReplicas(exts)
+	if tenant != "" {
+		o.rare = &rare{tenant: f.tenant(tenant)}
+	}
+	f.add(o)
+	return o
+}
+
+// object is one key's record. A master holds millions, so the record is
+// compact: one replica's place is inline, what few objects have (pins,
+// tenants, copies, a legacy put's deadline) hangs off rare, and strings
+// share the bytes of their segment's id and their parent's key.
 type object struct {
-	key      string
+	key    string
+	parent string // the key of the previous block of its chain, if any
+	// replicas is never written in place: a change builds a new slice.
+	// One replica, the common case, lives in one.
+	replicas []extent
+	one      [1]extent
 	size     uint64
-	checksum uint32
-	state    pb.ObjectState
 	created  int64
-	deadline int64 // unix nanos after which a PROCESSING put is revoked
 	putID    uint64
-	hard     bool  // hard pinned: never evicted
-	softPin  int64 // soft pinned until then (unix nanos)
-	replicas []*pb.Extent
-	copies   []*pb.PendingCopy // replicas being written; not readable yet
-	parent   string
-	tenant   string
 	// used is leader-local soft state kept here so that recency costs no
 	// map entry per object: the last get or put this node saw while it
 	// led (unix nanos; 0: none, the creation counts). Apply never reads
@@ -51,8 +80,97 @@ type object struct {
 	// lease is soft state of the same kind: when the last read lease this
 	// node granted on the object ends (unix nanos). Kept here, a lookup of
 	// N blocks costs N atomic stores rather than N map writes under a lock.
-	lease atomic.Int64
-	gone  bool // out of the table (under f.mu): a reader holding it rereads
+	lease    atomic.Int64
+	rare     *rare
+	checksum uint32
+	state    pb.ObjectState
+	hard     bool // hard pinned: never evicted
+	gone     bool // out of the table (under f.mu): a reader holding it rereads
+}
+
+// extent is where one replica of an object lies; its length is the
+// object's size.
+type extent struct {
+	segment string // the segment's id, one copy for all its objects
+	offset  uint64
+}
+
+// rare holds the fields few objects have.
+type rare struct {
+	deadline int64 // unix nanos after which a PROCESSING put is revoked
+	softPin  int64 // soft pinned until then (unix nanos)
+	tenant   string
+	copies   []*pb.PendingCopy // replicas being written; not readable yet
+}
+
+func (o *object) deadline() int64 {
+	if o.rare == nil {
+		return 0
+	}
+	return o.rare.deadline
+}
+
+func (o *object) softPin() int64 {
+	if o.rare == nil {
+		return 0
+	}
+	return o.rare.softPin
+}
+
+func (o *object) tenant() string {
+	if o.rare == nil {
+		return ""
+	}
+	return o.rare.tenant
+}
+
+func (o *object) copies() []*pb.PendingCopy {
+	if o.rare == nil {
+		return nil
+	}
+	return o.rare.copies
+}
+
+// edit changes the rare fields, and drops them when none is left set.
+func (o *object) edit(fn func(r *rare)) {
+	r := rare{}
+	if o.rare != nil {
+		r = *o.rare
+	}
+	fn(&r)
+	if r.deadline == 0 && r.softPin == 0 && r.tenant == "" && len(r.copies) == 0 {
+		o.rare = nil
+	} else {
+		o.rare = &r
+	}
+}
+
+// setReplicas gives a new object a copy of exts as its replicas.
+func (o *object) setReplicas(exts []extent) {
+	if len(exts) == 1 {
+		o.one[0] = exts[0]
+		o.replicas = o.one[:]
+		return
+	}
+	o.replicas = slices.Clone(exts)
+}
+
+// pbExtent describes a replica of o on the wire and in snapshots.
+func (o *object) pbExtent(e extent) *pb.Extent {
+	return &pb.Extent{Segment: e.segment, Offset: e.offset, Length: o.size}
+}
+
+func (o *object) pbExtents() []*pb.Extent {
+	out := make([]*pb.Extent, len(o.replicas))
+	for i, e := range o.replicas {
+		out[i] = o.pbExtent(e)
+	}
+	return out
+}
+
+// onSegment reports whether o has a replica on segment id.
+func (o *object) onSegment(id string) bool {
+	return slices.ContainsFunc(o.replicas, func(e extent) bool { return e.segment == id })
 }
 
 type node struct {
@@ -93,6 +211,7 @@ func (f *FSM) reset() {
 	f.members = map[string]string{}
 	f.pending = nil
 	f.children = map[string]int{}
+	f.tenants = map[string]string{}
 }
 
 // SegmentID names a segment of one node epoch; it is the engine segment name.
@@ -278,7 +397,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			return PutStartResult{Exists: true}
 		}
-		if now <= o.deadline {
+		if now <= o.deadline() {
 			return PutStartResult{Err: ErrPutInProgress}
 		}
 		f.retire(o, now+lateWriteGrace) // an abandoned put: the new one takes its place
@@ -288,7 +407,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 	}
 	// Replicas go to the first candidates with room, one per node.
 	want := max(int(it.Replicas), 1)
-	var exts []*pb.Extent
+	var exts []extent
 	nodes := map[string]bool{}
 	for _, id := range it.Candidates {
 		s := f.segments[id]
@@ -301,19 +420,16 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		}
 		s.objects++
 		nodes[s.node] = true
-		exts = append(exts, &pb.Extent{Segment: s.id, Offset: off, Length: it.Size})
+		exts = append(exts, extent{s.id, off})
 		if len(exts) == want {
 			break
 		}
 	}
 	if len(exts) > 0 {
-		f.add(&object{
-			key: it.Key, size: it.Size, checksum: it.Checksum, putID: putID,
-			state:   pb.ObjectState_OBJECT_STATE_PROCESSING,
-			created: now, deadline: it.DeadlineUnixNano,
-			replicas: exts, parent: it.Parent, tenant: it.Tenant,
-		})
-		return PutStartResult{Replicas: slices.Clone(exts), PutID: putID} // the object's slice changes later
+		o := f.newObject(it.Key, it.Size, it.Checksum, putID, now, it.Parent, it.Tenant, exts)
+		o.state = pb.ObjectState_OBJECT_STATE_PROCESSING
+		o.edit(func(r *rare) { r.deadline = it.DeadlineUnixNano })
+		return PutStartResult{Replicas: o.pbExtents(), PutID: putID}
 	}
 	if len(f.segments) == 0 {
 		return PutStartResult{Err: ErrNoSegments}
@@ -337,7 +453,7 @@ const maxCommandItems = 1 << 16
 // not, and must not cost any reclaimed replica.
 func (f *FSM) allocates(it *pb.PutStartItem, now int64) bool {
 	o := f.objects[it.Key]
-	return it.Size > 0 && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > o.deadline))
+	return it.Size > 0 && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > o.deadline()))
 }
 
 // reclaim drops written-back replicas on segment, in the leader's order,
@@ -361,10 +477,10 @@ func (f *FSM) reclaim(segment string, size uint64, cands []*pb.Reclaimable, now 
 		}
 		o := f.objects[c.Key]
 		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || len(o.replicas) < 2 ||
-			slices.ContainsFunc(o.copies, func(p *pb.PendingCopy) bool { return p.Source == segment }) {
+			slices.ContainsFunc(o.copies(), func(p *pb.PendingCopy) bool { return p.Source == segment }) {
 			continue
 		}
-		if j := slices.IndexFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == segment }); j >= 0 {
+		if j := slices.IndexFunc(o.replicas, func(e extent) bool { return e.segment == segment }); j >= 0 {
 			f.dropExtent(o, j, 0, now)
 			n++
 		}
@@ -381,12 +497,13 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 		return fmt.Errorf("%w: %q (revoked, and the key was put again since)", ErrNotInProgress, key)
 	case o.state == pb.ObjectState_OBJECT_STATE_COMPLETE:
 		return nil
-	case now > o.deadline:
+	case now > o.deadline():
 		// Its writes may have been cut short at the deadline; the sweep
 		// revokes it.
 		return fmt.Errorf("%w: %q (expired before it ended)", ErrNotInProgress, key)
 	}
 	o.state = pb.ObjectState_OBJECT_STATE_COMPLETE
+	o.edit(func(r *rare) { r.deadline = 0 })
 	return nil
 }
 
@@ -395,7 +512,7 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 // cannot know, so it keeps the space for lateWriteGrace.
 func (f *FSM) putRevoke(key string, putID uint64, onlyExpired bool, now int64) error {
 	o := f.objects[key]
-	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (putID != 0 && o.putID != putID) || (onlyExpired && o.deadline >= now) {
+	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (putID != 0 && o.putID != putID) || (onlyExpired && o.deadline() >= now) {
 		return fmt.Errorf("%w: %q", ErrNotInProgress, key)
 	}
 	if onlyExpired {
@@ -425,11 +542,12 @@ func (f *FSM) pin(c *pb.PinCmd) error {
 	}
 	switch {
 	case c.Unpin:
-		o.hard, o.softPin = false, 0
+		o.hard = false
+		o.edit(func(r *rare) { r.softPin = 0 })
 	case c.Hard:
 		o.hard = true
 	default:
-		o.softPin = max(o.softPin, c.SoftUntilUnixNano)
+		o.edit(func(r *rare) { r.softPin = max(r.softPin, c.SoftUntilUnixNano) })
 	}
 	return nil
 }
@@ -443,7 +561,7 @@ func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) erro
 		return fmt.Errorf("%w: %q", ErrNotFound, key)
 	case o.hard:
 		return fmt.Errorf("%w: %q is hard pinned", ErrPinned, key)
-	case o.softPin > now && !allowSoft:
+	case o.softPin() > now && !allowSoft:
 		return fmt.Errorf("%w: %q is soft pinned", ErrPinned, key)
 	}
 	f.retireAfter(o, freeAfter, now)
@@ -457,7 +575,7 @@ func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
 	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || o.checksum != c.Checksum {
 		return false
 	}
-	i := slices.IndexFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == c.Segment })
+	i := slices.IndexFunc(o.replicas, func(e extent) bool { return e.segment == c.Segment })
 	if i < 0 {
 		return false
 	}
@@ -476,13 +594,13 @@ func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
 // reused from freeAfter on.
 func (f *FSM) dropExtent(o *object, i int, freeAfter, now int64) {
 	r := o.replicas[i]
-	o.replicas = slices.Delete(slices.Clone(o.replicas), i, i+1) // readers may hold the old slice
-	if s := f.segments[r.Segment]; s != nil {
+	o.replicas = slices.Delete(slices.Clone(o.replicas), i, i+1)
+	if s := f.segments[r.segment]; s != nil {
 		s.objects--
 		if freeAfter <= now {
 			freeAfter = 0
 		}
-		f.free(r, freeAfter)
+		f.free(r.segment, r.offset, o.size, freeAfter)
 	}
 }
 
@@ -526,12 +644,12 @@ func (f *FSM) forget(o *object) {
 func (f *FSM) retire(o *object, after int64) {
 	f.forget(o)
 	for _, r := range o.replicas {
-		if s := f.segments[r.Segment]; s != nil {
+		if s := f.segments[r.segment]; s != nil {
 			s.objects--
-			f.free(r, after)
+			f.free(r.segment, r.offset, o.size, after)
 		}
 	}
-	for _, c := range o.copies {
+	for _, c := range o.copies() {
 		// A copier may still be writing: keep the room until it reports,
 		// or else until it must have stopped.
 		f.pending = append(f.pending, &pb.PendingFree{Extent: c.Target, AfterUnixNano: c.DeadlineUnixNano + lateWriteGrace, CopyId: c.Id})
@@ -539,16 +657,18 @@ func (f *FSM) retire(o *object, after int64) {
 }
 
 // free releases an extent, at once or from time after on.
-func (f *FSM) free(e *pb.Extent, after int64) {
-	s := f.segments[e.Segment]
+func (f *FSM) free(segment string, offset, length uint64, after int64) {
+	s := f.segments[segment]
 	switch {
 	case s == nil:
 	case after > 0:
-		f.pending = append(f.pending, &pb.PendingFree{Extent: e, AfterUnixNano: after})
+		f.pending = append(f.pending, &pb.PendingFree{Extent: &pb.Extent{Segment: segment, Offset: offset, Length: length}, AfterUnixNano: after})
 	default:
-		s.alloc.release(e.Offset, e.Length)
+		s.alloc.release(offset, length)
 	}
 }
+
+func (f *FSM) freeExtent(e *pb.Extent, after int64) { f.free(e.Segment, e.Offset, e.Length, after) }
 
 func (f *FSM) releasePending(now int64) {
 	kept := f.pending[:0]
@@ -629,7 +749,7 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 	}
 	if o != nil {
 		for _, r := range o.replicas {
-			if seg := f.segments[r.Segment]; seg != nil && seg.node == n.id {
+			if seg := f.segments[r.segment]; seg != nil && seg.node == n.id {
 				return false
 			}
 		}
@@ -638,26 +758,21 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 		return false
 	}
 	s.objects++
-	ext := &pb.Extent{Segment: id, Offset: a.Offset, Length: a.Size}
+	ext := extent{s.id, a.Offset}
 	if o == nil {
-		obj := &object{
-			key: a.Key, size: a.Size, checksum: a.Checksum,
-			state: pb.ObjectState_OBJECT_STATE_COMPLETE, created: now,
-			replicas: []*pb.Extent{ext},
-			hard:     a.HardPinned, softPin: a.SoftPinUntilUnixNano,
-		}
+		var parent, tenant string
 		if len(a.Parent) <= MaxKeyLen {
-			obj.parent = a.Parent
+			parent = a.Parent
 		}
 		if len(a.Tenant) <= MaxKeyLen {
-			obj.tenant = a.Tenant
+			tenant = a.Tenant
 		}
-		f.add(obj) // counts the parent's children
-		return true
+		o = f.newObject(a.Key, a.Size, a.Checksum, 0, now, parent, tenant, []extent{ext}) // counts the parent's children
+	} else {
+		o.replicas = append(slices.Clone(o.replicas), ext)
 	}
-	o.replicas = append(o.replicas, ext)
 	o.hard = o.hard || a.HardPinned
-	o.softPin = max(o.softPin, a.SoftPinUntilUnixNano)
+	o.edit(func(r *rare) { r.softPin = max(r.softPin, a.SoftPinUntilUnixNano) })
 	return true
 }
 
@@ -685,8 +800,14 @@ func (f *FSM) dropSegments(n *node) {
 	n.segments = nil
 	for _, key := range sortedKeys(f.objects) { // retire appends to pending: keep the order deterministic
 		o := f.objects[key]
-		o.replicas = slices.DeleteFunc(o.replicas, func(r *pb.Extent) bool { return gone[r.Segment] })
-		o.copies = slices.DeleteFunc(o.copies, func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] })
+		if slices.ContainsFunc(o.replicas, func(e extent) bool { return gone[e.segment] }) {
+			o.replicas = slices.DeleteFunc(slices.Clone(o.replicas), func(e extent) bool { return gone[e.segment] })
+		}
+		if slices.ContainsFunc(o.copies(), func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] }) {
+			o.edit(func(r *rare) {
+				r.copies = slices.DeleteFunc(slices.Clone(r.copies), func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] })
+			})
+		}
 		if len(o.replicas) == 0 {
 			f.retire(o, 0)
 		}
@@ -703,9 +824,9 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 		o := f.objects[k]
 		snap.Objects = append(snap.Objects, &pb.Object{
 			Key: o.key, Size: o.size, Checksum: o.checksum, State: o.state,
-			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline, Replicas: o.replicas, PutId: o.putID,
-			HardPinned: o.hard, SoftPinUntilUnixNano: o.softPin,
-			Copies: o.copies, Parent: o.parent, Tenant: o.tenant,
+			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline(), Replicas: o.pbExtents(), PutId: o.putID,
+			HardPinned: o.hard, SoftPinUntilUnixNano: o.softPin(),
+			Copies: o.copies(), Parent: o.parent, Tenant: o.tenant(),
 		})
 	}
 	for _, id := range sortedKeys(f.nodes) {
@@ -769,29 +890,30 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		return true
 	}
 	for _, po := range snap.Objects {
-		o := &object{
-			key: po.Key, size: po.Size, checksum: po.Checksum, state: po.State,
-			created: po.CreatedUnixNano, deadline: po.DeadlineUnixNano, putID: po.PutId,
-			hard: po.HardPinned, softPin: po.SoftPinUntilUnixNano, parent: po.Parent, tenant: po.Tenant,
-		}
+		var exts []extent
 		for _, r := range po.Replicas {
-			if reserve(r) {
-				o.replicas = append(o.replicas, r)
-				f.segments[r.Segment].objects++
+			// A replica's length is its object's size.
+			if r.Length == po.Size && reserve(r) {
+				s := f.segments[r.Segment]
+				s.objects++
+				exts = append(exts, extent{s.id, r.Offset})
 			}
 		}
+		var copies []*pb.PendingCopy
 		for _, c := range po.Copies {
 			if reserve(c.Target) {
-				o.copies = append(o.copies, c)
+				copies = append(copies, c)
 			}
 		}
-		if len(o.replicas) > 0 {
-			f.add(o)
-		} else {
-			for _, c := range o.copies {
-				f.free(c.Target, 0)
+		if len(exts) == 0 {
+			for _, c := range copies {
+				f.freeExtent(c.Target, 0)
 			}
+			continue
 		}
+		o := f.newObject(po.Key, po.Size, po.Checksum, po.PutId, po.CreatedUnixNano, po.Parent, po.Tenant, exts)
+		o.state, o.hard = po.State, po.HardPinned
+		o.edit(func(r *rare) { r.deadline, r.softPin, r.copies = po.DeadlineUnixNano, po.SoftPinUntilUnixNano, copies })
 	}
 	for _, p := range snap.PendingFrees {
 		if reserve(p.Extent) {

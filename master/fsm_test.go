@@ -645,12 +645,14 @@ func sameHidden(t testing.TB, a, b *FSM) {
 		if ob == nil {
 			t.Fatalf("object %q only in one FSM", k)
 		}
-		if oa.parent != ob.parent || oa.tenant != ob.tenant || len(oa.copies) != len(ob.copies) {
-			t.Fatalf("object %q: parent %q/%q tenant %q/%q copies %v/%v", k, oa.parent, ob.parent, oa.tenant, ob.tenant, oa.copies, ob.copies)
+		ca, cb := oa.copies(), ob.copies()
+		if oa.parent != ob.parent || oa.tenant() != ob.tenant() || len(ca) != len(cb) || oa.deadline() != ob.deadline() ||
+			oa.softPin() != ob.softPin() || !slices.Equal(oa.replicas, ob.replicas) {
+			t.Fatalf("object %q: parent %q/%q tenant %q/%q copies %v/%v", k, oa.parent, ob.parent, oa.tenant(), ob.tenant(), ca, cb)
 		}
-		for i := range oa.copies {
-			if !proto.Equal(oa.copies[i], ob.copies[i]) {
-				t.Fatalf("copy %d of %q:\n%v\n%v", i, k, oa.copies[i], ob.copies[i])
+		for i := range ca {
+			if !proto.Equal(ca[i], cb[i]) {
+				t.Fatalf("copy %d of %q:\n%v\n%v", i, k, ca[i], cb[i])
 			}
 		}
 	}
@@ -764,24 +766,24 @@ func checkInvariants(t testing.TB, f *FSM) {
 			t.Fatalf("object %q has no replica", o.key)
 		}
 		for _, r := range o.replicas {
-			s := f.segments[r.Segment]
+			s := f.segments[r.segment]
 			if s == nil {
-				t.Fatalf("object %q on unknown segment %s", o.key, r.Segment)
+				t.Fatalf("object %q on unknown segment %s", o.key, r.segment)
 			}
-			want[r.Segment] += s.alloc.rounded(r.Length)
-			count[r.Segment]++
+			want[r.segment] += s.alloc.rounded(o.size)
+			count[r.segment]++
 		}
 		// A copy in flight holds its target's room, on a segment without a
 		// replica of the object; there is at most one per object.
-		if len(o.copies) > 1 {
-			t.Fatalf("object %q has %d copies in flight", o.key, len(o.copies))
+		if len(o.copies()) > 1 {
+			t.Fatalf("object %q has %d copies in flight", o.key, len(o.copies()))
 		}
-		for _, c := range o.copies {
+		for _, c := range o.copies() {
 			s := f.segments[c.Target.Segment]
 			if s == nil {
 				t.Fatalf("copy %d of %q to unknown segment %s", c.Id, o.key, c.Target.Segment)
 			}
-			if slices.ContainsFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == c.Target.Segment }) {
+			if o.onSegment(c.Target.Segment) {
 				t.Fatalf("copy %d of %q targets %s, which holds a replica of it", c.Id, o.key, c.Target.Segment)
 			}
 			if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
@@ -957,7 +959,7 @@ func TestFSMResultNotAliased(t *testing.T) {
 	}
 	d.f.mu.RLock()
 	defer d.f.mu.RUnlock()
-	if got := d.f.describe(r.Replicas); len(got) != 0 {
+	if got := d.f.describePlaced(r.Replicas); len(got) != 0 {
 		t.Fatalf("describe of a dropped segment: %v", got)
 	}
 }
@@ -1018,7 +1020,7 @@ func pins(t testing.TB, f *FSM, key string) (hard bool, softUntil int64) {
 	if o == nil {
 		t.Fatalf("no object %q", key)
 	}
-	return o.hard, o.softPin
+	return o.hard, o.softPin()
 }
 
 func TestFSMPin(t *testing.T) {

@@ -243,7 +243,7 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 	var reps []*pb.Replica
 	if err == nil {
 		m.s.fsm.mu.RLock()
-		reps = m.s.fsm.describe(exts)
+		reps = m.s.fsm.describePlaced(exts)
 		m.s.fsm.mu.RUnlock()
 		if len(reps) < len(exts) {
 			// A segment went away since it was placed in; its space goes

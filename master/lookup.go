@@ -117,7 +117,7 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 		var mine [4]segRef // an object has few replicas
 		rs := mine[:0]
 		for _, r := range o.replicas {
-			rs = append(rs, ref(r.Segment))
+			rs = append(rs, ref(r.segment))
 		}
 		for rank := range 3 { // fastest tier first
 			for j, r := range o.replicas {
@@ -125,7 +125,7 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 					continue
 				}
 				resp.ReplicaSegments = append(resp.ReplicaSegments, rs[j].i)
-				resp.ReplicaOffsets = append(resp.ReplicaOffsets, r.Offset)
+				resp.ReplicaOffsets = append(resp.ReplicaOffsets, r.offset)
 				count++
 			}
 		}

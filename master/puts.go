@@ -591,7 +591,7 @@ func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int
 		exts[i] = &pb.Extent{Segment: g.r.segment, Offset: g.off, Length: it.Size}
 	}
 	s.fsm.mu.RLock()
-	reps := s.fsm.describe(exts)
+	reps := s.fsm.describePlaced(exts)
 	s.fsm.mu.RUnlock()
 	deadline := s.cfg.Now().Add(s.cfg.PutTimeout)
 	t.mu.Lock()

@@ -225,7 +225,7 @@ func disjoint(f *FSM) error {
 	bySeg := map[string][]owned{}
 	for _, o := range f.objects {
 		for _, r := range o.replicas {
-			bySeg[r.Segment] = append(bySeg[r.Segment], owned{span{r.Offset, r.Length}, "object " + o.key})
+			bySeg[r.segment] = append(bySeg[r.segment], owned{span{r.offset, o.size}, "object " + o.key})
 		}
 	}
 	for _, p := range f.pending {

@@ -25,7 +25,7 @@ func (f *FSM) replicas(keys []string, objs []*object, now int64) []*pb.ObjectRep
 			continue
 		}
 		o.used.Store(now)
-		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.replicas)}
+		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.size, o.replicas)}
 	}
 	return out
 }
@@ -81,19 +81,31 @@ func (f *FSM) leasedAt(keys []string, now int64) map[string]bool {
 	return out
 }
 
-// describe turns extents into replica descriptors, fastest tier first
-// (readers try them in order); f.mu must be held.
-func (f *FSM) describe(exts []*pb.Extent) []*pb.Replica {
+// describe turns extents of size bytes into replica descriptors, fastest
+// tier first (readers try them in order); f.mu must be held.
+func (f *FSM) describe(size uint64, exts []extent) []*pb.Replica {
 	out := make([]*pb.Replica, 0, len(exts))
 	for _, e := range exts {
-		s := f.segments[e.Segment]
+		s := f.segments[e.segment]
 		if s == nil {
 			continue
 		}
-		out = append(out, &pb.Replica{Segment: e.Segment, Node: s.node, Endpoint: s.endpoint, Offset: e.Offset, Length: e.Length, Tier: s.tier})
+		out = append(out, &pb.Replica{Segment: e.segment, Node: s.node, Endpoint: s.endpoint, Offset: e.offset, Length: size, Tier: s.tier})
 	}
 	slices.SortStableFunc(out, func(a, b *pb.Replica) int { return cmp.Compare(readRank(a.Tier), readRank(b.Tier)) })
 	return out
+}
+
+// describePlaced is describe for the extents of one put, as placed.
+func (f *FSM) describePlaced(exts []*pb.Extent) []*pb.Replica {
+	if len(exts) == 0 {
+		return nil
+	}
+	es := make([]extent, len(exts))
+	for i, e := range exts {
+		es[i] = extent{e.Segment, e.Offset}
+	}
+	return f.describe(exts[0].Length, es)
 }
 
 // readRank orders tiers by how fast a host reader gets their bytes: DRAM
@@ -193,7 +205,7 @@ func (f *FSM) putState(key string, now int64) pb.ObjectState {
 		return pb.ObjectState_OBJECT_STATE_UNSPECIFIED
 	case o.state == pb.ObjectState_OBJECT_STATE_COMPLETE:
 		return o.state
-	case now <= o.deadline:
+	case now <= o.deadline():
 		return pb.ObjectState_OBJECT_STATE_PROCESSING
 	}
 	return pb.ObjectState_OBJECT_STATE_UNSPECIFIED
@@ -220,7 +232,7 @@ func (f *FSM) expiredPuts(now int64) []string {
 	defer f.mu.RUnlock()
 	var keys []string
 	for k, o := range f.objects {
-		if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline < now {
+		if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline() < now {
 			keys = append(keys, k)
 		}
 	}
@@ -251,8 +263,8 @@ func (f *FSM) member(id string) string {
 func (f *FSM) info(o *object) *pb.ObjectInfo {
 	return &pb.ObjectInfo{
 		Key: o.key, Size: o.size, State: o.state, Checksum: o.checksum,
-		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.replicas),
-		HardPinned: o.hard, SoftPinUntilUnixMs: o.softPin / 1e6, Parent: o.parent, Tenant: o.tenant,
+		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.size, o.replicas),
+		HardPinned: o.hard, SoftPinUntilUnixMs: o.softPin() / 1e6, Parent: o.parent, Tenant: o.tenant(),
 	}
 }
 
@@ -304,7 +316,7 @@ func (f *FSM) completeObjects(match func(key string) bool) []evictable {
 // key order; it builds nothing for the others.
 func (f *FSM) completeOn(id string) []evictable {
 	return f.scan(func(o *object) bool {
-		return slices.ContainsFunc(o.replicas, func(r *pb.Extent) bool { return r.Segment == id })
+		return o.onSegment(id)
 	})
 }
 
@@ -320,13 +332,13 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 			continue
 		}
 		e := evictable{
-			key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin, checksum: o.checksum,
-			putID: o.putID, copying: len(o.copies) > 0, children: f.children[k], tenant: o.tenant,
+			key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin(), checksum: o.checksum,
+			putID: o.putID, copying: len(o.copies()) > 0, children: f.children[k], tenant: o.tenant(),
 			depth: f.depth(k, depths), used: o.used.Load(), lease: o.lease.Load(),
 		}
 		for _, r := range o.replicas {
-			e.segments = append(e.segments, r.Segment)
-			if s := f.segments[r.Segment]; s != nil {
+			e.segments = append(e.segments, r.segment)
+			if s := f.segments[r.segment]; s != nil {
 				e.freed = max(e.freed, s.alloc.rounded(o.size))
 			}
 		}
@@ -406,8 +418,8 @@ func (f *FSM) segmentObjects(id, name, after string, limit int) ([]*pb.AdoptedOb
 			continue
 		}
 		for _, r := range o.replicas {
-			if r.Segment == id {
-				all = append(all, kept{k, o.parent, o.tenant, r.Offset, o.size, o.checksum, o.hard, o.softPin})
+			if r.segment == id {
+				all = append(all, kept{k, o.parent, o.tenant(), r.offset, o.size, o.checksum, o.hard, o.softPin()})
 			}
 		}
 	}
@@ -448,7 +460,7 @@ func (f *FSM) movingBytes() map[string]uint64 {
 	defer f.mu.RUnlock()
 	out := map[string]uint64{}
 	for _, o := range f.objects {
-		for _, c := range o.copies {
+		for _, c := range o.copies() {
 			if moves(c.Reason) {
 				out[c.Source] += o.size
 			}

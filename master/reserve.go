@@ -112,7 +112,7 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			return nil
 		}
-		if now <= o.deadline {
+		if now <= o.deadline() {
 			return fmt.Errorf("%w: %q", ErrPutInProgress, it.Key)
 		}
 		f.retire(o, now+lateWriteGrace) // an abandoned put of an earlier version
@@ -123,17 +123,18 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 	if len(it.Reservations) != len(it.Replicas) {
 		return fmt.Errorf("%w: %d replicas and %d reservations for %q", ErrInvalidRequest, len(it.Replicas), len(it.Reservations), it.Key)
 	}
-	var exts []*pb.Extent
+	var buf [4]extent // newObject copies them
+	exts := buf[:0]
 	for i, e := range it.Replicas {
 		s := f.segments[e.Segment]
-		if s == nil || slices.ContainsFunc(exts, func(x *pb.Extent) bool { return f.segments[x.Segment].node == s.node }) {
+		if s == nil || slices.ContainsFunc(exts, func(x extent) bool { return f.segments[x.segment].node == s.node }) {
 			continue
 		}
 		if e.Offset%s.alloc.align != 0 || it.Size > s.alloc.capacity || !s.carve(it.Reservations[i], e.Offset, s.alloc.rounded(it.Size)) {
 			continue
 		}
 		s.objects++
-		exts = append(exts, &pb.Extent{Segment: s.id, Offset: e.Offset, Length: it.Size}) // s.id: one copy of the name for all its objects
+		exts = append(exts, extent{s.id, e.Offset})
 	}
 	if len(exts) == 0 {
 		if slices.ContainsFunc(it.Replicas, func(e *pb.Extent) bool { return f.segments[e.Segment] == nil }) {
@@ -141,11 +142,7 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 		}
 		return fmt.Errorf("%w: %q (its space was released: the put expired)", ErrNotInProgress, it.Key)
 	}
-	f.add(&object{
-		key: it.Key, size: it.Size, checksum: it.Checksum, putID: it.PutId,
-		state: pb.ObjectState_OBJECT_STATE_COMPLETE, created: now,
-		replicas: exts, parent: it.Parent, tenant: it.Tenant,
-	})
+	f.newObject(it.Key, it.Size, it.Checksum, it.PutId, now, it.Parent, it.Tenant, exts)
 	return nil
 }
 
