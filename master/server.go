@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	"github.com/tidepool-kv/tidepool/master/logstore"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -173,7 +174,8 @@ func New(cfg Config) (*Server, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable()}
-	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
+	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20),
+		leaderconn.ServerOption())
 	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
 	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
 	pb.RegisterAdminServer(s.grpc, &adminService{s: s})

@@ -38,6 +38,30 @@ type benchRow struct {
 	FileIO *engine.FileIO `json:"file_io,omitempty"`
 }
 
+func profileFlag(fs *flag.FlagSet, path *string) {
+	fs.StringVar(path, "cpuprofile", "", "write a CPU profile of this client to the file, for go tool pprof")
+}
+
+// startProfile starts a CPU profile into path, if one is named, and
+// returns what stops it.
+func startProfile(path string) (stop func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("--cpuprofile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("--cpuprofile: %w", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
+}
+
 func runBench(ctx context.Context, e *env, args []string) error {
 	if len(args) > 0 && args[0] == "engine" {
 		return runBenchEngine(ctx, e, args[1:])
@@ -68,23 +92,17 @@ func runBench(ctx context.Context, e *env, args []string) error {
 			fs.DurationVar(&duration, "duration", 3*time.Second, "how long each row runs")
 			fs.IntVar(&getKeys, "get-keys", 16, "distinct keys per value size that get rows read")
 			fs.BoolVar(&asJSON, "json", false, "print one JSON object per row instead of a table")
-			fs.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of this client to the file, for go tool pprof")
+			profileFlag(fs, &cpuProfile)
 		})
 	if err != nil {
 		return err
 	}
 	defer done()
-	if cpuProfile != "" {
-		f, err := os.Create(cpuProfile)
-		if err != nil {
-			return fmt.Errorf("--cpuprofile: %w", err)
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return fmt.Errorf("--cpuprofile: %w", err)
-		}
-		defer pprof.StopCPUProfile()
+	stop, err := startProfile(cpuProfile)
+	if err != nil {
+		return err
 	}
+	defer stop()
 	if len(ops) == 0 {
 		ops = listFlag{"put", "get"}
 	}

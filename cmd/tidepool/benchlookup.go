@@ -36,6 +36,7 @@ func runBenchLookup(ctx context.Context, e *env, args []string) error {
 	var duration time.Duration
 	var asJSON bool
 	var pool int
+	var cpuProfile string
 	ctx, c, _, done, err := clientCommand(ctx, e, time.Hour, "bench lookup", "[flags]",
 		`Measure prefix lookups against a running cluster: it puts chains of tiny blocks, then looks up
 chains whose leading fraction --hit is cached, one row per chain length, hit ratio and concurrency:
@@ -48,6 +49,7 @@ is checked against the expected match. The blocks are removed at the end.`,
 			fs.DurationVar(&duration, "duration", 3*time.Second, "how long each row runs")
 			fs.IntVar(&pool, "chains", 4, "distinct chains per length to look up")
 			fs.BoolVar(&asJSON, "json", false, "print one JSON object per row instead of a table")
+			profileFlag(fs, &cpuProfile)
 			cfg.LookupCache = -1 // every lookup goes to the master, unless --cache
 			fs.BoolFunc("cache", "let the client answer from its cache of leased descriptors", func(string) error {
 				cfg.LookupCache = 0
@@ -58,6 +60,11 @@ is checked against the expected match. The blocks are removed at the end.`,
 		return err
 	}
 	defer done()
+	stop, err := startProfile(cpuProfile)
+	if err != nil {
+		return err
+	}
+	defer stop()
 	chainList, err := intList(chains, "--chain", []int{1024}, 1, 1<<16)
 	if err != nil {
 		return err

@@ -101,6 +101,7 @@ func (c *Conn) current() (string, *grpc.ClientConn, error) {
 	}
 	cc, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		DialOption(),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))
 	if err != nil {
 		return "", nil, fmt.Errorf("master address %q: %w", addr, err)
