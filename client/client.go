@@ -232,7 +232,21 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	if len(idx) == 0 {
 		return errs
 	}
-	forEach(len(idx), func(j int) { items[idx[j]].Checksum = Checksum(values[idx[j]]) })
+	// The checksums are computed while the values are on the wire: only
+	// BatchPutEnd needs them, and BatchPutStart, which waits for them.
+	sums := make([]uint32, len(keys))
+	summed := make(chan struct{})
+	go func() {
+		defer close(summed)
+		forEach(len(idx), func(j int) { sums[idx[j]] = Checksum(values[idx[j]]) })
+	}()
+	defer func() { <-summed }()
+	checksums := func() {
+		<-summed
+		for _, i := range idx {
+			items[i].Checksum = sums[i]
+		}
+	}
 
 	// Where each put writes: a grant of its shape, or what BatchPutStart
 	// answers for the rest.
@@ -249,6 +263,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		startIdx = append(startIdx, i)
 	}
 	if len(start.Items) > 0 {
+		checksums()
 		var resp *pb.BatchPutStartResponse
 		var asked time.Time
 		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
@@ -299,6 +314,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		// bytes could still be landing after we revoke or read the buffer.
 		_ = batch.Wait(context.Background())
 	}
+	checksums()
 	var revoked puts
 	end := &pb.BatchPutEndRequest{}
 	var endIdx []int
