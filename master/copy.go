@@ -107,7 +107,7 @@ func (f *FSM) copyReported(id uint64) {
 			if s := f.segments[p.Extent.Segment]; s != nil {
 				s.alloc.release(p.Extent.Offset, p.Extent.Length)
 			}
-			f.pending = slices.Delete(f.pending, i, i+1)
+			f.pending.remove(i)
 			return
 		}
 	}

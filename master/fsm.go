@@ -25,7 +25,7 @@ type FSM struct {
 	nodes    map[string]*node
 	segments map[string]*segment // by segment id
 	members  map[string]string   // raft server id -> gRPC address
-	pending  []*pb.PendingFree   // removed ranges still covered by read leases
+	pending  pendingFrees        // removed ranges still covered by read leases
 	children map[string]int      // key -> objects naming it as their parent
 	tenants  map[string]string   // one copy of each tenant name (up to maxTenants)
 }
@@ -652,7 +652,7 @@ func (f *FSM) retire(o *object, after int64) {
 	for _, c := range o.copies() {
 		// A copier may still be writing: keep the room until it reports,
 		// or else until it must have stopped.
-		f.pending = append(f.pending, &pb.PendingFree{Extent: c.Target, AfterUnixNano: c.DeadlineUnixNano + lateWriteGrace, CopyId: c.Id})
+		f.pending.add(&pb.PendingFree{Extent: c.Target, AfterUnixNano: c.DeadlineUnixNano + lateWriteGrace, CopyId: c.Id})
 	}
 }
 
@@ -662,7 +662,7 @@ func (f *FSM) free(segment string, offset, length uint64, after int64) {
 	switch {
 	case s == nil:
 	case after > 0:
-		f.pending = append(f.pending, &pb.PendingFree{Extent: &pb.Extent{Segment: segment, Offset: offset, Length: length}, AfterUnixNano: after})
+		f.pending.add(&pb.PendingFree{Extent: &pb.Extent{Segment: segment, Offset: offset, Length: length}, AfterUnixNano: after})
 	default:
 		s.alloc.release(offset, length)
 	}
@@ -671,16 +671,11 @@ func (f *FSM) free(segment string, offset, length uint64, after int64) {
 func (f *FSM) freeExtent(e *pb.Extent, after int64) { f.free(e.Segment, e.Offset, e.Length, after) }
 
 func (f *FSM) releasePending(now int64) {
-	kept := f.pending[:0]
-	for _, p := range f.pending {
-		if p.AfterUnixNano > now {
-			kept = append(kept, p)
-		} else if s := f.segments[p.Extent.Segment]; s != nil {
+	for p := f.pending.due(now); p != nil; p = f.pending.due(now) {
+		if s := f.segments[p.Extent.Segment]; s != nil {
 			s.alloc.release(p.Extent.Offset, p.Extent.Length)
 		}
 	}
-	clear(f.pending[len(kept):])
-	f.pending = kept
 }
 
 func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
@@ -812,7 +807,7 @@ func (f *FSM) dropSegments(n *node) {
 			f.retire(o, 0)
 		}
 	}
-	f.pending = slices.DeleteFunc(f.pending, func(p *pb.PendingFree) bool { return gone[p.Extent.Segment] })
+	f.pending.filter(func(p *pb.PendingFree) bool { return !gone[p.Extent.Segment] })
 }
 
 // Snapshot implements raft.FSM.
@@ -917,7 +912,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	}
 	for _, p := range snap.PendingFrees {
 		if reserve(p.Extent) {
-			f.pending = append(f.pending, p)
+			f.pending.add(p)
 		}
 	}
 	for _, pr := range snap.Reservations {

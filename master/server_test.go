@@ -635,8 +635,8 @@ func TestServerRevokesStalePut(t *testing.T) {
 	putObject(t, m, "stale", 10)
 }
 
-// pendingFrees counts removed ranges still held back for read leases.
-func pendingFrees(f *FSM) int {
+// countPending counts removed ranges still held back for read leases.
+func countPending(f *FSM) int {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	return len(f.pending)
@@ -897,7 +897,7 @@ func TestServerRestartKeepsObjects(t *testing.T) {
 	// of, be freed, so the state below no longer depends on the clock.
 	waitFor(t, 5*time.Second, "the space of k3 freed", func() error {
 		itemCodes(t, "put revoke", m.master().PutRevoke, "tick")
-		if n := pendingFrees(m.srv.FSM()); n != 0 {
+		if n := countPending(m.srv.FSM()); n != 0 {
 			return fmt.Errorf("%d pending frees", n)
 		}
 		return nil

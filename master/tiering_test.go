@@ -496,7 +496,7 @@ func TestTieringFailedCopies(t *testing.T) {
 	if u := segmentUsed(t, m, sSSD); u != 2*64*kib {
 		t.Fatalf("SSD used %d, want the 2 demoted objects only: failed copies leaked their targets", u)
 	}
-	if n := pendingFrees(m.srv.fsm); n != 0 {
+	if n := countPending(m.srv.fsm); n != 0 {
 		t.Fatalf("%d pending frees: a failed copy's target is free at once", n)
 	}
 	if n := e.count(t, "tidepool_master_copies_total", "reason", "demote", "result", "ok"); n != 2 {
@@ -533,7 +533,7 @@ func TestTieringExpiredCopies(t *testing.T) {
 			t.Fatalf("%s on %v after expired copies, want DRAM only", k, segs)
 		}
 	}
-	if pendingFrees(m.srv.fsm) == 0 || segmentUsed(t, m, sSSD) == 0 {
+	if countPending(m.srv.fsm) == 0 || segmentUsed(t, m, sSSD) == 0 {
 		t.Fatal("an expired copy's target was freed before the late-write grace")
 	}
 	// The store reports everything now: the copies it held, past their
@@ -544,7 +544,7 @@ func TestTieringExpiredCopies(t *testing.T) {
 	e.skew.Add(int64(lateWriteGrace) + int64(putTimeout))
 	waitFor(t, 10*time.Second, "the expired copies' targets freed", func() error {
 		itemCodes(t, "put revoke", m.master().PutRevoke, "tick") // any command releases what is due
-		if n := pendingFrees(m.srv.fsm); n != 0 {
+		if n := countPending(m.srv.fsm); n != 0 {
 			return fmt.Errorf("%d pending frees", n)
 		}
 		if u := segmentUsed(t, m, sSSD); u != 2*64*kib {
