@@ -861,6 +861,9 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	for _, o := range f.objects {
+		o.gone = true // a lookup holding one rereads it
+	}
 	f.reset()
 	for _, m := range snap.Members {
 		f.members[m.Id] = m.Address
@@ -908,7 +911,12 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		}
 		o := f.newObject(po.Key, po.Size, po.Checksum, po.PutId, po.CreatedUnixNano, po.Parent, po.Tenant, exts)
 		o.state, o.hard = po.State, po.HardPinned
-		o.edit(func(r *rare) { r.deadline, r.softPin, r.copies = po.DeadlineUnixNano, po.SoftPinUntilUnixNano, copies })
+		o.edit(func(r *rare) {
+			r.softPin, r.copies = po.SoftPinUntilUnixNano, copies
+			if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING { // older snapshots kept it on complete objects too
+				r.deadline = po.DeadlineUnixNano
+			}
+		})
 	}
 	for _, p := range snap.PendingFrees {
 		if reserve(p.Extent) {

@@ -314,7 +314,9 @@ func (s *Server) writeBack(ctx context.Context, now time.Time) {
 
 // reclaimFor lists, for the puts of cmd whose first candidate lacks room,
 // the written-back replicas on that segment that Apply may drop: unleased,
-// unpinned, least recently used first.
+// unpinned, least recently used first. A get leased between this check
+// and the command's commit may still be sent to the dropped replica; its
+// checksum check sends it on to the written-back one, which stays.
 func (s *Server) reclaimFor(items []*pb.PutStartItem) []*pb.Reclaimable {
 	need := map[string]uint64{}
 	for _, it := range items {
