@@ -19,9 +19,9 @@ import (
 // objects it read across its lease and rereads them, trusting gone to say
 // an object left the table. Restore replaces the whole table (a deposed
 // leader installing the new leader's snapshot while its lookups are in
-// flight) but marks none of the objects it drops gone: the reread answers
-// with the old record, on bytes the restored state has given to another
-// object.
+// flight), so it must mark every object it drops gone, or the reread
+// answers with the old record, on bytes the restored state has given to
+// another object.
 func TestReview5RestoreMarksObjectsGone(t *testing.T) {
 	d := newDriver(t)
 	seg := d.register(t0, "n1", "ep1", dram("a", 4096)).SegmentIDs[0]
@@ -59,7 +59,7 @@ func TestReview5RestoreMarksObjectsGone(t *testing.T) {
 // TestReview5RestoreLegacyCompleteDeadline: since the compact record, a
 // legacy put's deadline is dropped at PutEnd, so a complete object carries
 // no rare part. A snapshot written before that change (same log) kept the
-// deadline of complete objects; Restore keeps it too, so a replica that
+// deadline of complete objects; Restore must drop it, or a replica that
 // restored it holds a rare part per legacy object and snapshots
 // differently from one that replayed the same entries.
 func TestReview5RestoreLegacyCompleteDeadline(t *testing.T) {
