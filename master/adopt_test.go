@@ -68,7 +68,7 @@ func objectMeta(t testing.TB, f *FSM, key string) meta {
 	t.Helper()
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	o := f.objects[key]
+	o := f.objects.get(key)
 	if o == nil {
 		t.Fatalf("no object %q", key)
 	}

@@ -26,7 +26,7 @@ import (
 // command) names it. At most one copy of an object runs at a time, and the
 // target is a segment that holds no replica of it yet.
 func (f *FSM) copyStart(it *pb.CopyStartItem, id uint64) CopyStartResult {
-	o := f.objects[it.Key]
+	o := f.objects.get(it.Key)
 	switch {
 	case o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || (it.PutId != 0 && o.putID != it.PutId):
 		return CopyStartResult{Err: errorf(ErrNotFound, it.Key)}
@@ -57,7 +57,7 @@ func (f *FSM) copyStart(it *pb.CopyStartItem, id uint64) CopyStartResult {
 // copyEnd publishes or abandons a copy. A move (demotion, drain) drops its
 // source once the copy is a replica; that space is reused from freeAfter on.
 func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
-	o := f.objects[it.Key]
+	o := f.objects.get(it.Key)
 	i := -1
 	if o != nil {
 		i = slices.IndexFunc(o.copies(), func(c *pb.PendingCopy) bool { return c.Id == it.CopyId })
@@ -128,7 +128,7 @@ func (f *FSM) holds(n *node) bool {
 	if slices.ContainsFunc(f.pending, func(p *pb.PendingFree) bool { return mine(p.Extent) }) {
 		return true
 	}
-	for _, o := range f.objects {
+	for _, o := range f.objects.all() {
 		for _, c := range o.copies() {
 			if mine(c.Target) {
 				return true
@@ -143,7 +143,7 @@ func (f *FSM) expiredCopies(now int64) []*pb.CopyEndItem {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var out []*pb.CopyEndItem
-	for k, o := range f.objects {
+	for k, o := range f.objects.all() {
 		for _, c := range o.copies() {
 			if c.DeadlineUnixNano < now {
 				out = append(out, &pb.CopyEndItem{Key: k, CopyId: c.Id, OnlyExpired: true})
@@ -218,7 +218,7 @@ func (s *Server) startCopyBatch(ctx context.Context, jobs []copyJob) (started in
 func (f *FSM) copyTask(key string, c *pb.PendingCopy, deadline time.Time) (*pb.CopyTask, string, bool) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	o := f.objects[key]
+	o := f.objects.get(key)
 	src := f.segments[c.Source]
 	if o == nil || src == nil {
 		return nil, "", false

@@ -68,7 +68,7 @@ func (d *fsmDriver) dropReplica(now int64, c *pb.DropReplicaCmd) bool {
 func copiesOf(f *FSM, key string) []*pb.PendingCopy {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	if o := f.objects[key]; o != nil {
+	if o := f.objects.get(key); o != nil {
 		return slices.Clone(o.copies())
 	}
 	return nil
@@ -129,14 +129,14 @@ func TestFSMCopyStart(t *testing.T) {
 		{
 			name: "the put id of the object",
 			item: func(d *fsmDriver) *pb.CopyStartItem {
-				return item(func(it *pb.CopyStartItem) { it.PutId = d.f.objects["k"].putID })
+				return item(func(it *pb.CopyStartItem) { it.PutId = d.f.objects.get("k").putID })
 			},
 			wantTarget: &pb.Extent{Segment: n1ssd, Offset: 0, Length: 100},
 		},
 		{
 			name: "a stale put id",
 			item: func(d *fsmDriver) *pb.CopyStartItem {
-				return item(func(it *pb.CopyStartItem) { it.PutId = d.f.objects["k"].putID + 1 })
+				return item(func(it *pb.CopyStartItem) { it.PutId = d.f.objects.get("k").putID + 1 })
 			},
 			wantErr: ErrNotFound,
 		},
@@ -643,14 +643,14 @@ func (g *copyCommander) pick(list []string) string { return list[g.rng.IntN(len(
 func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	rng := g.rng
 	var complete []string
-	for _, k := range sortedKeys(f.objects) {
-		if f.objects[k].state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+	for _, k := range f.objects.sortedKeys() {
+		if f.objects.get(k).state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			complete = append(complete, k)
 		}
 	}
 	var processing []string
-	for _, k := range sortedKeys(f.objects) {
-		if o := f.objects[k]; o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline() >= now {
+	for _, k := range f.objects.sortedKeys() {
+		if o := f.objects.get(k); o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline() >= now {
 			processing = append(processing, k)
 		}
 	}
@@ -664,7 +664,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	case p < 40 && len(complete) > 0 && len(segs) > 0:
 		c := &pb.CopyStartCmd{}
 		for range 1 + rng.IntN(2) {
-			o := f.objects[g.pick(complete)]
+			o := f.objects.get(g.pick(complete))
 			src := o.replicas[rng.IntN(len(o.replicas))].segment
 			if rng.IntN(10) == 0 {
 				src = g.pick(segs) // mostly not a replica
@@ -688,8 +688,8 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 		cmd = &pb.Command{Op: &pb.Command_CopyStart{CopyStart: c}}
 	case p < 60:
 		var ids []*pb.CopyEndItem
-		for _, k := range sortedKeys(f.objects) {
-			for _, c := range f.objects[k].copies() {
+		for _, k := range f.objects.sortedKeys() {
+			for _, c := range f.objects.get(k).copies() {
 				ids = append(ids, &pb.CopyEndItem{Key: k, CopyId: c.Id})
 			}
 		}
@@ -712,7 +712,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 		n := f.nodes[g.pick(nodes)]
 		cmd = &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: n.id, Epoch: n.epoch, Drained: rng.IntN(4) != 0}}}
 	case p < 76 && len(complete) > 0:
-		o := f.objects[g.pick(complete)]
+		o := f.objects.get(g.pick(complete))
 		cmd = &pb.Command{Op: &pb.Command_DropReplica{DropReplica: &pb.DropReplicaCmd{
 			Key: o.key, Segment: o.replicas[rng.IntN(len(o.replicas))].segment, Checksum: o.checksum,
 			FreeAfterUnixNano: now - 50 + rng.Int64N(200), KeepLast: rng.IntN(4) != 0,

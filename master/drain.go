@@ -50,7 +50,7 @@ func (f *FSM) nodeStates(match func(*node) bool) []nodeState {
 			continue
 		}
 		ns := nodeState{id: id, epoch: n.epoch, segments: slices.Clone(n.segments), down: n.down, draining: n.draining, drained: n.drained}
-		for _, o := range f.objects {
+		for _, o := range f.objects.all() {
 			for _, r := range o.replicas {
 				if slices.Contains(n.segments, r.segment) {
 					ns.objects++

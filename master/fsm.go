@@ -21,7 +21,7 @@ import (
 // depends on map iteration order, so every replica reaches the same state.
 type FSM struct {
 	mu       sync.RWMutex
-	objects  map[string]*object
+	objects  *objectTable
 	nodes    map[string]*node
 	segments map[string]*segment // by segment id
 	members  map[string]string   // raft server id -> gRPC address
@@ -205,7 +205,7 @@ func NewFSM() *FSM {
 }
 
 func (f *FSM) reset() {
-	f.objects = map[string]*object{}
+	f.objects = newObjectTable()
 	f.nodes = map[string]*node{}
 	f.segments = map[string]*segment{}
 	f.members = map[string]string{}
@@ -393,7 +393,7 @@ func (f *FSM) eachPut(c *pb.KeysCmd, fn func(key string, putID uint64) error) []
 const lateWriteGrace = int64(5e9)
 
 func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartResult {
-	if o := f.objects[it.Key]; o != nil {
+	if o := f.objects.get(it.Key); o != nil {
 		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			return PutStartResult{Exists: true}
 		}
@@ -452,7 +452,7 @@ const maxCommandItems = 1 << 16
 // an abandoned put of it is replaced. An existing or in-progress key does
 // not, and must not cost any reclaimed replica.
 func (f *FSM) allocates(it *pb.PutStartItem, now int64) bool {
-	o := f.objects[it.Key]
+	o := f.objects.get(it.Key)
 	return it.Size > 0 && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > o.deadline()))
 }
 
@@ -475,7 +475,7 @@ func (f *FSM) reclaim(segment string, size uint64, cands []*pb.Reclaimable, now 
 			rest = append(rest, c)
 			continue
 		}
-		o := f.objects[c.Key]
+		o := f.objects.get(c.Key)
 		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || len(o.replicas) < 2 ||
 			slices.ContainsFunc(o.copies(), func(p *pb.PendingCopy) bool { return p.Source == segment }) {
 			continue
@@ -489,7 +489,7 @@ func (f *FSM) reclaim(segment string, size uint64, cands []*pb.Reclaimable, now 
 }
 
 func (f *FSM) putEnd(key string, putID uint64, now int64) error {
-	o := f.objects[key]
+	o := f.objects.get(key)
 	switch {
 	case o == nil:
 		return fmt.Errorf("%w: %q (revoked or never started)", ErrNotInProgress, key)
@@ -511,7 +511,7 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 // ended, so the space is free at once; the leader's sweep (onlyExpired)
 // cannot know, so it keeps the space for lateWriteGrace.
 func (f *FSM) putRevoke(key string, putID uint64, onlyExpired bool, now int64) error {
-	o := f.objects[key]
+	o := f.objects.get(key)
 	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (putID != 0 && o.putID != putID) || (onlyExpired && o.deadline() >= now) {
 		return fmt.Errorf("%w: %q", ErrNotInProgress, key)
 	}
@@ -524,7 +524,7 @@ func (f *FSM) putRevoke(key string, putID uint64, onlyExpired bool, now int64) e
 }
 
 func (f *FSM) remove(key string, freeAfter, now int64) error {
-	o := f.objects[key]
+	o := f.objects.get(key)
 	switch {
 	case o == nil:
 		return fmt.Errorf("%w: %q", ErrNotFound, key)
@@ -536,7 +536,7 @@ func (f *FSM) remove(key string, freeAfter, now int64) error {
 }
 
 func (f *FSM) pin(c *pb.PinCmd) error {
-	o := f.objects[c.Key]
+	o := f.objects.get(c.Key)
 	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 		return fmt.Errorf("%w: %q", ErrNotFound, c.Key)
 	}
@@ -555,7 +555,7 @@ func (f *FSM) pin(c *pb.PinCmd) error {
 // evict removes an object the leader chose to make room, unless it has
 // become protected since the leader looked.
 func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) error {
-	o := f.objects[key]
+	o := f.objects.get(key)
 	switch {
 	case o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE:
 		return fmt.Errorf("%w: %q", ErrNotFound, key)
@@ -571,7 +571,7 @@ func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) erro
 // dropReplica removes a replica a reader found corrupt; an object left
 // without a replica is forgotten. It reports whether it dropped one.
 func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
-	o := f.objects[c.Key]
+	o := f.objects.get(c.Key)
 	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || o.checksum != c.Checksum {
 		return false
 	}
@@ -619,9 +619,9 @@ func (f *FSM) drop(o *object) { f.retire(o, 0) }
 
 // add puts an object in the table.
 func (f *FSM) add(o *object) {
-	f.objects[o.key] = o
+	f.objects.put(o)
 	if o.parent != "" {
-		if p := f.objects[o.parent]; p != nil {
+		if p := f.objects.get(o.parent); p != nil {
 			o.parent = p.key // one copy of the key for the object and its children
 		}
 		f.children[o.parent]++
@@ -630,7 +630,7 @@ func (f *FSM) add(o *object) {
 
 // forget takes an object out of the table; its space is the caller's.
 func (f *FSM) forget(o *object) {
-	delete(f.objects, o.key)
+	f.objects.remove(o.key)
 	o.gone = true
 	if o.parent != "" {
 		if f.children[o.parent]--; f.children[o.parent] <= 0 {
@@ -738,7 +738,7 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 		a.Offset%s.alloc.align != 0 || a.Size > s.alloc.capacity || a.Offset > s.alloc.capacity-a.Size {
 		return false
 	}
-	o := f.objects[a.Key]
+	o := f.objects.get(a.Key)
 	if o != nil && (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || o.size != a.Size || o.checksum != a.Checksum) {
 		return false
 	}
@@ -793,8 +793,8 @@ func (f *FSM) dropSegments(n *node) {
 		delete(f.segments, id)
 	}
 	n.segments = nil
-	for _, key := range sortedKeys(f.objects) { // retire appends to pending: keep the order deterministic
-		o := f.objects[key]
+	for _, key := range f.objects.sortedKeys() { // retire appends to pending: keep the order deterministic
+		o := f.objects.get(key)
 		if slices.ContainsFunc(o.replicas, func(e extent) bool { return gone[e.segment] }) {
 			o.replicas = slices.DeleteFunc(slices.Clone(o.replicas), func(e extent) bool { return gone[e.segment] })
 		}
@@ -815,8 +815,8 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	snap := &pb.Snapshot{PendingFrees: f.pending}
-	for _, k := range sortedKeys(f.objects) {
-		o := f.objects[k]
+	for _, k := range f.objects.sortedKeys() {
+		o := f.objects.get(k)
 		snap.Objects = append(snap.Objects, &pb.Object{
 			Key: o.key, Size: o.size, Checksum: o.checksum, State: o.state,
 			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline(), Replicas: o.pbExtents(), PutId: o.putID,
@@ -861,7 +861,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	for _, o := range f.objects {
+	for _, o := range f.objects.all() {
 		o.gone = true // a lookup holding one rereads it
 	}
 	f.reset()

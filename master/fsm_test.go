@@ -541,7 +541,7 @@ func TestFSMBadCommands(t *testing.T) {
 			if !ok || !errors.Is(err, ErrInvalidRequest) {
 				t.Fatalf("Apply = %T %v, want ErrInvalidRequest", out, out)
 			}
-			if len(f.nodes)+len(f.objects)+len(f.segments)+len(f.members) != 0 {
+			if len(f.nodes)+f.objects.len()+len(f.segments)+len(f.members) != 0 {
 				t.Fatal("a bad command changed the state")
 			}
 		})
@@ -640,8 +640,8 @@ func sameHidden(t testing.TB, a, b *FSM) {
 			t.Fatalf("node %s:\n%+v\n%+v", id, *na, *nb)
 		}
 	}
-	for k, oa := range a.objects {
-		ob := b.objects[k]
+	for k, oa := range a.objects.all() {
+		ob := b.objects.get(k)
 		if ob == nil {
 			t.Fatalf("object %q only in one FSM", k)
 		}
@@ -761,7 +761,7 @@ func checkInvariants(t testing.TB, f *FSM) {
 	t.Helper()
 	want := map[string]uint64{}
 	count := map[string]int{}
-	for _, o := range f.objects {
+	for _, o := range f.objects.all() {
 		if len(o.replicas) == 0 {
 			t.Fatalf("object %q has no replica", o.key)
 		}
@@ -793,7 +793,7 @@ func checkInvariants(t testing.TB, f *FSM) {
 		}
 	}
 	children := map[string]int{}
-	for _, o := range f.objects {
+	for _, o := range f.objects.all() {
 		if o.parent != "" {
 			children[o.parent]++
 		}
@@ -925,7 +925,7 @@ func TestFSMDeterminism(t *testing.T) {
 					}
 				}
 				checkInvariants(t, a)
-				peak = max(peak, len(a.objects))
+				peak = max(peak, a.objects.len())
 			}
 			sa, sb, sc := snapshotBytes(t, a), snapshotBytes(t, b), snapshotBytes(t, c)
 			if !bytes.Equal(sa, sb) {
@@ -1016,7 +1016,7 @@ func pins(t testing.TB, f *FSM, key string) (hard bool, softUntil int64) {
 	t.Helper()
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	o := f.objects[key]
+	o := f.objects.get(key)
 	if o == nil {
 		t.Fatalf("no object %q", key)
 	}

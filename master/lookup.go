@@ -61,7 +61,7 @@ func (f *FSM) prefix(keys []string) []*object {
 	defer f.mu.RUnlock()
 	out := make([]*object, 0, len(keys))
 	for _, k := range keys {
-		o := f.objects[k]
+		o := f.objects.get(k)
 		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 			break
 		}
@@ -147,7 +147,7 @@ func (f *FSM) childrenOf(key string, limit int) ([]*pb.ObjectInfo, bool) {
 	defer f.mu.RUnlock()
 	var keys []string
 	if f.children[key] > 0 {
-		for k, o := range f.objects {
+		for k, o := range f.objects.all() {
 			if o.parent == key && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 				keys = append(keys, k)
 			}

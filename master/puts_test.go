@@ -223,7 +223,7 @@ func disjoint(f *FSM) error {
 		who string
 	}
 	bySeg := map[string][]owned{}
-	for _, o := range f.objects {
+	for _, o := range f.objects.all() {
 		for _, r := range o.replicas {
 			bySeg[r.segment] = append(bySeg[r.segment], owned{span{r.offset, o.size}, "object " + o.key})
 		}

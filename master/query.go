@@ -37,7 +37,7 @@ func (f *FSM) complete(keys []string) []*object {
 	defer f.mu.RUnlock()
 	out := make([]*object, len(keys))
 	for i, k := range keys {
-		if o := f.objects[k]; o != nil && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if o := f.objects.get(k); o != nil && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			out[i] = o
 		}
 	}
@@ -61,7 +61,7 @@ func (f *FSM) leaseEnd(keys []string) int64 {
 	defer f.mu.RUnlock()
 	var end int64
 	for _, k := range keys {
-		if o := f.objects[k]; o != nil {
+		if o := f.objects.get(k); o != nil {
 			end = max(end, o.lease.Load())
 		}
 	}
@@ -74,7 +74,7 @@ func (f *FSM) leasedAt(keys []string, now int64) map[string]bool {
 	defer f.mu.RUnlock()
 	out := map[string]bool{}
 	for _, k := range keys {
-		if o := f.objects[k]; o != nil && o.lease.Load() > now {
+		if o := f.objects.get(k); o != nil && o.lease.Load() > now {
 			out[k] = true
 		}
 	}
@@ -125,7 +125,7 @@ func (f *FSM) exists(keys []string) []bool {
 	defer f.mu.RUnlock()
 	out := make([]bool, len(keys))
 	for i, k := range keys {
-		o := f.objects[k]
+		o := f.objects.get(k)
 		out[i] = o != nil && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE
 	}
 	return out
@@ -137,7 +137,7 @@ func (f *FSM) list(prefix, after string, limit int) ([]*pb.ObjectInfo, bool) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var keys []string
-	for k := range f.objects {
+	for k := range f.objects.all() {
 		if strings.HasPrefix(k, prefix) && k > after {
 			keys = append(keys, k)
 		}
@@ -155,7 +155,7 @@ func (f *FSM) page(keys []string, limit int) ([]*pb.ObjectInfo, bool) {
 	}
 	out := make([]*pb.ObjectInfo, len(keys))
 	for i, k := range keys {
-		out[i] = f.info(f.objects[k])
+		out[i] = f.info(f.objects.get(k))
 	}
 	return out, truncated
 }
@@ -199,7 +199,7 @@ func (f *FSM) segmentViews() []segmentView {
 func (f *FSM) putState(key string, now int64) pb.ObjectState {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	o := f.objects[key]
+	o := f.objects.get(key)
 	switch {
 	case o == nil:
 		return pb.ObjectState_OBJECT_STATE_UNSPECIFIED
@@ -215,7 +215,7 @@ func (f *FSM) putState(key string, now int64) pb.ObjectState {
 func (f *FSM) objectStats() (processing, complete int, completeBytes uint64) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	for _, o := range f.objects {
+	for _, o := range f.objects.all() {
 		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			complete++
 			completeBytes += o.size
@@ -231,7 +231,7 @@ func (f *FSM) expiredPuts(now int64) []string {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var keys []string
-	for k, o := range f.objects {
+	for k, o := range f.objects.all() {
 		if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline() < now {
 			keys = append(keys, k)
 		}
@@ -301,7 +301,7 @@ func (f *FSM) touch(keys []string, now int64) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	for _, k := range keys {
-		if o := f.objects[k]; o != nil {
+		if o := f.objects.get(k); o != nil {
 			o.used.Store(now)
 		}
 	}
@@ -327,7 +327,7 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 	var out []evictable
 	depths := map[string]int{}
 	f.mu.RLock()
-	for k, o := range f.objects {
+	for k, o := range f.objects.all() {
 		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || !keep(o) {
 			continue
 		}
@@ -364,8 +364,8 @@ func (f *FSM) depth(key string, memo map[string]int) int {
 			base = d
 			break
 		}
-		o := f.objects[k]
-		if o == nil || len(path) > len(f.objects) { // longer than the table: a cycle
+		o := f.objects.get(k)
+		if o == nil || len(path) > f.objects.len() { // longer than the table: a cycle
 			break
 		}
 		path = append(path, k)
@@ -387,7 +387,7 @@ func (f *FSM) infos(keys []string) []*pb.ObjectInfo {
 	defer f.mu.RUnlock()
 	var out []*pb.ObjectInfo
 	for _, k := range keys {
-		if o := f.objects[k]; o != nil {
+		if o := f.objects.get(k); o != nil {
 			out = append(out, f.info(o))
 		}
 	}
@@ -413,7 +413,7 @@ func (f *FSM) segmentObjects(id, name, after string, limit int) ([]*pb.AdoptedOb
 	}
 	var all []kept
 	f.mu.RLock()
-	for k, o := range f.objects {
+	for k, o := range f.objects.all() {
 		if k <= after || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 			continue
 		}
@@ -459,7 +459,7 @@ func (f *FSM) movingBytes() map[string]uint64 {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	out := map[string]uint64{}
-	for _, o := range f.objects {
+	for _, o := range f.objects.all() {
 		for _, c := range o.copies() {
 			if moves(c.Reason) {
 				out[c.Source] += o.size

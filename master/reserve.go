@@ -108,7 +108,7 @@ func (s *segment) carve(id, off, n uint64) bool {
 // reservations. A key that is already complete is left as it is (objects
 // are immutable) and succeeds; its reserved space goes back at release.
 func (f *FSM) publish(it *pb.PublishItem, now int64) error {
-	if o := f.objects[it.Key]; o != nil {
+	if o := f.objects.get(it.Key); o != nil {
 		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			return nil
 		}

@@ -84,7 +84,7 @@ func TestReview5RestoreLegacyCompleteDeadline(t *testing.T) {
 	}
 	g := restored(t, old)
 	g.mu.RLock()
-	o := g.objects["k"]
+	o := g.objects.get("k")
 	rare, deadline := o.rare != nil, o.deadline()
 	g.mu.RUnlock()
 	if rare || deadline != 0 {

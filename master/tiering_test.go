@@ -292,7 +292,7 @@ func copiesInFlight(f *FSM) int {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	n := 0
-	for _, o := range f.objects {
+	for _, o := range f.objects.all() {
 		n += len(o.copies())
 	}
 	return n
