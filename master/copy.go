@@ -48,7 +48,7 @@ func (f *FSM) copyStart(it *pb.CopyStartItem, id uint64) CopyStartResult {
 			Id: id, Target: &pb.Extent{Segment: s.id, Offset: off, Length: o.size}, Source: it.Source,
 			DeadlineUnixNano: it.DeadlineUnixNano, Reason: it.Reason,
 		}
-		o.edit(func(r *rare) { r.copies = append(slices.Clone(r.copies), c) })
+		f.edit(o, func(r *rare) { r.copies = append(slices.Clone(r.copies), c) })
 		return CopyStartResult{Copy: c}
 	}
 	return CopyStartResult{Err: fmt.Errorf("%w to copy %q (%d bytes)", ErrNoSpace, it.Key, o.size)}
@@ -72,7 +72,7 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 	if it.OnlyExpired && c.DeadlineUnixNano >= now {
 		return CopyEndResult{Err: fmt.Errorf("%w: copy %d of %q has not expired", ErrNotInProgress, it.CopyId, it.Key)}
 	}
-	o.edit(func(r *rare) { r.copies = slices.Delete(slices.Clone(r.copies), i, i+1) })
+	f.edit(o, func(r *rare) { r.copies = slices.Delete(slices.Clone(r.copies), i, i+1) })
 	res := CopyEndResult{Reason: c.Reason, Size: o.size}
 	if src := f.segments[c.Source]; src != nil {
 		res.Node = src.node
@@ -128,7 +128,7 @@ func (f *FSM) holds(n *node) bool {
 	if slices.ContainsFunc(f.pending, func(p *pb.PendingFree) bool { return mine(p.Extent) }) {
 		return true
 	}
-	for _, o := range f.objects.all() {
+	for o := range f.copying {
 		for _, c := range o.copies() {
 			if mine(c.Target) {
 				return true
@@ -143,10 +143,10 @@ func (f *FSM) expiredCopies(now int64) []*pb.CopyEndItem {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var out []*pb.CopyEndItem
-	for k, o := range f.objects.all() {
+	for o := range f.copying {
 		for _, c := range o.copies() {
 			if c.DeadlineUnixNano < now {
-				out = append(out, &pb.CopyEndItem{Key: k, CopyId: c.Id, OnlyExpired: true})
+				out = append(out, &pb.CopyEndItem{Key: o.key, CopyId: c.Id, OnlyExpired: true})
 			}
 		}
 	}

@@ -27,6 +27,8 @@ type FSM struct {
 	members  map[string]string   // raft server id -> gRPC address
 	pending  pendingFrees        // removed ranges still covered by read leases
 	children map[string]int      // key -> objects naming it as their parent
+	inFlight map[*object]struct{} // objects of puts started by a PutStartCmd, not ended
+	copying  map[*object]struct{} // objects with copies in flight
 	tenants  map[string]string   // one copy of each tenant name (up to maxTenants)
 }
 
@@ -131,8 +133,11 @@ func (o *object) copies() []*pb.PendingCopy {
 	return o.rare.copies
 }
 
-// edit changes the rare fields, and drops them when none is left set.
-func (o *object) edit(fn func(r *rare)) {
+// edit changes o's rare fields, drops them when none is left set, and
+// keeps the sets of objects with a put or copies in flight, so the
+// leader's sweeps visit those instead of the whole table. A change of
+// o.state is followed by an edit.
+func (f *FSM) edit(o *object, fn func(r *rare)) {
 	r := rare{}
 	if o.rare != nil {
 		r = *o.rare
@@ -142,6 +147,16 @@ func (o *object) edit(fn func(r *rare)) {
 		o.rare = nil
 	} else {
 		o.rare = &r
+	}
+	mark(f.inFlight, o, o.state == pb.ObjectState_OBJECT_STATE_PROCESSING)
+	mark(f.copying, o, len(r.copies) > 0)
+}
+
+func mark(set map[*object]struct{}, o *object, in bool) {
+	if in {
+		set[o] = struct{}{}
+	} else {
+		delete(set, o)
 	}
 }
 
@@ -211,6 +226,8 @@ func (f *FSM) reset() {
 	f.members = map[string]string{}
 	f.pending = nil
 	f.children = map[string]int{}
+	f.inFlight = map[*object]struct{}{}
+	f.copying = map[*object]struct{}{}
 	f.tenants = map[string]string{}
 }
 
@@ -428,7 +445,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 	if len(exts) > 0 {
 		o := f.newObject(it.Key, it.Size, it.Checksum, putID, now, it.Parent, it.Tenant, exts)
 		o.state = pb.ObjectState_OBJECT_STATE_PROCESSING
-		o.edit(func(r *rare) { r.deadline = it.DeadlineUnixNano })
+		f.edit(o, func(r *rare) { r.deadline = it.DeadlineUnixNano })
 		return PutStartResult{Replicas: o.pbExtents(), PutID: putID}
 	}
 	if len(f.segments) == 0 {
@@ -503,7 +520,7 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 		return fmt.Errorf("%w: %q (expired before it ended)", ErrNotInProgress, key)
 	}
 	o.state = pb.ObjectState_OBJECT_STATE_COMPLETE
-	o.edit(func(r *rare) { r.deadline = 0 })
+	f.edit(o, func(r *rare) { r.deadline = 0 })
 	return nil
 }
 
@@ -543,11 +560,11 @@ func (f *FSM) pin(c *pb.PinCmd) error {
 	switch {
 	case c.Unpin:
 		o.hard = false
-		o.edit(func(r *rare) { r.softPin = 0 })
+		f.edit(o, func(r *rare) { r.softPin = 0 })
 	case c.Hard:
 		o.hard = true
 	default:
-		o.edit(func(r *rare) { r.softPin = max(r.softPin, c.SoftUntilUnixNano) })
+		f.edit(o, func(r *rare) { r.softPin = max(r.softPin, c.SoftUntilUnixNano) })
 	}
 	return nil
 }
@@ -632,6 +649,8 @@ func (f *FSM) add(o *object) {
 func (f *FSM) forget(o *object) {
 	f.objects.remove(o.key)
 	o.gone = true
+	delete(f.inFlight, o)
+	delete(f.copying, o)
 	if o.parent != "" {
 		if f.children[o.parent]--; f.children[o.parent] <= 0 {
 			delete(f.children, o.parent)
@@ -767,7 +786,7 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 		o.replicas = append(slices.Clone(o.replicas), ext)
 	}
 	o.hard = o.hard || a.HardPinned
-	o.edit(func(r *rare) { r.softPin = max(r.softPin, a.SoftPinUntilUnixNano) })
+	f.edit(o, func(r *rare) { r.softPin = max(r.softPin, a.SoftPinUntilUnixNano) })
 	return true
 }
 
@@ -799,7 +818,7 @@ func (f *FSM) dropSegments(n *node) {
 			o.replicas = slices.DeleteFunc(slices.Clone(o.replicas), func(e extent) bool { return gone[e.segment] })
 		}
 		if slices.ContainsFunc(o.copies(), func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] }) {
-			o.edit(func(r *rare) {
+			f.edit(o, func(r *rare) {
 				r.copies = slices.DeleteFunc(slices.Clone(r.copies), func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] })
 			})
 		}
@@ -911,7 +930,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		}
 		o := f.newObject(po.Key, po.Size, po.Checksum, po.PutId, po.CreatedUnixNano, po.Parent, po.Tenant, exts)
 		o.state, o.hard = po.State, po.HardPinned
-		o.edit(func(r *rare) {
+		f.edit(o, func(r *rare) {
 			r.softPin, r.copies = po.SoftPinUntilUnixNano, copies
 			if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING { // older snapshots kept it on complete objects too
 				r.deadline = po.DeadlineUnixNano

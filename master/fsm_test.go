@@ -761,9 +761,22 @@ func checkInvariants(t testing.TB, f *FSM) {
 	t.Helper()
 	want := map[string]uint64{}
 	count := map[string]int{}
+	inFlight, copying := 0, 0
 	for _, o := range f.objects.all() {
 		if len(o.replicas) == 0 {
 			t.Fatalf("object %q has no replica", o.key)
+		}
+		// The sweeps' sets hold exactly the objects of puts and copies in flight.
+		_, in := f.inFlight[o]
+		_, cp := f.copying[o]
+		if in != (o.state == pb.ObjectState_OBJECT_STATE_PROCESSING) || cp != (len(o.copies()) > 0) {
+			t.Fatalf("object %q (%v, %d copies): in the in-flight set %v, in the copying set %v", o.key, o.state, len(o.copies()), in, cp)
+		}
+		if in {
+			inFlight++
+		}
+		if cp {
+			copying++
 		}
 		for _, r := range o.replicas {
 			s := f.segments[r.segment]
@@ -791,6 +804,9 @@ func checkInvariants(t testing.TB, f *FSM) {
 			}
 			want[c.Target.Segment] += s.alloc.rounded(c.Target.Length)
 		}
+	}
+	if inFlight != len(f.inFlight) || copying != len(f.copying) {
+		t.Fatalf("the in-flight set holds %d objects and the copying set %d, of %d and %d in the table", len(f.inFlight), len(f.copying), inFlight, copying)
 	}
 	children := map[string]int{}
 	for _, o := range f.objects.all() {

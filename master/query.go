@@ -231,9 +231,9 @@ func (f *FSM) expiredPuts(now int64) []string {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var keys []string
-	for k, o := range f.objects.all() {
+	for o := range f.inFlight {
 		if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline() < now {
-			keys = append(keys, k)
+			keys = append(keys, o.key)
 		}
 	}
 	slices.Sort(keys)
@@ -459,7 +459,7 @@ func (f *FSM) movingBytes() map[string]uint64 {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	out := map[string]uint64{}
-	for _, o := range f.objects.all() {
+	for o := range f.copying {
 		for _, c := range o.copies() {
 			if moves(c.Reason) {
 				out[c.Source] += o.size
