@@ -30,14 +30,14 @@ func (f *FSM) copyStart(it *pb.CopyStartItem, id uint64) CopyStartResult {
 	switch {
 	case o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || (it.PutId != 0 && o.putID != it.PutId):
 		return CopyStartResult{Err: errorf(ErrNotFound, it.Key)}
-	case len(o.copies()) > 0:
+	case len(f.copies(o)) > 0:
 		return CopyStartResult{Err: errorf(ErrCopyInProgress, it.Key)}
-	case !o.onSegment(it.Source):
+	case !f.onSegment(o, it.Source):
 		return CopyStartResult{Err: fmt.Errorf("%w: %q has no replica on %s", ErrNotFound, it.Key, it.Source)}
 	}
 	for _, segID := range it.Candidates {
 		s := f.segments[segID]
-		if s == nil || o.onSegment(segID) {
+		if s == nil || f.onSegment(o, segID) {
 			continue
 		}
 		off, ok := s.alloc.alloc(o.size)
@@ -60,7 +60,7 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 	o := f.objects.get(it.Key)
 	i := -1
 	if o != nil {
-		i = slices.IndexFunc(o.copies(), func(c *pb.PendingCopy) bool { return c.Id == it.CopyId })
+		i = slices.IndexFunc(f.copies(o), func(c *pb.PendingCopy) bool { return c.Id == it.CopyId })
 	}
 	if i < 0 {
 		if !it.OnlyExpired {
@@ -68,7 +68,7 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 		}
 		return CopyEndResult{Err: fmt.Errorf("%w: copy %d of %q", ErrNotInProgress, it.CopyId, it.Key)}
 	}
-	c := o.copies()[i]
+	c := f.copies(o)[i]
 	if it.OnlyExpired && c.DeadlineUnixNano >= now {
 		return CopyEndResult{Err: fmt.Errorf("%w: copy %d of %q has not expired", ErrNotInProgress, it.CopyId, it.Key)}
 	}
@@ -85,12 +85,12 @@ func (f *FSM) copyEnd(it *pb.CopyEndItem, freeAfter, now int64) CopyEndResult {
 	case it.Failed:
 		f.freeExtent(c.Target, 0)
 	default:
-		o.replicas = append(slices.Clone(o.replicas), extent{c.Target.Segment, c.Target.Offset})
+		f.setExts(o, append(slices.Clone(f.exts(o)), f.extentOn(c.Target.Segment, c.Target.Offset)))
 		if s := f.segments[c.Target.Segment]; s != nil {
 			s.objects++
 		}
 		if moves(c.Reason) {
-			if j := slices.IndexFunc(o.replicas, func(e extent) bool { return e.segment == c.Source }); j >= 0 {
+			if j := f.replicaOn(o, c.Source); j >= 0 {
 				f.dropExtent(o, j, freeAfter, now)
 			}
 		}
@@ -129,7 +129,7 @@ func (f *FSM) holds(n *node) bool {
 		return true
 	}
 	for o := range f.copying {
-		for _, c := range o.copies() {
+		for _, c := range f.copies(o) {
 			if mine(c.Target) {
 				return true
 			}
@@ -144,9 +144,9 @@ func (f *FSM) expiredCopies(now int64) []*pb.CopyEndItem {
 	defer f.mu.RUnlock()
 	var out []*pb.CopyEndItem
 	for o := range f.copying {
-		for _, c := range o.copies() {
+		for _, c := range f.copies(o) {
 			if c.DeadlineUnixNano < now {
-				out = append(out, &pb.CopyEndItem{Key: o.key, CopyId: c.Id, OnlyExpired: true})
+				out = append(out, &pb.CopyEndItem{Key: o.key(), CopyId: c.Id, OnlyExpired: true})
 			}
 		}
 	}
@@ -223,11 +223,11 @@ func (f *FSM) copyTask(key string, c *pb.PendingCopy, deadline time.Time) (*pb.C
 	if o == nil || src == nil {
 		return nil, "", false
 	}
-	i := slices.IndexFunc(o.replicas, func(e extent) bool { return e.segment == c.Source })
+	i := f.replicaOn(o, c.Source)
 	if i < 0 { // dropped since the copy started (found corrupt)
 		return nil, "", false
 	}
-	reps := f.describe(o.size, []extent{o.replicas[i], {c.Target.Segment, c.Target.Offset}})
+	reps := f.describe(o.size, []extent{f.exts(o)[i], f.extentOn(c.Target.Segment, c.Target.Offset)})
 	if len(reps) != 2 {
 		return nil, "", false
 	}

@@ -69,7 +69,7 @@ func copiesOf(f *FSM, key string) []*pb.PendingCopy {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	if o := f.objects.get(key); o != nil {
-		return slices.Clone(o.copies())
+		return slices.Clone(f.copies(o))
 	}
 	return nil
 }
@@ -650,7 +650,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	}
 	var processing []string
 	for _, k := range f.objects.sortedKeys() {
-		if o := f.objects.get(k); o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline() >= now {
+		if o := f.objects.get(k); o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && f.deadline(o) >= now {
 			processing = append(processing, k)
 		}
 	}
@@ -665,7 +665,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 		c := &pb.CopyStartCmd{}
 		for range 1 + rng.IntN(2) {
 			o := f.objects.get(g.pick(complete))
-			src := o.replicas[rng.IntN(len(o.replicas))].segment
+			src := f.segID(f.exts(o)[rng.IntN(len(f.exts(o)))])
 			if rng.IntN(10) == 0 {
 				src = g.pick(segs) // mostly not a replica
 			}
@@ -681,7 +681,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 				putID = o.putID + uint64(rng.IntN(2)) // sometimes stale
 			}
 			c.Items = append(c.Items, &pb.CopyStartItem{
-				Key: o.key, PutId: putID, Source: src, Candidates: cands,
+				Key: o.key(), PutId: putID, Source: src, Candidates: cands,
 				DeadlineUnixNano: now + rng.Int64N(300), Reason: pb.CopyReason(1 + rng.IntN(3)),
 			})
 		}
@@ -689,7 +689,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	case p < 60:
 		var ids []*pb.CopyEndItem
 		for _, k := range f.objects.sortedKeys() {
-			for _, c := range f.objects.get(k).copies() {
+			for _, c := range f.copies(f.objects.get(k)) {
 				ids = append(ids, &pb.CopyEndItem{Key: k, CopyId: c.Id})
 			}
 		}
@@ -714,7 +714,7 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	case p < 76 && len(complete) > 0:
 		o := f.objects.get(g.pick(complete))
 		cmd = &pb.Command{Op: &pb.Command_DropReplica{DropReplica: &pb.DropReplicaCmd{
-			Key: o.key, Segment: o.replicas[rng.IntN(len(o.replicas))].segment, Checksum: o.checksum,
+			Key: o.key(), Segment: f.segID(f.exts(o)[rng.IntN(len(f.exts(o)))]), Checksum: o.checksum,
 			FreeAfterUnixNano: now - 50 + rng.Int64N(200), KeepLast: rng.IntN(4) != 0,
 		}}}
 	case p < 80 && len(complete) > 0:

@@ -51,13 +51,13 @@ func (f *FSM) nodeStates(match func(*node) bool) []nodeState {
 		}
 		ns := nodeState{id: id, epoch: n.epoch, segments: slices.Clone(n.segments), down: n.down, draining: n.draining, drained: n.drained}
 		for _, o := range f.objects.all() {
-			for _, r := range o.replicas {
-				if slices.Contains(n.segments, r.segment) {
+			for _, r := range f.exts(o) {
+				if slices.Contains(n.segments, f.segID(r)) {
 					ns.objects++
 					ns.bytes += o.size
 				}
 			}
-			for _, c := range o.copies() {
+			for _, c := range f.copies(o) {
 				if slices.Contains(n.segments, c.Target.Segment) {
 					ns.incoming++
 				}

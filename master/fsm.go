@@ -6,7 +6,6 @@ import (
 	"io"
 	"slices"
 	"sync"
-	"sync/atomic"
 
 	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/proto"
@@ -23,169 +22,16 @@ type FSM struct {
 	mu       sync.RWMutex
 	objects  *objectTable
 	nodes    map[string]*node
-	segments map[string]*segment // by segment id
-	members  map[string]string   // raft server id -> gRPC address
-	pending  pendingFrees        // removed ranges still covered by read leases
-	children map[string]int      // key -> objects naming it as their parent
+	segments map[string]*segment  // by segment id
+	members  map[string]string    // raft server id -> gRPC address
+	pending  pendingFrees         // removed ranges still covered by read leases
+	children map[string]int       // key -> objects naming it as their parent
 	inFlight map[*object]struct{} // objects of puts started by a PutStartCmd, not ended
 	copying  map[*object]struct{} // objects with copies in flight
-	tenants  map[string]string   // one copy of each tenant name (up to maxTenants)
-}
-
-// maxTenants bounds the tenant names interned; objects of further tenants
-// keep their own copy of the name.
-const maxTenants = 4096
-
-// tenant returns the interned copy of name.
-func (f *FSM) tenant(name string) string {
-	if t, ok := f.tenants[name]; ok || name == "" {
-		return t
-	}
-	if len(f.tenants) < maxTenants {
-		f.tenants[name] = name
-	}
-	return name
-}
-
-// newObject is a complete object of the put described, in the table; its
-// parent and tenant names share the bytes of copies the table has.
-func (f *FSM) newObject(key string, size uint64, checksum uint32, putID uint64, created int64, parent, tenant string, exts []extent) *object {
-	o := &object{key: key, size: size, checksum: checksum, putID: putID, created: created, parent: parent,
-		state: pb.ObjectState_OBJECT_STATE_COMPLETE}
-	o.setReplicas(exts)
-	if tenant != "" {
-		o.rare = &rare{tenant: f.tenant(tenant)}
-	}
-	f.add(o)
-	return o
-}
-
-// object is one key's record. A master holds millions, so the record is
-// compact: one replica's place is inline, what few objects have (pins,
-// tenants, copies, a legacy put's deadline) hangs off rare, and strings
-// share the bytes of their segment's id and their parent's key.
-type object struct {
-	key    string
-	parent string // the key of the previous block of its chain, if any
-	// replicas is never written in place: a change builds a new slice.
-	// One replica, the common case, lives in one.
-	replicas []extent
-	one      [1]extent
-	size     uint64
-	created  int64
-	putID    uint64
-	// used is leader-local soft state kept here so that recency costs no
-	// map entry per object: the last get or put this node saw while it
-	// led (unix nanos; 0: none, the creation counts). Apply never reads
-	// it, and it is not in snapshots.
-	used atomic.Int64
-	// lease is soft state of the same kind: when the last read lease this
-	// node granted on the object ends (unix nanos). Kept here, a lookup of
-	// N blocks costs N atomic stores rather than N map writes under a lock.
-	lease    atomic.Int64
-	rare     *rare
-	checksum uint32
-	state    pb.ObjectState
-	hard     bool // hard pinned: never evicted
-	gone     bool // out of the table (under f.mu): a reader holding it rereads
-}
-
-// extent is where one replica of an object lies; its length is the
-// object's size.
-type extent struct {
-	segment string // the segment's id, one copy for all its objects
-	offset  uint64
-}
-
-// rare holds the fields few objects have.
-type rare struct {
-	deadline int64 // unix nanos after which a PROCESSING put is revoked
-	softPin  int64 // soft pinned until then (unix nanos)
-	tenant   string
-	copies   []*pb.PendingCopy // replicas being written; not readable yet
-}
-
-func (o *object) deadline() int64 {
-	if o.rare == nil {
-		return 0
-	}
-	return o.rare.deadline
-}
-
-func (o *object) softPin() int64 {
-	if o.rare == nil {
-		return 0
-	}
-	return o.rare.softPin
-}
-
-func (o *object) tenant() string {
-	if o.rare == nil {
-		return ""
-	}
-	return o.rare.tenant
-}
-
-func (o *object) copies() []*pb.PendingCopy {
-	if o.rare == nil {
-		return nil
-	}
-	return o.rare.copies
-}
-
-// edit changes o's rare fields, drops them when none is left set, and
-// keeps the sets of objects with a put or copies in flight, so the
-// leader's sweeps visit those instead of the whole table. A change of
-// o.state is followed by an edit.
-func (f *FSM) edit(o *object, fn func(r *rare)) {
-	r := rare{}
-	if o.rare != nil {
-		r = *o.rare
-	}
-	fn(&r)
-	if r.deadline == 0 && r.softPin == 0 && r.tenant == "" && len(r.copies) == 0 {
-		o.rare = nil
-	} else {
-		o.rare = &r
-	}
-	mark(f.inFlight, o, o.state == pb.ObjectState_OBJECT_STATE_PROCESSING)
-	mark(f.copying, o, len(r.copies) > 0)
-}
-
-func mark(set map[*object]struct{}, o *object, in bool) {
-	if in {
-		set[o] = struct{}{}
-	} else {
-		delete(set, o)
-	}
-}
-
-// setReplicas gives a new object a copy of exts as its replicas.
-func (o *object) setReplicas(exts []extent) {
-	if len(exts) == 1 {
-		o.one[0] = exts[0]
-		o.replicas = o.one[:]
-		return
-	}
-	o.replicas = slices.Clone(exts)
-}
-
-// pbExtent describes a replica of o on the wire and in snapshots.
-func (o *object) pbExtent(e extent) *pb.Extent {
-	return &pb.Extent{Segment: e.segment, Offset: e.offset, Length: o.size}
-}
-
-func (o *object) pbExtents() []*pb.Extent {
-	out := make([]*pb.Extent, len(o.replicas))
-	for i, e := range o.replicas {
-		out[i] = o.pbExtent(e)
-	}
-	return out
-}
-
-// onSegment reports whether o has a replica on segment id.
-func (o *object) onSegment(id string) bool {
-	return slices.ContainsFunc(o.replicas, func(e extent) bool { return e.segment == id })
+	rares    map[*object]*rare    // the rare fields of the objects that have any
+	segAt    []*segment           // by segment index (nil: gone; 0 is never used)
+	tenantIx map[string]uint32    // interned tenant names, by index
+	tenantAt []string             // tenant names by index (0: none)
 }
 
 type node struct {
@@ -202,6 +48,7 @@ type node struct {
 
 type segment struct {
 	id       string
+	idx      uint32 // its index in FSM.segAt, which extents name
 	node     string
 	name     string
 	tier     pb.Tier
@@ -228,7 +75,10 @@ func (f *FSM) reset() {
 	f.children = map[string]int{}
 	f.inFlight = map[*object]struct{}{}
 	f.copying = map[*object]struct{}{}
-	f.tenants = map[string]string{}
+	f.rares = map[*object]*rare{}
+	f.segAt = []*segment{nil}
+	f.tenantIx = map[string]uint32{}
+	f.tenantAt = []string{""}
 }
 
 // SegmentID names a segment of one node epoch; it is the engine segment name.
@@ -414,13 +264,13 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			return PutStartResult{Exists: true}
 		}
-		if now <= o.deadline() {
+		if now <= f.deadline(o) {
 			return PutStartResult{Err: ErrPutInProgress}
 		}
 		f.retire(o, now+lateWriteGrace) // an abandoned put: the new one takes its place
 	}
-	if it.Size == 0 {
-		return PutStartResult{Err: fmt.Errorf("%w: zero-length value", ErrInvalidRequest)}
+	if it.Size == 0 || !recordable(it.Key, it.Parent) {
+		return PutStartResult{Err: fmt.Errorf("%w: zero-length value, or key or parent key too long", ErrInvalidRequest)}
 	}
 	// Replicas go to the first candidates with room, one per node.
 	want := max(int(it.Replicas), 1)
@@ -437,7 +287,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		}
 		s.objects++
 		nodes[s.node] = true
-		exts = append(exts, extent{s.id, off})
+		exts = append(exts, extent{off, s.idx})
 		if len(exts) == want {
 			break
 		}
@@ -446,7 +296,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		o := f.newObject(it.Key, it.Size, it.Checksum, putID, now, it.Parent, it.Tenant, exts)
 		o.state = pb.ObjectState_OBJECT_STATE_PROCESSING
 		f.edit(o, func(r *rare) { r.deadline = it.DeadlineUnixNano })
-		return PutStartResult{Replicas: o.pbExtents(), PutID: putID}
+		return PutStartResult{Replicas: f.pbExtents(o), PutID: putID}
 	}
 	if len(f.segments) == 0 {
 		return PutStartResult{Err: ErrNoSegments}
@@ -470,7 +320,7 @@ const maxCommandItems = 1 << 16
 // not, and must not cost any reclaimed replica.
 func (f *FSM) allocates(it *pb.PutStartItem, now int64) bool {
 	o := f.objects.get(it.Key)
-	return it.Size > 0 && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > o.deadline()))
+	return it.Size > 0 && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > f.deadline(o)))
 }
 
 // reclaim drops written-back replicas on segment, in the leader's order,
@@ -493,11 +343,11 @@ func (f *FSM) reclaim(segment string, size uint64, cands []*pb.Reclaimable, now 
 			continue
 		}
 		o := f.objects.get(c.Key)
-		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || len(o.replicas) < 2 ||
-			slices.ContainsFunc(o.copies(), func(p *pb.PendingCopy) bool { return p.Source == segment }) {
+		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || len(f.exts(o)) < 2 ||
+			slices.ContainsFunc(f.copies(o), func(p *pb.PendingCopy) bool { return p.Source == segment }) {
 			continue
 		}
-		if j := slices.IndexFunc(o.replicas, func(e extent) bool { return e.segment == segment }); j >= 0 {
+		if j := f.replicaOn(o, segment); j >= 0 {
 			f.dropExtent(o, j, 0, now)
 			n++
 		}
@@ -514,7 +364,7 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 		return fmt.Errorf("%w: %q (revoked, and the key was put again since)", ErrNotInProgress, key)
 	case o.state == pb.ObjectState_OBJECT_STATE_COMPLETE:
 		return nil
-	case now > o.deadline():
+	case now > f.deadline(o):
 		// Its writes may have been cut short at the deadline; the sweep
 		// revokes it.
 		return fmt.Errorf("%w: %q (expired before it ended)", ErrNotInProgress, key)
@@ -529,7 +379,7 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 // cannot know, so it keeps the space for lateWriteGrace.
 func (f *FSM) putRevoke(key string, putID uint64, onlyExpired bool, now int64) error {
 	o := f.objects.get(key)
-	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (putID != 0 && o.putID != putID) || (onlyExpired && o.deadline() >= now) {
+	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (putID != 0 && o.putID != putID) || (onlyExpired && f.deadline(o) >= now) {
 		return fmt.Errorf("%w: %q", ErrNotInProgress, key)
 	}
 	if onlyExpired {
@@ -578,7 +428,7 @@ func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) erro
 		return fmt.Errorf("%w: %q", ErrNotFound, key)
 	case o.hard:
 		return fmt.Errorf("%w: %q is hard pinned", ErrPinned, key)
-	case o.softPin() > now && !allowSoft:
+	case f.softPin(o) > now && !allowSoft:
 		return fmt.Errorf("%w: %q is soft pinned", ErrPinned, key)
 	}
 	f.retireAfter(o, freeAfter, now)
@@ -592,11 +442,11 @@ func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
 	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || o.checksum != c.Checksum {
 		return false
 	}
-	i := slices.IndexFunc(o.replicas, func(e extent) bool { return e.segment == c.Segment })
+	i := f.replicaOn(o, c.Segment)
 	if i < 0 {
 		return false
 	}
-	if len(o.replicas) == 1 {
+	if len(f.exts(o)) == 1 {
 		if c.KeepLast {
 			return false
 		}
@@ -610,14 +460,15 @@ func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
 // dropExtent removes o's replica i, which is not its last; the space is
 // reused from freeAfter on.
 func (f *FSM) dropExtent(o *object, i int, freeAfter, now int64) {
-	r := o.replicas[i]
-	o.replicas = slices.Delete(slices.Clone(o.replicas), i, i+1)
-	if s := f.segments[r.segment]; s != nil {
+	exts := f.exts(o)
+	r := exts[i]
+	f.setExts(o, slices.Delete(slices.Clone(exts), i, i+1))
+	if s := f.seg(r); s != nil {
 		s.objects--
 		if freeAfter <= now {
 			freeAfter = 0
 		}
-		f.free(r.segment, r.offset, o.size, freeAfter)
+		f.free(s.id, r.offset, o.size, freeAfter)
 	}
 }
 
@@ -637,23 +488,20 @@ func (f *FSM) drop(o *object) { f.retire(o, 0) }
 // add puts an object in the table.
 func (f *FSM) add(o *object) {
 	f.objects.put(o)
-	if o.parent != "" {
-		if p := f.objects.get(o.parent); p != nil {
-			o.parent = p.key // one copy of the key for the object and its children
-		}
-		f.children[o.parent]++
+	if p := o.parent(); p != "" {
+		f.children[p]++
 	}
 }
 
 // forget takes an object out of the table; its space is the caller's.
 func (f *FSM) forget(o *object) {
-	f.objects.remove(o.key)
+	f.objects.remove(o.key())
 	o.gone = true
 	delete(f.inFlight, o)
 	delete(f.copying, o)
-	if o.parent != "" {
-		if f.children[o.parent]--; f.children[o.parent] <= 0 {
-			delete(f.children, o.parent)
+	if p := o.parent(); p != "" {
+		if f.children[p]--; f.children[p] <= 0 {
+			delete(f.children, p)
 		}
 	}
 }
@@ -662,17 +510,19 @@ func (f *FSM) forget(o *object) {
 // (the end of its read leases, or of its writer's late bytes).
 func (f *FSM) retire(o *object, after int64) {
 	f.forget(o)
-	for _, r := range o.replicas {
-		if s := f.segments[r.segment]; s != nil {
+	for _, r := range f.exts(o) {
+		if s := f.seg(r); s != nil {
 			s.objects--
-			f.free(r.segment, r.offset, o.size, after)
+			f.free(s.id, r.offset, o.size, after)
 		}
 	}
-	for _, c := range o.copies() {
+	for _, c := range f.copies(o) {
 		// A copier may still be writing: keep the room until it reports,
 		// or else until it must have stopped.
 		f.pending.add(&pb.PendingFree{Extent: c.Target, AfterUnixNano: c.DeadlineUnixNano + lateWriteGrace, CopyId: c.Id})
 	}
+	delete(f.rares, o)
+	o.hasRare = false
 }
 
 // free releases an extent, at once or from time after on.
@@ -762,8 +612,8 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 		return false
 	}
 	if o != nil {
-		for _, r := range o.replicas {
-			if seg := f.segments[r.segment]; seg != nil && seg.node == n.id {
+		for _, r := range f.exts(o) {
+			if seg := f.seg(r); seg != nil && seg.node == n.id {
 				return false
 			}
 		}
@@ -772,7 +622,7 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 		return false
 	}
 	s.objects++
-	ext := extent{s.id, a.Offset}
+	ext := extent{a.Offset, s.idx}
 	if o == nil {
 		var parent, tenant string
 		if len(a.Parent) <= MaxKeyLen {
@@ -783,7 +633,7 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 		}
 		o = f.newObject(a.Key, a.Size, a.Checksum, 0, now, parent, tenant, []extent{ext}) // counts the parent's children
 	} else {
-		o.replicas = append(slices.Clone(o.replicas), ext)
+		f.setExts(o, append(slices.Clone(f.exts(o)), ext))
 	}
 	o.hard = o.hard || a.HardPinned
 	f.edit(o, func(r *rare) { r.softPin = max(r.softPin, a.SoftPinUntilUnixNano) })
@@ -794,11 +644,19 @@ func (f *FSM) addSegments(n *node) {
 	n.segments = n.segments[:0]
 	for _, spec := range n.specs {
 		id := SegmentID(n.id, spec.Name, n.epoch)
-		f.segments[id] = &segment{
+		s := &segment{
 			id: id, node: n.id, name: spec.Name, tier: spec.Tier,
 			endpoint: n.endpoint, epoch: n.epoch,
 			alloc: newAllocator(spec.Capacity, alignment(spec.Tier)),
 		}
+		if old := f.segments[id]; old != nil {
+			s.idx = old.idx // extents name it by index, as they did the one it replaces
+		} else {
+			s.idx = uint32(len(f.segAt))
+			f.segAt = append(f.segAt, nil)
+		}
+		f.segAt[s.idx] = s
+		f.segments[id] = s
 		n.segments = append(n.segments, id)
 	}
 }
@@ -809,20 +667,24 @@ func (f *FSM) dropSegments(n *node) {
 	gone := map[string]bool{}
 	for _, id := range n.segments {
 		gone[id] = true
+		if s := f.segments[id]; s != nil {
+			f.segAt[s.idx] = nil
+		}
 		delete(f.segments, id)
 	}
 	n.segments = nil
 	for _, key := range f.objects.sortedKeys() { // retire appends to pending: keep the order deterministic
 		o := f.objects.get(key)
-		if slices.ContainsFunc(o.replicas, func(e extent) bool { return gone[e.segment] }) {
-			o.replicas = slices.DeleteFunc(slices.Clone(o.replicas), func(e extent) bool { return gone[e.segment] })
+		lost := func(e extent) bool { return f.seg(e) == nil }
+		if slices.ContainsFunc(f.exts(o), lost) {
+			f.setExts(o, slices.DeleteFunc(slices.Clone(f.exts(o)), lost))
 		}
-		if slices.ContainsFunc(o.copies(), func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] }) {
+		if slices.ContainsFunc(f.copies(o), func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] }) {
 			f.edit(o, func(r *rare) {
 				r.copies = slices.DeleteFunc(slices.Clone(r.copies), func(c *pb.PendingCopy) bool { return gone[c.Target.Segment] })
 			})
 		}
-		if len(o.replicas) == 0 {
+		if len(f.exts(o)) == 0 {
 			f.retire(o, 0)
 		}
 	}
@@ -837,10 +699,10 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	for _, k := range f.objects.sortedKeys() {
 		o := f.objects.get(k)
 		snap.Objects = append(snap.Objects, &pb.Object{
-			Key: o.key, Size: o.size, Checksum: o.checksum, State: o.state,
-			CreatedUnixNano: o.created, DeadlineUnixNano: o.deadline(), Replicas: o.pbExtents(), PutId: o.putID,
-			HardPinned: o.hard, SoftPinUntilUnixNano: o.softPin(),
-			Copies: o.copies(), Parent: o.parent, Tenant: o.tenant(),
+			Key: k, Size: o.size, Checksum: o.checksum, State: o.state,
+			CreatedUnixNano: o.created, DeadlineUnixNano: f.deadline(o), Replicas: f.pbExtents(o), PutId: o.putID,
+			HardPinned: o.hard, SoftPinUntilUnixNano: f.softPin(o),
+			Copies: f.copies(o), Parent: o.parent(), Tenant: f.tenantOf(o),
 		})
 	}
 	for _, id := range sortedKeys(f.nodes) {
@@ -907,13 +769,17 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		return true
 	}
 	for _, po := range snap.Objects {
+		if !recordable(po.Key, po.Parent) {
+			errs = append(errs, fmt.Errorf("object %q: key or parent key too long", po.Key))
+			continue
+		}
 		var exts []extent
 		for _, r := range po.Replicas {
 			// A replica's length is its object's size.
 			if r.Length == po.Size && reserve(r) {
 				s := f.segments[r.Segment]
 				s.objects++
-				exts = append(exts, extent{s.id, r.Offset})
+				exts = append(exts, extent{r.Offset, s.idx})
 			}
 		}
 		var copies []*pb.PendingCopy

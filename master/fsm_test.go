@@ -645,10 +645,10 @@ func sameHidden(t testing.TB, a, b *FSM) {
 		if ob == nil {
 			t.Fatalf("object %q only in one FSM", k)
 		}
-		ca, cb := oa.copies(), ob.copies()
-		if oa.parent != ob.parent || oa.tenant() != ob.tenant() || len(ca) != len(cb) || oa.deadline() != ob.deadline() ||
-			oa.softPin() != ob.softPin() || !slices.Equal(oa.replicas, ob.replicas) {
-			t.Fatalf("object %q: parent %q/%q tenant %q/%q copies %v/%v", k, oa.parent, ob.parent, oa.tenant(), ob.tenant(), ca, cb)
+		ca, cb := a.copies(oa), b.copies(ob)
+		if oa.parent() != ob.parent() || a.tenantOf(oa) != b.tenantOf(ob) || len(ca) != len(cb) || a.deadline(oa) != b.deadline(ob) ||
+			a.softPin(oa) != b.softPin(ob) || !slices.EqualFunc(a.pbExtents(oa), b.pbExtents(ob), func(x, y *pb.Extent) bool { return proto.Equal(x, y) }) {
+			t.Fatalf("object %q: parent %q/%q tenant %q/%q copies %v/%v", k, oa.parent(), ob.parent(), a.tenantOf(oa), b.tenantOf(ob), ca, cb)
 		}
 		for i := range ca {
 			if !proto.Equal(ca[i], cb[i]) {
@@ -763,14 +763,14 @@ func checkInvariants(t testing.TB, f *FSM) {
 	count := map[string]int{}
 	inFlight, copying := 0, 0
 	for _, o := range f.objects.all() {
-		if len(o.replicas) == 0 {
-			t.Fatalf("object %q has no replica", o.key)
+		if len(f.exts(o)) == 0 {
+			t.Fatalf("object %q has no replica", o.key())
 		}
 		// The sweeps' sets hold exactly the objects of puts and copies in flight.
 		_, in := f.inFlight[o]
 		_, cp := f.copying[o]
-		if in != (o.state == pb.ObjectState_OBJECT_STATE_PROCESSING) || cp != (len(o.copies()) > 0) {
-			t.Fatalf("object %q (%v, %d copies): in the in-flight set %v, in the copying set %v", o.key, o.state, len(o.copies()), in, cp)
+		if in != (o.state == pb.ObjectState_OBJECT_STATE_PROCESSING) || cp != (len(f.copies(o)) > 0) {
+			t.Fatalf("object %q (%v, %d copies): in the in-flight set %v, in the copying set %v", o.key(), o.state, len(f.copies(o)), in, cp)
 		}
 		if in {
 			inFlight++
@@ -778,29 +778,29 @@ func checkInvariants(t testing.TB, f *FSM) {
 		if cp {
 			copying++
 		}
-		for _, r := range o.replicas {
-			s := f.segments[r.segment]
-			if s == nil {
-				t.Fatalf("object %q on unknown segment %s", o.key, r.segment)
+		for _, r := range f.exts(o) {
+			s := f.seg(r)
+			if s == nil || f.segments[s.id] != s {
+				t.Fatalf("object %q on unknown segment %d", o.key(), r.seg)
 			}
-			want[r.segment] += s.alloc.rounded(o.size)
-			count[r.segment]++
+			want[s.id] += s.alloc.rounded(o.size)
+			count[s.id]++
 		}
 		// A copy in flight holds its target's room, on a segment without a
 		// replica of the object; there is at most one per object.
-		if len(o.copies()) > 1 {
-			t.Fatalf("object %q has %d copies in flight", o.key, len(o.copies()))
+		if len(f.copies(o)) > 1 {
+			t.Fatalf("object %q has %d copies in flight", o.key(), len(f.copies(o)))
 		}
-		for _, c := range o.copies() {
+		for _, c := range f.copies(o) {
 			s := f.segments[c.Target.Segment]
 			if s == nil {
-				t.Fatalf("copy %d of %q to unknown segment %s", c.Id, o.key, c.Target.Segment)
+				t.Fatalf("copy %d of %q to unknown segment %s", c.Id, o.key(), c.Target.Segment)
 			}
-			if o.onSegment(c.Target.Segment) {
-				t.Fatalf("copy %d of %q targets %s, which holds a replica of it", c.Id, o.key, c.Target.Segment)
+			if f.onSegment(o, c.Target.Segment) {
+				t.Fatalf("copy %d of %q targets %s, which holds a replica of it", c.Id, o.key(), c.Target.Segment)
 			}
 			if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
-				t.Fatalf("copy %d of %q, which is not complete", c.Id, o.key)
+				t.Fatalf("copy %d of %q, which is not complete", c.Id, o.key())
 			}
 			want[c.Target.Segment] += s.alloc.rounded(c.Target.Length)
 		}
@@ -810,8 +810,8 @@ func checkInvariants(t testing.TB, f *FSM) {
 	}
 	children := map[string]int{}
 	for _, o := range f.objects.all() {
-		if o.parent != "" {
-			children[o.parent]++
+		if o.parent() != "" {
+			children[o.parent()]++
 		}
 	}
 	if !maps.Equal(children, f.children) {
@@ -1036,7 +1036,7 @@ func pins(t testing.TB, f *FSM, key string) (hard bool, softUntil int64) {
 	if o == nil {
 		t.Fatalf("no object %q", key)
 	}
-	return o.hard, o.softPin()
+	return o.hard, f.softPin(o)
 }
 
 func TestFSMPin(t *testing.T) {

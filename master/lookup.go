@@ -86,25 +86,25 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 	// read rank. A chain's blocks mostly share a segment, so the last one
 	// found is tried before the map.
 	type segRef struct {
-		id   string
+		seg  uint32
 		i    uint32
 		rank int
 		ok   bool
 	}
-	refs := map[string]segRef{}
-	var last segRef
-	ref := func(id string) segRef {
-		if last.id == id {
+	refs := map[uint32]segRef{}
+	last := segRef{seg: ^uint32(0)}
+	ref := func(e extent) segRef {
+		if last.seg == e.seg {
 			return last
 		}
-		r, seen := refs[id]
+		r, seen := refs[e.seg]
 		if !seen {
-			r.id = id
-			if s := f.segments[id]; s != nil {
+			r.seg = e.seg
+			if s := f.seg(e); s != nil {
 				r.i, r.rank, r.ok = uint32(len(resp.Segments)), readRank(s.tier), true
-				resp.Segments = append(resp.Segments, &pb.Replica{Segment: id, Node: s.node, Endpoint: s.endpoint, Tier: s.tier})
+				resp.Segments = append(resp.Segments, &pb.Replica{Segment: s.id, Node: s.node, Endpoint: s.endpoint, Tier: s.tier})
 			}
-			refs[id] = r
+			refs[e.seg] = r
 		}
 		last = r
 		return r
@@ -116,11 +116,12 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 		count := uint32(0)
 		var mine [4]segRef // an object has few replicas
 		rs := mine[:0]
-		for _, r := range o.replicas {
-			rs = append(rs, ref(r.segment))
+		exts := f.exts(o)
+		for _, r := range exts {
+			rs = append(rs, ref(r))
 		}
 		for rank := range 3 { // fastest tier first
-			for j, r := range o.replicas {
+			for j, r := range exts {
 				if !rs[j].ok || rs[j].rank != rank {
 					continue
 				}
@@ -148,7 +149,7 @@ func (f *FSM) childrenOf(key string, limit int) ([]*pb.ObjectInfo, bool) {
 	var keys []string
 	if f.children[key] > 0 {
 		for k, o := range f.objects.all() {
-			if o.parent == key && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+			if o.parent() == key && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 				keys = append(keys, k)
 			}
 		}

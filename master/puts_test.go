@@ -224,8 +224,9 @@ func disjoint(f *FSM) error {
 	}
 	bySeg := map[string][]owned{}
 	for _, o := range f.objects.all() {
-		for _, r := range o.replicas {
-			bySeg[r.segment] = append(bySeg[r.segment], owned{span{r.offset, o.size}, "object " + o.key})
+		for _, r := range f.exts(o) {
+			id := f.segID(r)
+			bySeg[id] = append(bySeg[id], owned{span{r.offset, o.size}, "object " + o.key()})
 		}
 	}
 	for _, p := range f.pending {

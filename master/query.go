@@ -25,7 +25,7 @@ func (f *FSM) replicas(keys []string, objs []*object, now int64) []*pb.ObjectRep
 			continue
 		}
 		o.used.Store(now)
-		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.size, o.replicas)}
+		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.size, f.exts(o))}
 	}
 	return out
 }
@@ -86,11 +86,11 @@ func (f *FSM) leasedAt(keys []string, now int64) map[string]bool {
 func (f *FSM) describe(size uint64, exts []extent) []*pb.Replica {
 	out := make([]*pb.Replica, 0, len(exts))
 	for _, e := range exts {
-		s := f.segments[e.segment]
+		s := f.seg(e)
 		if s == nil {
 			continue
 		}
-		out = append(out, &pb.Replica{Segment: e.segment, Node: s.node, Endpoint: s.endpoint, Offset: e.offset, Length: size, Tier: s.tier})
+		out = append(out, &pb.Replica{Segment: s.id, Node: s.node, Endpoint: s.endpoint, Offset: e.offset, Length: size, Tier: s.tier})
 	}
 	slices.SortStableFunc(out, func(a, b *pb.Replica) int { return cmp.Compare(readRank(a.Tier), readRank(b.Tier)) })
 	return out
@@ -103,7 +103,7 @@ func (f *FSM) describePlaced(exts []*pb.Extent) []*pb.Replica {
 	}
 	es := make([]extent, len(exts))
 	for i, e := range exts {
-		es[i] = extent{e.Segment, e.Offset}
+		es[i] = f.extentOn(e.Segment, e.Offset)
 	}
 	return f.describe(exts[0].Length, es)
 }
@@ -205,7 +205,7 @@ func (f *FSM) putState(key string, now int64) pb.ObjectState {
 		return pb.ObjectState_OBJECT_STATE_UNSPECIFIED
 	case o.state == pb.ObjectState_OBJECT_STATE_COMPLETE:
 		return o.state
-	case now <= o.deadline():
+	case now <= f.deadline(o):
 		return pb.ObjectState_OBJECT_STATE_PROCESSING
 	}
 	return pb.ObjectState_OBJECT_STATE_UNSPECIFIED
@@ -232,8 +232,8 @@ func (f *FSM) expiredPuts(now int64) []string {
 	defer f.mu.RUnlock()
 	var keys []string
 	for o := range f.inFlight {
-		if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && o.deadline() < now {
-			keys = append(keys, o.key)
+		if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && f.deadline(o) < now {
+			keys = append(keys, o.key())
 		}
 	}
 	slices.Sort(keys)
@@ -262,9 +262,9 @@ func (f *FSM) member(id string) string {
 // info describes an object; f.mu must be held.
 func (f *FSM) info(o *object) *pb.ObjectInfo {
 	return &pb.ObjectInfo{
-		Key: o.key, Size: o.size, State: o.state, Checksum: o.checksum,
-		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.size, o.replicas),
-		HardPinned: o.hard, SoftPinUntilUnixMs: o.softPin() / 1e6, Parent: o.parent, Tenant: o.tenant(),
+		Key: o.key(), Size: o.size, State: o.state, Checksum: o.checksum,
+		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.size, f.exts(o)),
+		HardPinned: o.hard, SoftPinUntilUnixMs: f.softPin(o) / 1e6, Parent: o.parent(), Tenant: f.tenantOf(o),
 	}
 }
 
@@ -309,14 +309,14 @@ func (f *FSM) touch(keys []string, now int64) {
 
 // completeObjects lists the complete objects that match, in key order.
 func (f *FSM) completeObjects(match func(key string) bool) []evictable {
-	return f.scan(func(o *object) bool { return match(o.key) })
+	return f.scan(func(o *object) bool { return match(o.key()) })
 }
 
 // completeOn lists the complete objects with a replica on segment id, in
 // key order; it builds nothing for the others.
 func (f *FSM) completeOn(id string) []evictable {
 	return f.scan(func(o *object) bool {
-		return o.onSegment(id)
+		return f.onSegment(o, id)
 	})
 }
 
@@ -332,13 +332,13 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 			continue
 		}
 		e := evictable{
-			key: k, size: o.size, created: o.created, hard: o.hard, softPin: o.softPin(), checksum: o.checksum,
-			putID: o.putID, copying: len(o.copies()) > 0, children: f.children[k], tenant: o.tenant(),
+			key: k, size: o.size, created: o.created, hard: o.hard, softPin: f.softPin(o), checksum: o.checksum,
+			putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[k], tenant: f.tenantOf(o),
 			depth: f.depth(k, depths), used: o.used.Load(), lease: o.lease.Load(),
 		}
-		for _, r := range o.replicas {
-			e.segments = append(e.segments, r.segment)
-			if s := f.segments[r.segment]; s != nil {
+		for _, r := range f.exts(o) {
+			if s := f.seg(r); s != nil {
+				e.segments = append(e.segments, s.id)
 				e.freed = max(e.freed, s.alloc.rounded(o.size))
 			}
 		}
@@ -369,10 +369,10 @@ func (f *FSM) depth(key string, memo map[string]int) int {
 			break
 		}
 		path = append(path, k)
-		if o.parent == "" {
+		if o.parent() == "" {
 			break
 		}
-		k = o.parent
+		k = o.parent()
 	}
 	for i := len(path) - 1; i >= 0; i-- {
 		base++
@@ -417,9 +417,9 @@ func (f *FSM) segmentObjects(id, name, after string, limit int) ([]*pb.AdoptedOb
 		if k <= after || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
 			continue
 		}
-		for _, r := range o.replicas {
-			if r.segment == id {
-				all = append(all, kept{k, o.parent, o.tenant(), r.offset, o.size, o.checksum, o.hard, o.softPin()})
+		for _, r := range f.exts(o) {
+			if f.segID(r) == id {
+				all = append(all, kept{k, o.parent(), f.tenantOf(o), r.offset, o.size, o.checksum, o.hard, f.softPin(o)})
 			}
 		}
 	}
@@ -460,7 +460,7 @@ func (f *FSM) movingBytes() map[string]uint64 {
 	defer f.mu.RUnlock()
 	out := map[string]uint64{}
 	for o := range f.copying {
-		for _, c := range o.copies() {
+		for _, c := range f.copies(o) {
 			if moves(c.Reason) {
 				out[c.Source] += o.size
 			}

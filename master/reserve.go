@@ -112,13 +112,13 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
 			return nil
 		}
-		if now <= o.deadline() {
+		if now <= f.deadline(o) {
 			return fmt.Errorf("%w: %q", ErrPutInProgress, it.Key)
 		}
 		f.retire(o, now+lateWriteGrace) // an abandoned put of an earlier version
 	}
-	if it.Size == 0 {
-		return fmt.Errorf("%w: zero-length value", ErrInvalidRequest)
+	if it.Size == 0 || !recordable(it.Key, it.Parent) {
+		return fmt.Errorf("%w: zero-length value, or key or parent key too long", ErrInvalidRequest)
 	}
 	if len(it.Reservations) != len(it.Replicas) {
 		return fmt.Errorf("%w: %d replicas and %d reservations for %q", ErrInvalidRequest, len(it.Replicas), len(it.Reservations), it.Key)
@@ -127,14 +127,14 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 	exts := buf[:0]
 	for i, e := range it.Replicas {
 		s := f.segments[e.Segment]
-		if s == nil || slices.ContainsFunc(exts, func(x extent) bool { return f.segments[x.segment].node == s.node }) {
+		if s == nil || slices.ContainsFunc(exts, func(x extent) bool { return f.seg(x).node == s.node }) {
 			continue
 		}
 		if e.Offset%s.alloc.align != 0 || it.Size > s.alloc.capacity || !s.carve(it.Reservations[i], e.Offset, s.alloc.rounded(it.Size)) {
 			continue
 		}
 		s.objects++
-		exts = append(exts, extent{s.id, e.Offset})
+		exts = append(exts, extent{e.Offset, s.idx})
 	}
 	if len(exts) == 0 {
 		if slices.ContainsFunc(it.Replicas, func(e *pb.Extent) bool { return f.segments[e.Segment] == nil }) {

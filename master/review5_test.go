@@ -85,7 +85,7 @@ func TestReview5RestoreLegacyCompleteDeadline(t *testing.T) {
 	g := restored(t, old)
 	g.mu.RLock()
 	o := g.objects.get("k")
-	rare, deadline := o.rare != nil, o.deadline()
+	rare, deadline := o.hasRare, g.deadline(o)
 	g.mu.RUnlock()
 	if rare || deadline != 0 {
 		t.Errorf("restored complete legacy object: rare part %v, deadline %d; the replica that replayed the log has none", rare, deadline)

@@ -52,7 +52,7 @@ func (t *objectTable) get(key string) *object {
 		case 0:
 			return nil
 		case tag:
-			if o := s.slots[i]; o.key == key {
+			if o := s.slots[i]; o.key() == key {
 				return o
 			}
 		}
@@ -61,7 +61,7 @@ func (t *objectTable) get(key string) *object {
 
 // put adds o, or replaces the object of its key.
 func (t *objectTable) put(o *object) {
-	s, tag, h := t.hash(o.key)
+	s, tag, h := t.hash(o.key())
 	if (s.n+1)*4 > len(s.slots)*3 { // at most three quarters full
 		t.grow(s)
 	}
@@ -74,7 +74,7 @@ func (t *objectTable) put(o *object) {
 			t.n++
 			return
 		case tag:
-			if s.slots[i].key == o.key {
+			if s.slots[i].key() == o.key() {
 				s.slots[i] = o
 				return
 			}
@@ -91,7 +91,7 @@ func (t *objectTable) grow(s *tableShard) {
 		if tags[j] == 0 {
 			continue
 		}
-		_, _, h := t.hash(o.key)
+		_, _, h := t.hash(o.key())
 		i := int(h) & mask
 		for s.tags[i] != 0 {
 			i = (i + 1) & mask
@@ -114,7 +114,7 @@ func (t *objectTable) remove(key string) {
 		if s.tags[i] == 0 {
 			return
 		}
-		if s.tags[i] == tag && s.slots[i].key == key {
+		if s.tags[i] == tag && s.slots[i].key() == key {
 			break
 		}
 	}
@@ -127,7 +127,7 @@ func (t *objectTable) remove(key string) {
 			if s.tags[j] == 0 {
 				return
 			}
-			_, _, hj := t.hash(s.slots[j].key)
+			_, _, hj := t.hash(s.slots[j].key())
 			// The entry at j may fill the hole at i unless its home lies
 			// cyclically in (i, j]: then moving it would hide it.
 			home := int(hj) & mask
@@ -147,7 +147,7 @@ func (t *objectTable) all() iter.Seq2[string, *object] {
 		for si := range t.shards {
 			s := &t.shards[si]
 			for i, tag := range s.tags {
-				if tag != 0 && !yield(s.slots[i].key, s.slots[i]) {
+				if tag != 0 && !yield(s.slots[i].key(), s.slots[i]) {
 					return
 				}
 			}

@@ -20,7 +20,8 @@ func TestObjectTableMatchesMap(t *testing.T) {
 		k := key()
 		switch rng.IntN(3) {
 		case 0, 1:
-			o := &object{key: k, size: uint64(step)}
+			o := allocObject(k, "")
+			o.size = uint64(step)
 			tab.put(o)
 			want[k] = o
 		default:
@@ -68,7 +69,7 @@ func BenchmarkObjectTableGet(b *testing.B) {
 	keys := make([]string, 1<<20)
 	for i := range keys {
 		keys[i] = fmt.Sprintf("kv/xxh3-64/m/t/%016x", i)
-		o := &object{key: keys[i]}
+		o := allocObject(keys[i], "")
 		tab.put(o)
 		m[keys[i]] = o
 	}

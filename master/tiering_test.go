@@ -293,7 +293,7 @@ func copiesInFlight(f *FSM) int {
 	defer f.mu.RUnlock()
 	n := 0
 	for _, o := range f.objects.all() {
-		n += len(o.copies())
+		n += len(f.copies(o))
 	}
 	return n
 }

@@ -1,0 +1,289 @@
+package master
+
+import (
+	"slices"
+	"sync/atomic"
+	"unsafe"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// object is one key's record. A master holds millions, and a record the
+// garbage collector must scan costs it mark work on every cycle, so a
+// record holds no Go pointer: it is one allocation of pointer-free memory,
+// these fixed fields followed by the bytes of the key and of the parent
+// key. Its first replica is inline, naming its segment by index; the
+// fields few objects have (more replicas, pins, copies in flight, a legacy
+// put's deadline) live in FSM.rares.
+type object struct {
+	size    uint64
+	created int64
+	putID   uint64
+	// used is leader-local soft state kept here so that recency costs no
+	// map entry per object: the last get or put this node saw while it
+	// led (unix nanos; 0: none, the creation counts). Apply never reads
+	// it, and it is not in snapshots.
+	used atomic.Int64
+	// lease is soft state of the same kind: when the last read lease this
+	// node granted on the object ends (unix nanos). Kept here, a lookup of
+	// N blocks costs N atomic stores rather than N map writes under a lock.
+	lease     atomic.Int64
+	one       [1]extent // the replica, unless rare.more holds them all
+	checksum  uint32
+	tenant    uint32 // index in FSM.tenantAt; 0: none, or the rare part's
+	keyLen    uint16
+	parentLen uint16
+	state     pb.ObjectState
+	hard      bool // hard pinned: never evicted
+	hasRare   bool // FSM.rares has its rare part
+	gone      bool // out of the table (under f.mu): a reader holding it rereads
+}
+
+// extent is where one replica of an object lies; its length is the
+// object's size.
+type extent struct {
+	offset uint64
+	seg    uint32 // index in FSM.segAt; 0: none
+}
+
+// rare holds the fields few objects have.
+type rare struct {
+	more     []extent // all the replicas, when there are several
+	deadline int64    // unix nanos after which a PROCESSING put is revoked
+	softPin  int64    // soft pinned until then (unix nanos)
+	tenant   string   // a tenant beyond the interned ones
+	copies   []*pb.PendingCopy
+}
+
+func (r *rare) empty() bool {
+	return len(r.more) == 0 && r.deadline == 0 && r.softPin == 0 && r.tenant == "" && len(r.copies) == 0
+}
+
+const objectHeader = unsafe.Sizeof(object{})
+
+// allocObject allocates a record with room for the key and parent bytes,
+// and copies them in. The memory is typed as words without pointers, so
+// the collector never scans it; strings the record hands out point into
+// it and keep it alive.
+func allocObject(key, parent string) *object {
+	n := int(objectHeader) + len(key) + len(parent)
+	words := make([]uint64, (n+7)/8)
+	o := (*object)(unsafe.Pointer(unsafe.SliceData(words)))
+	o.keyLen, o.parentLen = uint16(len(key)), uint16(len(parent))
+	tail := unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(o), objectHeader)), len(key)+len(parent))
+	copy(tail, key)
+	copy(tail[len(key):], parent)
+	return o
+}
+
+// recordable reports whether a record can hold key and parent: the
+// gRPC layer refuses longer ones, and Apply refuses them from any log.
+func recordable(key, parent string) bool {
+	return key != "" && len(key) <= MaxKeyLen && len(parent) <= MaxKeyLen
+}
+
+// key is the object's key; the string shares the record's bytes.
+func (o *object) key() string {
+	return unsafe.String((*byte)(unsafe.Add(unsafe.Pointer(o), objectHeader)), int(o.keyLen))
+}
+
+// parent is the key of the previous block of the object's chain, if any.
+func (o *object) parent() string {
+	if o.parentLen == 0 {
+		return ""
+	}
+	return unsafe.String((*byte)(unsafe.Add(unsafe.Pointer(o), objectHeader+uintptr(o.keyLen))), int(o.parentLen))
+}
+
+// newObject is a complete object of the put described, in the table.
+func (f *FSM) newObject(key string, size uint64, checksum uint32, putID uint64, created int64, parent, tenant string, exts []extent) *object {
+	o := allocObject(key, parent)
+	o.size, o.checksum, o.putID, o.created = size, checksum, putID, created
+	o.state = pb.ObjectState_OBJECT_STATE_COMPLETE
+	if len(exts) == 1 {
+		o.one[0] = exts[0]
+	}
+	t := f.internTenant(tenant)
+	o.tenant = t
+	if len(exts) > 1 || (t == 0 && tenant != "") {
+		f.edit(o, func(r *rare) {
+			if len(exts) > 1 {
+				r.more = slices.Clone(exts)
+			}
+			if t == 0 {
+				r.tenant = tenant
+			}
+		})
+	}
+	f.add(o)
+	return o
+}
+
+// maxTenants bounds the tenant names interned; objects of further tenants
+// keep the name in their rare part.
+const maxTenants = 4096
+
+// internTenant returns the index of the tenant name, interning it if
+// there is room; 0 for none or no room.
+func (f *FSM) internTenant(name string) uint32 {
+	if name == "" {
+		return 0
+	}
+	if i, ok := f.tenantIx[name]; ok {
+		return i
+	}
+	if len(f.tenantAt) > maxTenants {
+		return 0
+	}
+	i := uint32(len(f.tenantAt))
+	f.tenantAt = append(f.tenantAt, name)
+	f.tenantIx[name] = i
+	return i
+}
+
+// rareOf returns o's rare part, or nil; f.mu must be held.
+func (f *FSM) rareOf(o *object) *rare {
+	if !o.hasRare {
+		return nil
+	}
+	return f.rares[o]
+}
+
+// exts is o's replicas; the slice must not be kept past f.mu, nor
+// written.
+func (f *FSM) exts(o *object) []extent {
+	if r := f.rareOf(o); r != nil && len(r.more) > 0 {
+		return r.more
+	}
+	if o.one[0].seg == 0 {
+		return nil
+	}
+	return o.one[:]
+}
+
+// setExts replaces o's replicas.
+func (f *FSM) setExts(o *object, exts []extent) {
+	if len(exts) == 1 {
+		o.one[0] = exts[0]
+	} else {
+		o.one[0] = extent{}
+	}
+	f.edit(o, func(r *rare) {
+		r.more = nil
+		if len(exts) > 1 {
+			r.more = slices.Clone(exts)
+		}
+	})
+}
+
+func (f *FSM) deadline(o *object) int64 {
+	if r := f.rareOf(o); r != nil {
+		return r.deadline
+	}
+	return 0
+}
+
+func (f *FSM) softPin(o *object) int64 {
+	if r := f.rareOf(o); r != nil {
+		return r.softPin
+	}
+	return 0
+}
+
+func (f *FSM) tenantOf(o *object) string {
+	if o.tenant != 0 {
+		return f.tenantAt[o.tenant]
+	}
+	if r := f.rareOf(o); r != nil {
+		return r.tenant
+	}
+	return ""
+}
+
+func (f *FSM) copies(o *object) []*pb.PendingCopy {
+	if r := f.rareOf(o); r != nil {
+		return r.copies
+	}
+	return nil
+}
+
+// edit changes o's rare fields, drops them when none is left set, and
+// keeps the sets of objects with a put or copies in flight, so the
+// leader's sweeps visit those instead of the whole table. A change of
+// o.state is followed by an edit.
+func (f *FSM) edit(o *object, fn func(r *rare)) {
+	r := rare{}
+	if old := f.rareOf(o); old != nil {
+		r = *old
+	}
+	fn(&r)
+	if r.empty() {
+		delete(f.rares, o)
+		o.hasRare = false
+	} else {
+		f.rares[o] = &r
+		o.hasRare = true
+	}
+	mark(f.inFlight, o, o.state == pb.ObjectState_OBJECT_STATE_PROCESSING)
+	mark(f.copying, o, len(r.copies) > 0)
+}
+
+func mark(set map[*object]struct{}, o *object, in bool) {
+	if in {
+		set[o] = struct{}{}
+	} else {
+		delete(set, o)
+	}
+}
+
+// seg is the segment an extent names, or nil if it is gone.
+func (f *FSM) seg(e extent) *segment {
+	if int(e.seg) >= len(f.segAt) {
+		return nil
+	}
+	return f.segAt[e.seg]
+}
+
+// segID is the id of the segment an extent names ("" if it is gone).
+func (f *FSM) segID(e extent) string {
+	if s := f.seg(e); s != nil {
+		return s.id
+	}
+	return ""
+}
+
+// pbExtent describes a replica of o on the wire and in snapshots.
+func (f *FSM) pbExtent(o *object, e extent) *pb.Extent {
+	return &pb.Extent{Segment: f.segID(e), Offset: e.offset, Length: o.size}
+}
+
+func (f *FSM) pbExtents(o *object) []*pb.Extent {
+	exts := f.exts(o)
+	out := make([]*pb.Extent, len(exts))
+	for i, e := range exts {
+		out[i] = f.pbExtent(o, e)
+	}
+	return out
+}
+
+// onSegment reports whether o has a replica on segment id.
+func (f *FSM) onSegment(o *object, id string) bool { return f.replicaOn(o, id) >= 0 }
+
+// extentOn is an extent on segment id at off; its seg is 0 if the
+// segment is gone.
+func (f *FSM) extentOn(id string, off uint64) extent {
+	e := extent{offset: off}
+	if s := f.segments[id]; s != nil {
+		e.seg = s.idx
+	}
+	return e
+}
+
+// replicaOn is the index in f.exts(o) of o's replica on segment id, or -1.
+func (f *FSM) replicaOn(o *object, id string) int {
+	s := f.segments[id]
+	if s == nil {
+		return -1
+	}
+	return slices.IndexFunc(f.exts(o), func(e extent) bool { return e.seg == s.idx })
+}
