@@ -16,6 +16,10 @@
 // silent stores dead are soft state of the leader, rebuilt on each
 // election.
 //
+// The object table is sized for millions of objects: records without Go
+// pointers (object.go) in a sharded open-addressing index (table.go), with
+// read leases and recency as atomic fields of the records.
+//
 // Mutations go through raft.Apply; reads are served from the leader's
 // memory. A follower refuses both with codes.Unavailable and the leader's
 // gRPC address in the LeaderTrailer trailer.
