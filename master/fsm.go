@@ -320,7 +320,7 @@ const maxCommandItems = 1 << 16
 // not, and must not cost any reclaimed replica.
 func (f *FSM) allocates(it *pb.PutStartItem, now int64) bool {
 	o := f.objects.get(it.Key)
-	return it.Size > 0 && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > f.deadline(o)))
+	return it.Size > 0 && recordable(it.Key, it.Parent) && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > f.deadline(o)))
 }
 
 // reclaim drops written-back replicas on segment, in the leader's order,

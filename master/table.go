@@ -62,24 +62,27 @@ func (t *objectTable) get(key string) *object {
 // put adds o, or replaces the object of its key.
 func (t *objectTable) put(o *object) {
 	s, tag, h := t.hash(o.key())
-	if (s.n+1)*4 > len(s.slots)*3 { // at most three quarters full
-		t.grow(s)
-	}
 	mask := len(s.slots) - 1
-	for i := int(h) & mask; ; i = (i + 1) & mask {
-		switch s.tags[i] {
-		case 0:
-			s.tags[i], s.slots[i] = tag, o
-			s.n++
-			t.n++
+	for i := int(h) & mask; s.n > 0; i = (i + 1) & mask {
+		if s.tags[i] == 0 {
+			break
+		}
+		if s.tags[i] == tag && s.slots[i].key() == o.key() {
+			s.slots[i] = o
 			return
-		case tag:
-			if s.slots[i].key() == o.key() {
-				s.slots[i] = o
-				return
-			}
 		}
 	}
+	if (s.n+1)*4 > len(s.slots)*3 { // at most three quarters full
+		t.grow(s)
+		mask = len(s.slots) - 1
+	}
+	i := int(h) & mask
+	for s.tags[i] != 0 {
+		i = (i + 1) & mask
+	}
+	s.tags[i], s.slots[i] = tag, o
+	s.n++
+	t.n++
 }
 
 func (t *objectTable) grow(s *tableShard) {
