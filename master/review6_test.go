@@ -63,7 +63,6 @@ func TestReview6RefusedPutReclaimsNothing(t *testing.T) {
 	}
 }
 
-
 // TestReview6RecordLayout: the record is cast from a []uint64, which the
 // collector never scans, so it must hold no Go pointer; its atomics must
 // sit on 8-byte boundaries; and a key or parent of up to MaxKeyLen must
