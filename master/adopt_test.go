@@ -72,7 +72,7 @@ func objectMeta(t testing.TB, f *FSM, key string) meta {
 	if o == nil {
 		t.Fatalf("no object %q", key)
 	}
-	return meta{o.hard, f.softPin(o), o.parent(), f.tenantOf(o)}
+	return meta{o.hard(), f.softPin(o), o.parent(), f.tenantOf(o)}
 }
 
 // putWith runs a whole put of a parented, tenanted object on one segment.

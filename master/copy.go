@@ -28,7 +28,7 @@ import (
 func (f *FSM) copyStart(it *pb.CopyStartItem, id uint64) CopyStartResult {
 	o := f.objects.get(it.Key)
 	switch {
-	case o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || (it.PutId != 0 && o.putID != it.PutId):
+	case o == nil || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || (it.PutId != 0 && o.putID != it.PutId):
 		return CopyStartResult{Err: errorf(ErrNotFound, it.Key)}
 	case len(f.copies(o)) > 0:
 		return CopyStartResult{Err: errorf(ErrCopyInProgress, it.Key)}
@@ -345,7 +345,7 @@ func (s *Server) leaseEnd(keys []string) time.Time {
 	s.mu.Lock()
 	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
 	s.mu.Unlock()
-	if end := time.Unix(0, s.fsm.leaseEnd(keys)); end.After(t) {
+	if end := time.Unix(0, s.fsm.leaseEnd(keys, s.cfg.Now().UnixNano())); end.After(t) {
 		t = end
 	}
 	return t

@@ -644,13 +644,13 @@ func (g *copyCommander) next(f *FSM, now int64) *pb.Command {
 	rng := g.rng
 	var complete []string
 	for _, k := range f.objects.sortedKeys() {
-		if f.objects.get(k).state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if f.objects.get(k).is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			complete = append(complete, k)
 		}
 	}
 	var processing []string
 	for _, k := range f.objects.sortedKeys() {
-		if o := f.objects.get(k); o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && f.deadline(o) >= now {
+		if o := f.objects.get(k); o.is(pb.ObjectState_OBJECT_STATE_PROCESSING) && f.deadline(o) >= now {
 			processing = append(processing, k)
 		}
 	}

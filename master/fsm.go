@@ -30,7 +30,7 @@ type FSM struct {
 	copying  map[*object]struct{} // objects with copies in flight
 	rares    map[*object]*rare    // the rare fields of the objects that have any
 	segAt    []*segment           // by segment index (nil: gone; 0 is never used)
-	tenantIx map[string]uint32    // interned tenant names, by index
+	tenantIx map[string]uint16    // interned tenant names, by index
 	tenantAt []string             // tenant names by index (0: none)
 }
 
@@ -77,7 +77,7 @@ func (f *FSM) reset() {
 	f.copying = map[*object]struct{}{}
 	f.rares = map[*object]*rare{}
 	f.segAt = []*segment{nil}
-	f.tenantIx = map[string]uint32{}
+	f.tenantIx = map[string]uint16{}
 	f.tenantAt = []string{""}
 }
 
@@ -261,7 +261,7 @@ const lateWriteGrace = int64(5e9)
 
 func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartResult {
 	if o := f.objects.get(it.Key); o != nil {
-		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			return PutStartResult{Exists: true}
 		}
 		if now <= f.deadline(o) {
@@ -294,7 +294,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 	}
 	if len(exts) > 0 {
 		o := f.newObject(it.Key, it.Size, it.Checksum, putID, now, it.Parent, it.Tenant, exts)
-		o.state = pb.ObjectState_OBJECT_STATE_PROCESSING
+		o.setState(pb.ObjectState_OBJECT_STATE_PROCESSING)
 		f.edit(o, func(r *rare) { r.deadline = it.DeadlineUnixNano })
 		return PutStartResult{Replicas: f.pbExtents(o), PutID: putID}
 	}
@@ -320,7 +320,7 @@ const maxCommandItems = 1 << 16
 // not, and must not cost any reclaimed replica.
 func (f *FSM) allocates(it *pb.PutStartItem, now int64) bool {
 	o := f.objects.get(it.Key)
-	return it.Size > 0 && recordable(it.Key, it.Parent) && (o == nil || (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE && now > f.deadline(o)))
+	return it.Size > 0 && recordable(it.Key, it.Parent) && (o == nil || (!o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) && now > f.deadline(o)))
 }
 
 // reclaim drops written-back replicas on segment, in the leader's order,
@@ -343,7 +343,7 @@ func (f *FSM) reclaim(segment string, size uint64, cands []*pb.Reclaimable, now 
 			continue
 		}
 		o := f.objects.get(c.Key)
-		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || len(f.exts(o)) < 2 ||
+		if o == nil || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || len(f.exts(o)) < 2 ||
 			slices.ContainsFunc(f.copies(o), func(p *pb.PendingCopy) bool { return p.Source == segment }) {
 			continue
 		}
@@ -362,14 +362,14 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 		return fmt.Errorf("%w: %q (revoked or never started)", ErrNotInProgress, key)
 	case putID != 0 && o.putID != putID:
 		return fmt.Errorf("%w: %q (revoked, and the key was put again since)", ErrNotInProgress, key)
-	case o.state == pb.ObjectState_OBJECT_STATE_COMPLETE:
+	case o.is(pb.ObjectState_OBJECT_STATE_COMPLETE):
 		return nil
 	case now > f.deadline(o):
 		// Its writes may have been cut short at the deadline; the sweep
 		// revokes it.
 		return fmt.Errorf("%w: %q (expired before it ended)", ErrNotInProgress, key)
 	}
-	o.state = pb.ObjectState_OBJECT_STATE_COMPLETE
+	o.setState(pb.ObjectState_OBJECT_STATE_COMPLETE)
 	f.edit(o, func(r *rare) { r.deadline = 0 })
 	return nil
 }
@@ -379,7 +379,7 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 // cannot know, so it keeps the space for lateWriteGrace.
 func (f *FSM) putRevoke(key string, putID uint64, onlyExpired bool, now int64) error {
 	o := f.objects.get(key)
-	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_PROCESSING || (putID != 0 && o.putID != putID) || (onlyExpired && f.deadline(o) >= now) {
+	if o == nil || !o.is(pb.ObjectState_OBJECT_STATE_PROCESSING) || (putID != 0 && o.putID != putID) || (onlyExpired && f.deadline(o) >= now) {
 		return fmt.Errorf("%w: %q", ErrNotInProgress, key)
 	}
 	if onlyExpired {
@@ -395,7 +395,7 @@ func (f *FSM) remove(key string, freeAfter, now int64) error {
 	switch {
 	case o == nil:
 		return fmt.Errorf("%w: %q", ErrNotFound, key)
-	case o.state != pb.ObjectState_OBJECT_STATE_COMPLETE:
+	case !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE):
 		return fmt.Errorf("%w: %q", ErrPutInProgress, key)
 	}
 	f.retireAfter(o, freeAfter, now)
@@ -404,15 +404,15 @@ func (f *FSM) remove(key string, freeAfter, now int64) error {
 
 func (f *FSM) pin(c *pb.PinCmd) error {
 	o := f.objects.get(c.Key)
-	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+	if o == nil || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 		return fmt.Errorf("%w: %q", ErrNotFound, c.Key)
 	}
 	switch {
 	case c.Unpin:
-		o.hard = false
+		o.setFlag(flagHard, false)
 		f.edit(o, func(r *rare) { r.softPin = 0 })
 	case c.Hard:
-		o.hard = true
+		o.setFlag(flagHard, true)
 	default:
 		f.edit(o, func(r *rare) { r.softPin = max(r.softPin, c.SoftUntilUnixNano) })
 	}
@@ -424,9 +424,9 @@ func (f *FSM) pin(c *pb.PinCmd) error {
 func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) error {
 	o := f.objects.get(key)
 	switch {
-	case o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE:
+	case o == nil || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE):
 		return fmt.Errorf("%w: %q", ErrNotFound, key)
-	case o.hard:
+	case o.hard():
 		return fmt.Errorf("%w: %q is hard pinned", ErrPinned, key)
 	case f.softPin(o) > now && !allowSoft:
 		return fmt.Errorf("%w: %q is soft pinned", ErrPinned, key)
@@ -439,7 +439,7 @@ func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) erro
 // without a replica is forgotten. It reports whether it dropped one.
 func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
 	o := f.objects.get(c.Key)
-	if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || o.checksum != c.Checksum {
+	if o == nil || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || o.checksum != c.Checksum {
 		return false
 	}
 	i := f.replicaOn(o, c.Segment)
@@ -496,7 +496,7 @@ func (f *FSM) add(o *object) {
 // forget takes an object out of the table; its space is the caller's.
 func (f *FSM) forget(o *object) {
 	f.objects.remove(o.key())
-	o.gone = true
+	o.setFlag(flagGone, true)
 	delete(f.inFlight, o)
 	delete(f.copying, o)
 	if p := o.parent(); p != "" {
@@ -522,7 +522,7 @@ func (f *FSM) retire(o *object, after int64) {
 		f.pending.add(&pb.PendingFree{Extent: c.Target, AfterUnixNano: c.DeadlineUnixNano + lateWriteGrace, CopyId: c.Id})
 	}
 	delete(f.rares, o)
-	o.hasRare = false
+	o.setFlag(flagHasRare, false)
 }
 
 // free releases an extent, at once or from time after on.
@@ -608,7 +608,7 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 		return false
 	}
 	o := f.objects.get(a.Key)
-	if o != nil && (o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || o.size != a.Size || o.checksum != a.Checksum) {
+	if o != nil && (!o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || o.size != a.Size || o.checksum != a.Checksum) {
 		return false
 	}
 	if o != nil {
@@ -635,7 +635,7 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 	} else {
 		f.setExts(o, append(slices.Clone(f.exts(o)), ext))
 	}
-	o.hard = o.hard || a.HardPinned
+	o.setFlag(flagHard, o.hard() || a.HardPinned)
 	f.edit(o, func(r *rare) { r.softPin = max(r.softPin, a.SoftPinUntilUnixNano) })
 	return true
 }
@@ -699,9 +699,9 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	for _, k := range f.objects.sortedKeys() {
 		o := f.objects.get(k)
 		snap.Objects = append(snap.Objects, &pb.Object{
-			Key: k, Size: o.size, Checksum: o.checksum, State: o.state,
+			Key: k, Size: o.size, Checksum: o.checksum, State: o.pbState(),
 			CreatedUnixNano: o.created, DeadlineUnixNano: f.deadline(o), Replicas: f.pbExtents(o), PutId: o.putID,
-			HardPinned: o.hard, SoftPinUntilUnixNano: f.softPin(o),
+			HardPinned: o.hard(), SoftPinUntilUnixNano: f.softPin(o),
 			Copies: f.copies(o), Parent: o.parent(), Tenant: f.tenantOf(o),
 		})
 	}
@@ -743,7 +743,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for _, o := range f.objects.all() {
-		o.gone = true // a lookup holding one rereads it
+		o.setFlag(flagGone, true) // a lookup holding one rereads it
 	}
 	f.reset()
 	for _, m := range snap.Members {
@@ -795,10 +795,11 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 			continue
 		}
 		o := f.newObject(po.Key, po.Size, po.Checksum, po.PutId, po.CreatedUnixNano, po.Parent, po.Tenant, exts)
-		o.state, o.hard = po.State, po.HardPinned
+		o.setState(po.State)
+		o.setFlag(flagHard, po.HardPinned)
 		f.edit(o, func(r *rare) {
 			r.softPin, r.copies = po.SoftPinUntilUnixNano, copies
-			if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING { // older snapshots kept it on complete objects too
+			if o.is(pb.ObjectState_OBJECT_STATE_PROCESSING) { // older snapshots kept it on complete objects too
 				r.deadline = po.DeadlineUnixNano
 			}
 		})

@@ -769,7 +769,7 @@ func checkInvariants(t testing.TB, f *FSM) {
 		// The sweeps' sets hold exactly the objects of puts and copies in flight.
 		_, in := f.inFlight[o]
 		_, cp := f.copying[o]
-		if in != (o.state == pb.ObjectState_OBJECT_STATE_PROCESSING) || cp != (len(f.copies(o)) > 0) {
+		if in != (o.is(pb.ObjectState_OBJECT_STATE_PROCESSING)) || cp != (len(f.copies(o)) > 0) {
 			t.Fatalf("object %q (%v, %d copies): in the in-flight set %v, in the copying set %v", o.key(), o.state, len(f.copies(o)), in, cp)
 		}
 		if in {
@@ -799,7 +799,7 @@ func checkInvariants(t testing.TB, f *FSM) {
 			if f.onSegment(o, c.Target.Segment) {
 				t.Fatalf("copy %d of %q targets %s, which holds a replica of it", c.Id, o.key(), c.Target.Segment)
 			}
-			if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+			if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 				t.Fatalf("copy %d of %q, which is not complete", c.Id, o.key())
 			}
 			want[c.Target.Segment] += s.alloc.rounded(c.Target.Length)
@@ -1036,7 +1036,7 @@ func pins(t testing.TB, f *FSM, key string) (hard bool, softUntil int64) {
 	if o == nil {
 		t.Fatalf("no object %q", key)
 	}
-	return o.hard, f.softPin(o)
+	return o.hard(), f.softPin(o)
 }
 
 func TestFSMPin(t *testing.T) {

@@ -62,7 +62,7 @@ func (f *FSM) prefix(keys []string) []*object {
 	out := make([]*object, 0, len(keys))
 	for _, k := range keys {
 		o := f.objects.get(k)
-		if o == nil || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if o == nil || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			break
 		}
 		out = append(out, o)
@@ -110,7 +110,7 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 		return r
 	}
 	for _, o := range objs {
-		if o.gone || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if o.gone() || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			break
 		}
 		count := uint32(0)
@@ -149,7 +149,7 @@ func (f *FSM) childrenOf(key string, limit int) ([]*pb.ObjectInfo, bool) {
 	var keys []string
 	if f.children[key] > 0 {
 		for k, o := range f.objects.all() {
-			if o.parent() == key && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+			if o.parent() == key && o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 				keys = append(keys, k)
 			}
 		}

@@ -24,19 +24,72 @@ type object struct {
 	// led (unix nanos; 0: none, the creation counts). Apply never reads
 	// it, and it is not in snapshots.
 	used atomic.Int64
+	one  [1]extent // the replica, unless rare.more holds them all
 	// lease is soft state of the same kind: when the last read lease this
-	// node granted on the object ends (unix nanos). Kept here, a lookup of
-	// N blocks costs N atomic stores rather than N map writes under a lock.
-	lease     atomic.Int64
-	one       [1]extent // the replica, unless rare.more holds them all
+	// node granted on the object ends, in milliseconds of Unix time modulo
+	// 2^32 (0: none), read by leaseEnd. Kept here, a lookup of N blocks
+	// costs N atomic stores rather than N map writes under a lock.
+	lease     atomic.Uint32
 	checksum  uint32
-	tenant    uint32 // index in FSM.tenantAt; 0: none, or the rare part's
+	tenant    uint16 // index in FSM.tenantAt; 0: none, or the rare part's
 	keyLen    uint16
 	parentLen uint16
-	state     pb.ObjectState
-	hard      bool // hard pinned: never evicted
-	hasRare   bool // FSM.rares has its rare part
-	gone      bool // out of the table (under f.mu): a reader holding it rereads
+	state     uint8 // a pb.ObjectState
+	flags     uint8
+}
+
+// The flags; gone is set under f.mu when the object leaves the table, so
+// a reader holding it rereads.
+const (
+	flagHard    uint8 = 1 << iota // hard pinned: never evicted
+	flagHasRare                   // FSM.rares has its rare part
+	flagGone                      // out of the table
+)
+
+func (o *object) hard() bool    { return o.flags&flagHard != 0 }
+func (o *object) hasRare() bool { return o.flags&flagHasRare != 0 }
+func (o *object) gone() bool    { return o.flags&flagGone != 0 }
+
+func (o *object) setFlag(f uint8, on bool) {
+	if on {
+		o.flags |= f
+	} else {
+		o.flags &^= f
+	}
+}
+
+func (o *object) is(s pb.ObjectState) bool  { return o.state == uint8(s) }
+func (o *object) pbState() pb.ObjectState   { return pb.ObjectState(o.state) }
+func (o *object) setState(s pb.ObjectState) { o.state = uint8(s) }
+func (o *object) complete() bool            { return o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) }
+
+// leaseUntil extends the object's read lease to end no earlier than exp
+// (unix nanos).
+func (o *object) leaseUntil(exp int64) {
+	v := uint32((exp + 999_999) / 1e6) // rounded up: a lease ends no earlier than granted
+	if v == 0 {
+		v = 1 // 0 is none
+	}
+	for {
+		old := o.lease.Load()
+		if (old != 0 && int32(v-old) <= 0) || o.lease.CompareAndSwap(old, v) {
+			return
+		}
+	}
+}
+
+// leaseEnd is when the object's read lease ends (unix nanos; 0: none), as
+// read at now: leases last seconds, so the 49 days that the millisecond
+// count wraps around in are plenty, and a value that old is at worst
+// taken for a lease that ends within one more wrap's TTL.
+func (o *object) leaseEnd(now int64) int64 { return leaseEnd(o.lease.Load(), now) }
+
+func leaseEnd(v uint32, now int64) int64 {
+	if v == 0 {
+		return 0
+	}
+	nowMs := now / 1e6
+	return (nowMs + int64(int32(v-uint32(nowMs)))) * 1e6
 }
 
 // extent is where one replica of an object lies; its length is the
@@ -99,7 +152,7 @@ func (o *object) parent() string {
 func (f *FSM) newObject(key string, size uint64, checksum uint32, putID uint64, created int64, parent, tenant string, exts []extent) *object {
 	o := allocObject(key, parent)
 	o.size, o.checksum, o.putID, o.created = size, checksum, putID, created
-	o.state = pb.ObjectState_OBJECT_STATE_COMPLETE
+	o.setState(pb.ObjectState_OBJECT_STATE_COMPLETE)
 	if len(exts) == 1 {
 		o.one[0] = exts[0]
 	}
@@ -125,7 +178,7 @@ const maxTenants = 4096
 
 // internTenant returns the index of the tenant name, interning it if
 // there is room; 0 for none or no room.
-func (f *FSM) internTenant(name string) uint32 {
+func (f *FSM) internTenant(name string) uint16 {
 	if name == "" {
 		return 0
 	}
@@ -135,7 +188,7 @@ func (f *FSM) internTenant(name string) uint32 {
 	if len(f.tenantAt) > maxTenants {
 		return 0
 	}
-	i := uint32(len(f.tenantAt))
+	i := uint16(len(f.tenantAt))
 	f.tenantAt = append(f.tenantAt, name)
 	f.tenantIx[name] = i
 	return i
@@ -143,7 +196,7 @@ func (f *FSM) internTenant(name string) uint32 {
 
 // rareOf returns o's rare part, or nil; f.mu must be held.
 func (f *FSM) rareOf(o *object) *rare {
-	if !o.hasRare {
+	if !o.hasRare() {
 		return nil
 	}
 	return f.rares[o]
@@ -219,12 +272,12 @@ func (f *FSM) edit(o *object, fn func(r *rare)) {
 	fn(&r)
 	if r.empty() {
 		delete(f.rares, o)
-		o.hasRare = false
+		o.setFlag(flagHasRare, false)
 	} else {
 		f.rares[o] = &r
-		o.hasRare = true
+		o.setFlag(flagHasRare, true)
 	}
-	mark(f.inFlight, o, o.state == pb.ObjectState_OBJECT_STATE_PROCESSING)
+	mark(f.inFlight, o, o.is(pb.ObjectState_OBJECT_STATE_PROCESSING))
 	mark(f.copying, o, len(r.copies) > 0)
 }
 

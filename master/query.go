@@ -20,7 +20,7 @@ func (f *FSM) replicas(keys []string, objs []*object, now int64) []*pb.ObjectRep
 	out := make([]*pb.ObjectReplicas, len(keys))
 	for i, k := range keys {
 		o := objs[i]
-		if o == nil || o.gone || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if o == nil || o.gone() || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			out[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
 			continue
 		}
@@ -37,32 +37,22 @@ func (f *FSM) complete(keys []string) []*object {
 	defer f.mu.RUnlock()
 	out := make([]*object, len(keys))
 	for i, k := range keys {
-		if o := f.objects.get(k); o != nil && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if o := f.objects.get(k); o != nil && o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			out[i] = o
 		}
 	}
 	return out
 }
 
-// leaseUntil extends the object's read lease to end no earlier than exp.
-func (o *object) leaseUntil(exp int64) {
-	for {
-		old := o.lease.Load()
-		if old >= exp || o.lease.CompareAndSwap(old, exp) {
-			return
-		}
-	}
-}
-
 // leaseEnd is when the last read lease on the objects of keys ends (unix
-// nanos; 0: none).
-func (f *FSM) leaseEnd(keys []string) int64 {
+// nanos; 0: none), as read at now.
+func (f *FSM) leaseEnd(keys []string, now int64) int64 {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var end int64
 	for _, k := range keys {
 		if o := f.objects.get(k); o != nil {
-			end = max(end, o.lease.Load())
+			end = max(end, o.leaseEnd(now))
 		}
 	}
 	return end
@@ -74,7 +64,7 @@ func (f *FSM) leasedAt(keys []string, now int64) map[string]bool {
 	defer f.mu.RUnlock()
 	out := map[string]bool{}
 	for _, k := range keys {
-		if o := f.objects.get(k); o != nil && o.lease.Load() > now {
+		if o := f.objects.get(k); o != nil && o.leaseEnd(now) > now {
 			out[k] = true
 		}
 	}
@@ -126,7 +116,7 @@ func (f *FSM) exists(keys []string) []bool {
 	out := make([]bool, len(keys))
 	for i, k := range keys {
 		o := f.objects.get(k)
-		out[i] = o != nil && o.state == pb.ObjectState_OBJECT_STATE_COMPLETE
+		out[i] = o != nil && o.is(pb.ObjectState_OBJECT_STATE_COMPLETE)
 	}
 	return out
 }
@@ -203,8 +193,8 @@ func (f *FSM) putState(key string, now int64) pb.ObjectState {
 	switch {
 	case o == nil:
 		return pb.ObjectState_OBJECT_STATE_UNSPECIFIED
-	case o.state == pb.ObjectState_OBJECT_STATE_COMPLETE:
-		return o.state
+	case o.is(pb.ObjectState_OBJECT_STATE_COMPLETE):
+		return o.pbState()
 	case now <= f.deadline(o):
 		return pb.ObjectState_OBJECT_STATE_PROCESSING
 	}
@@ -216,7 +206,7 @@ func (f *FSM) objectStats() (processing, complete int, completeBytes uint64) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	for _, o := range f.objects.all() {
-		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			complete++
 			completeBytes += o.size
 		} else {
@@ -232,7 +222,7 @@ func (f *FSM) expiredPuts(now int64) []string {
 	defer f.mu.RUnlock()
 	var keys []string
 	for o := range f.inFlight {
-		if o.state == pb.ObjectState_OBJECT_STATE_PROCESSING && f.deadline(o) < now {
+		if o.is(pb.ObjectState_OBJECT_STATE_PROCESSING) && f.deadline(o) < now {
 			keys = append(keys, o.key())
 		}
 	}
@@ -262,9 +252,9 @@ func (f *FSM) member(id string) string {
 // info describes an object; f.mu must be held.
 func (f *FSM) info(o *object) *pb.ObjectInfo {
 	return &pb.ObjectInfo{
-		Key: o.key(), Size: o.size, State: o.state, Checksum: o.checksum,
+		Key: o.key(), Size: o.size, State: o.pbState(), Checksum: o.checksum,
 		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.size, f.exts(o)),
-		HardPinned: o.hard, SoftPinUntilUnixMs: f.softPin(o) / 1e6, Parent: o.parent(), Tenant: f.tenantOf(o),
+		HardPinned: o.hard(), SoftPinUntilUnixMs: f.softPin(o) / 1e6, Parent: o.parent(), Tenant: f.tenantOf(o),
 	}
 }
 
@@ -284,7 +274,7 @@ type evictable struct {
 	depth    int  // its ancestors in the table, by parent keys: 0 for a chain's root
 	tenant   string
 	used     int64 // the object's used, when scanned
-	lease    int64 // the end of its read lease, when scanned
+	lease    uint32 // its read lease, when scanned (see object.leaseEnd)
 }
 
 // lastUse is an object's recency: the last access this leader saw, else
@@ -328,11 +318,11 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 	depths := map[string]int{}
 	f.mu.RLock()
 	for k, o := range f.objects.all() {
-		if o.state != pb.ObjectState_OBJECT_STATE_COMPLETE || !keep(o) {
+		if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || !keep(o) {
 			continue
 		}
 		e := evictable{
-			key: k, size: o.size, created: o.created, hard: o.hard, softPin: f.softPin(o), checksum: o.checksum,
+			key: k, size: o.size, created: o.created, hard: o.hard(), softPin: f.softPin(o), checksum: o.checksum,
 			putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[k], tenant: f.tenantOf(o),
 			depth: f.depth(k, depths), used: o.used.Load(), lease: o.lease.Load(),
 		}
@@ -414,12 +404,12 @@ func (f *FSM) segmentObjects(id, name, after string, limit int) ([]*pb.AdoptedOb
 	var all []kept
 	f.mu.RLock()
 	for k, o := range f.objects.all() {
-		if k <= after || o.state != pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if k <= after || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			continue
 		}
 		for _, r := range f.exts(o) {
 			if f.segID(r) == id {
-				all = append(all, kept{k, o.parent(), f.tenantOf(o), r.offset, o.size, o.checksum, o.hard, f.softPin(o)})
+				all = append(all, kept{k, o.parent(), f.tenantOf(o), r.offset, o.size, o.checksum, o.hard(), f.softPin(o)})
 			}
 		}
 	}

@@ -109,7 +109,7 @@ func (s *segment) carve(id, off, n uint64) bool {
 // are immutable) and succeeds; its reserved space goes back at release.
 func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 	if o := f.objects.get(it.Key); o != nil {
-		if o.state == pb.ObjectState_OBJECT_STATE_COMPLETE {
+		if o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			return nil
 		}
 		if now <= f.deadline(o) {

@@ -85,7 +85,7 @@ func TestReview5RestoreLegacyCompleteDeadline(t *testing.T) {
 	g := restored(t, old)
 	g.mu.RLock()
 	o := g.objects.get("k")
-	rare, deadline := o.hasRare, g.deadline(o)
+	rare, deadline := o.hasRare(), g.deadline(o)
 	g.mu.RUnlock()
 	if rare || deadline != 0 {
 		t.Errorf("restored complete legacy object: rare part %v, deadline %d; the replica that replayed the log has none", rare, deadline)
@@ -153,7 +153,7 @@ func TestReview5LeaseInterleavings(t *testing.T) {
 			t.Fatalf("%s: %s not answered (refused %v)", r.name, c[0], refused)
 		}
 		at := s.fsm.replicasOf(c)[0].Replicas[0]
-		end := s.fsm.leaseEnd(c)
+		end := s.fsm.leaseEnd(c, s.cfg.Now().UnixNano())
 		items(t, m, "remove", m.master().Remove, c...)
 		s.fsm.mu.RLock()
 		held := false

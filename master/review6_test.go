@@ -84,7 +84,7 @@ func TestReview6RecordLayout(t *testing.T) {
 	}
 	walk(reflect.TypeFor[object](), "object")
 	var o object
-	if objectHeader%8 != 0 || unsafe.Offsetof(o.used)%8 != 0 || unsafe.Offsetof(o.lease)%8 != 0 || unsafe.Alignof(o) != 8 {
+	if objectHeader%8 != 0 || unsafe.Offsetof(o.used)%8 != 0 || unsafe.Offsetof(o.lease)%4 != 0 || unsafe.Alignof(o) != 8 || objectHeader != 64 {
 		t.Errorf("header %d bytes, used at %d, lease at %d, align %d", objectHeader, unsafe.Offsetof(o.used), unsafe.Offsetof(o.lease), unsafe.Alignof(o))
 	}
 	if MaxKeyLen > math.MaxUint16 {
@@ -94,8 +94,8 @@ func TestReview6RecordLayout(t *testing.T) {
 		key, parent := strings.Repeat("k", n[0]-1)+"K", strings.Repeat("p", max(n[1]-1, 0))+strings.Repeat("P", min(n[1], 1))
 		o := allocObject(key, parent)
 		o.used.Store(-1)
-		o.lease.Store(-1)
-		o.gone, o.hasRare, o.hard = true, true, true
+		o.lease.Store(^uint32(0))
+		o.flags = flagGone | flagHasRare | flagHard
 		if o.key() != key || o.parent() != parent {
 			t.Errorf("record of a %d-byte key and %d-byte parent reads back %d and %d bytes", n[0], n[1], len(o.key()), len(o.parent()))
 		}
@@ -289,12 +289,12 @@ func r6Records(t testing.TB, f *FSM) {
 	defer f.mu.RUnlock()
 	withRare := 0
 	for k, o := range f.objects.all() {
-		if o.key() != k || o.gone {
-			t.Fatalf("object %q in the table: key %q, gone %v", k, o.key(), o.gone)
+		if o.key() != k || o.gone() {
+			t.Fatalf("object %q in the table: key %q, gone %v", k, o.key(), o.gone())
 		}
 		r, in := f.rares[o]
-		if o.hasRare != in || (in && (r == nil || r.empty())) {
-			t.Fatalf("object %q: hasRare %v, rare part %v %+v", k, o.hasRare, in, r)
+		if o.hasRare() != in || (in && (r == nil || r.empty())) {
+			t.Fatalf("object %q: hasRare %v, rare part %v %+v", k, o.hasRare(), in, r)
 		}
 		if in {
 			withRare++
@@ -487,7 +487,7 @@ func TestReview6TenantsBeyondInterned(t *testing.T) {
 		d.putWith(t0, fmt.Sprintf("k%05d", i), 64, "", fmt.Sprintf("tenant%05d", n-i), seg)
 	}
 	g := restored(t, snapshotBytes(t, d.f))
-	if d.f.objects.get("k00000").hasRare == g.objects.get("k00000").hasRare {
+	if d.f.objects.get("k00000").hasRare() == g.objects.get("k00000").hasRare() {
 		t.Fatal("setup: the restored FSM interned the same tenants")
 	}
 	for _, f := range []*FSM{d.f, g} {
