@@ -273,7 +273,7 @@ type evictable struct {
 	children int  // objects that name it as their parent
 	depth    int  // its ancestors in the table, by parent keys: 0 for a chain's root
 	tenant   string
-	used     int64 // the object's used, when scanned
+	used     int64  // the object's used, when scanned
 	lease    uint32 // its read lease, when scanned (see object.leaseEnd)
 }
 
