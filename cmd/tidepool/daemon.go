@@ -12,7 +12,6 @@ import (
 	"net/http/pprof"
 	"os"
 	"path/filepath"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"time"
@@ -229,7 +228,6 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	log := d.log
-	masterGC(e.getenv)
 	srv, served, stop, err := startMaster(&m, d.reg, log)
 	if err != nil {
 		return err
@@ -246,18 +244,6 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	log.Info("shutting down")
 	stopHTTP()
 	return stop()
-}
-
-// masterGC tunes the collector for a master process, whose heap is mostly
-// the object table: records that live as long as their objects and that
-// the collector marks but never scans (they hold no pointers). Go's
-// default, GOGC=100, lets such a heap grow to twice what is live between
-// collections; 50 holds it to 1.5 times for little CPU. GOGC in the
-// environment wins.
-func masterGC(getenv func(string) string) {
-	if getenv("GOGC") == "" {
-		debug.SetGCPercent(50)
-	}
 }
 
 // leaderKnown is a master's readiness: a leader is known, and if it is this
@@ -438,7 +424,6 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
 		leaseTTL: *leaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL,
 		highWatermark: master.DefaultHighWatermark, evictRatio: master.DefaultEvictRatio, promoteAfter: promoteAfter}
-	masterGC(e.getenv)
 	srv, served, stopMaster, err := startMaster(&m, reg, log)
 	if err != nil {
 		return err
