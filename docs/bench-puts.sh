@@ -62,7 +62,7 @@ done
 masters=127.0.0.1:55311,127.0.0.1:55321,127.0.0.1:55331
 "$tp" store --id s1 --masters "$masters" --listen 127.0.0.1:55341 --http 127.0.0.1:55342 --tier dram:4GiB --log-level warn & pids+=($!)
 for _ in $(seq 200); do "$tp" status --masters "$masters" 2>/dev/null | grep -q alive && break; sleep 0.1; done
-"$tp" bench --masters "$masters" --duration "$DURATION" --json --ops put --sizes 4KiB --batch 128 --concurrency 1,2 >"$work/three.json"
+"$tp" bench --masters "$masters" --duration "$DURATION" --json --ops put --sizes 4KiB --batch 128 --concurrency 1,2,4,8 >"$work/three.json"
 
 $PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" "$iperf2" <<'PYEOF'
 import json, sys
