@@ -61,7 +61,6 @@ func (o *object) setFlag(f uint8, on bool) {
 func (o *object) is(s pb.ObjectState) bool  { return o.state == uint8(s) }
 func (o *object) pbState() pb.ObjectState   { return pb.ObjectState(o.state) }
 func (o *object) setState(s pb.ObjectState) { o.state = uint8(s) }
-func (o *object) complete() bool            { return o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) }
 
 // leaseUntil extends the object's read lease to end no earlier than exp
 // (unix nanos).
