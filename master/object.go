@@ -78,9 +78,10 @@ func (o *object) leaseUntil(exp int64) {
 }
 
 // leaseEnd is when the object's read lease ends (unix nanos; 0: none), as
-// read at now: leases last seconds, so the 49 days that the millisecond
-// count wraps around in are plenty, and a value that old is at worst
-// taken for a lease that ends within one more wrap's TTL.
+// read at now. The millisecond count wraps every 49 days and leases last
+// seconds, so it is read relative to now: a value left from a wrap ago
+// reads, for at most one lease TTL, as a lease not yet ended, which only
+// delays the reuse of the object's space.
 func (o *object) leaseEnd(now int64) int64 { return leaseEnd(o.lease.Load(), now) }
 
 func leaseEnd(v uint32, now int64) int64 {
