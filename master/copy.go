@@ -345,7 +345,7 @@ func (s *Server) leaseEnd(keys []string) time.Time {
 	s.mu.Lock()
 	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
 	s.mu.Unlock()
-	if end := time.Unix(0, s.fsm.leaseEnd(keys, s.cfg.Now().UnixNano())); end.After(t) {
+	if end := time.Unix(0, s.fsm.leaseEnd(keys)); end.After(t) {
 		t = end
 	}
 	return t

@@ -38,7 +38,7 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 	leased = map[string]bool{}
 	for _, o := range objs {
 		uses[o.key] = o.lastUse()
-		if leaseEnd(o.lease, now.UnixNano()) > now.UnixNano() {
+		if o.lease > now.UnixNano() {
 			leased[o.key] = true
 		}
 	}

@@ -287,7 +287,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 		}
 		s.objects++
 		nodes[s.node] = true
-		exts = append(exts, extent{off, s.idx})
+		exts = append(exts, newExtent(off, s.idx))
 		if len(exts) == want {
 			break
 		}
@@ -468,7 +468,7 @@ func (f *FSM) dropExtent(o *object, i int, freeAfter, now int64) {
 		if freeAfter <= now {
 			freeAfter = 0
 		}
-		f.free(s.id, r.offset, o.size, freeAfter)
+		f.free(s.id, r.offset(), o.size, freeAfter)
 	}
 }
 
@@ -513,7 +513,7 @@ func (f *FSM) retire(o *object, after int64) {
 	for _, r := range f.exts(o) {
 		if s := f.seg(r); s != nil {
 			s.objects--
-			f.free(s.id, r.offset, o.size, after)
+			f.free(s.id, r.offset(), o.size, after)
 		}
 	}
 	for _, c := range f.copies(o) {
@@ -622,7 +622,7 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 		return false
 	}
 	s.objects++
-	ext := extent{a.Offset, s.idx}
+	ext := newExtent(a.Offset, s.idx)
 	if o == nil {
 		var parent, tenant string
 		if len(a.Parent) <= MaxKeyLen {
@@ -779,7 +779,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 			if r.Length == po.Size && reserve(r) {
 				s := f.segments[r.Segment]
 				s.objects++
-				exts = append(exts, extent{r.Offset, s.idx})
+				exts = append(exts, newExtent(r.Offset, s.idx))
 			}
 		}
 		var copies []*pb.PendingCopy

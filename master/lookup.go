@@ -126,7 +126,7 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 					continue
 				}
 				resp.ReplicaSegments = append(resp.ReplicaSegments, rs[j].i)
-				resp.ReplicaOffsets = append(resp.ReplicaOffsets, r.offset)
+				resp.ReplicaOffsets = append(resp.ReplicaOffsets, r.offset())
 				count++
 			}
 		}

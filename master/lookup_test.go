@@ -85,8 +85,8 @@ func TestLookup(t *testing.T) {
 
 	// Matched blocks are leased; unmatched ones and count-only lookups are not.
 	lookup(t, m, &pb.LookupRequest{Keys: []string{chain[5]}, CountOnly: true})
-	leasedMatched := m.srv.fsm.leaseEnd([]string{chain[0]}, m.srv.cfg.Now().UnixNano()) > 0
-	leasedAfterGap := m.srv.fsm.leaseEnd([]string{chain[5]}, m.srv.cfg.Now().UnixNano()) > 0
+	leasedMatched := m.srv.fsm.leaseEnd([]string{chain[0]}) > 0
+	leasedAfterGap := m.srv.fsm.leaseEnd([]string{chain[5]}) > 0
 	if !leasedMatched || leasedAfterGap {
 		t.Fatalf("leased: matched block %v, count-only block %v; want true, false", leasedMatched, leasedAfterGap)
 	}

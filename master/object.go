@@ -24,12 +24,11 @@ type object struct {
 	// led (unix nanos; 0: none, the creation counts). Apply never reads
 	// it, and it is not in snapshots.
 	used atomic.Int64
-	one  [1]extent // the replica, unless rare.more holds them all
 	// lease is soft state of the same kind: when the last read lease this
-	// node granted on the object ends, in milliseconds of Unix time modulo
-	// 2^32 (0: none), read by leaseEnd. Kept here, a lookup of N blocks
-	// costs N atomic stores rather than N map writes under a lock.
-	lease     atomic.Uint32
+	// node granted on the object ends (unix nanos). Kept here, a lookup of
+	// N blocks costs N atomic stores rather than N map writes under a lock.
+	lease     atomic.Int64
+	one       [1]extent // the replica, unless rare.more holds them all
 	checksum  uint32
 	tenant    uint16 // index in FSM.tenantAt; 0: none, or the rare part's
 	keyLen    uint16
@@ -62,42 +61,29 @@ func (o *object) is(s pb.ObjectState) bool  { return o.state == uint8(s) }
 func (o *object) pbState() pb.ObjectState   { return pb.ObjectState(o.state) }
 func (o *object) setState(s pb.ObjectState) { o.state = uint8(s) }
 
-// leaseUntil extends the object's read lease to end no earlier than exp
-// (unix nanos).
+// leaseUntil extends the object's read lease to end no earlier than exp.
 func (o *object) leaseUntil(exp int64) {
-	v := uint32((exp + 999_999) / 1e6) // rounded up: a lease ends no earlier than granted
-	if v == 0 {
-		v = 1 // 0 is none
-	}
 	for {
 		old := o.lease.Load()
-		if (old != 0 && int32(v-old) <= 0) || o.lease.CompareAndSwap(old, v) {
+		if old >= exp || o.lease.CompareAndSwap(old, exp) {
 			return
 		}
 	}
 }
 
-// leaseEnd is when the object's read lease ends (unix nanos; 0: none), as
-// read at now. The millisecond count wraps every 49 days and leases last
-// seconds, so it is read relative to now: a value left from a wrap ago
-// reads, for at most one lease TTL, as a lease not yet ended, which only
-// delays the reuse of the object's space.
-func (o *object) leaseEnd(now int64) int64 { return leaseEnd(o.lease.Load(), now) }
-
-func leaseEnd(v uint32, now int64) int64 {
-	if v == 0 {
-		return 0
-	}
-	nowMs := now / 1e6
-	return (nowMs + int64(int32(v-uint32(nowMs)))) * 1e6
-}
-
 // extent is where one replica of an object lies; its length is the
-// object's size.
+// object's size. The offset is two 32-bit halves so that an extent packs
+// into 12 bytes with no padding, and a record's fixed fields into 64.
 type extent struct {
-	offset uint64
-	seg    uint32 // index in FSM.segAt; 0: none
+	seg          uint32 // index in FSM.segAt; 0: none
+	offLo, offHi uint32
 }
+
+func newExtent(off uint64, seg uint32) extent {
+	return extent{seg: seg, offLo: uint32(off), offHi: uint32(off >> 32)}
+}
+
+func (e extent) offset() uint64 { return uint64(e.offHi)<<32 | uint64(e.offLo) }
 
 // rare holds the fields few objects have.
 type rare struct {
@@ -307,7 +293,7 @@ func (f *FSM) segID(e extent) string {
 
 // pbExtent describes a replica of o on the wire and in snapshots.
 func (f *FSM) pbExtent(o *object, e extent) *pb.Extent {
-	return &pb.Extent{Segment: f.segID(e), Offset: e.offset, Length: o.size}
+	return &pb.Extent{Segment: f.segID(e), Offset: e.offset(), Length: o.size}
 }
 
 func (f *FSM) pbExtents(o *object) []*pb.Extent {
@@ -325,7 +311,7 @@ func (f *FSM) onSegment(o *object, id string) bool { return f.replicaOn(o, id) >
 // extentOn is an extent on segment id at off; its seg is 0 if the
 // segment is gone.
 func (f *FSM) extentOn(id string, off uint64) extent {
-	e := extent{offset: off}
+	e := newExtent(off, 0)
 	if s := f.segments[id]; s != nil {
 		e.seg = s.idx
 	}

@@ -226,7 +226,7 @@ func disjoint(f *FSM) error {
 	for _, o := range f.objects.all() {
 		for _, r := range f.exts(o) {
 			id := f.segID(r)
-			bySeg[id] = append(bySeg[id], owned{span{r.offset, o.size}, "object " + o.key()})
+			bySeg[id] = append(bySeg[id], owned{span{r.offset(), o.size}, "object " + o.key()})
 		}
 	}
 	for _, p := range f.pending {

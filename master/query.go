@@ -45,14 +45,14 @@ func (f *FSM) complete(keys []string) []*object {
 }
 
 // leaseEnd is when the last read lease on the objects of keys ends (unix
-// nanos; 0: none), as read at now.
-func (f *FSM) leaseEnd(keys []string, now int64) int64 {
+// nanos; 0: none).
+func (f *FSM) leaseEnd(keys []string) int64 {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var end int64
 	for _, k := range keys {
 		if o := f.objects.get(k); o != nil {
-			end = max(end, o.leaseEnd(now))
+			end = max(end, o.lease.Load())
 		}
 	}
 	return end
@@ -64,7 +64,7 @@ func (f *FSM) leasedAt(keys []string, now int64) map[string]bool {
 	defer f.mu.RUnlock()
 	out := map[string]bool{}
 	for _, k := range keys {
-		if o := f.objects.get(k); o != nil && o.leaseEnd(now) > now {
+		if o := f.objects.get(k); o != nil && o.lease.Load() > now {
 			out[k] = true
 		}
 	}
@@ -80,7 +80,7 @@ func (f *FSM) describe(size uint64, exts []extent) []*pb.Replica {
 		if s == nil {
 			continue
 		}
-		out = append(out, &pb.Replica{Segment: s.id, Node: s.node, Endpoint: s.endpoint, Offset: e.offset, Length: size, Tier: s.tier})
+		out = append(out, &pb.Replica{Segment: s.id, Node: s.node, Endpoint: s.endpoint, Offset: e.offset(), Length: size, Tier: s.tier})
 	}
 	slices.SortStableFunc(out, func(a, b *pb.Replica) int { return cmp.Compare(readRank(a.Tier), readRank(b.Tier)) })
 	return out
@@ -273,8 +273,8 @@ type evictable struct {
 	children int  // objects that name it as their parent
 	depth    int  // its ancestors in the table, by parent keys: 0 for a chain's root
 	tenant   string
-	used     int64  // the object's used, when scanned
-	lease    uint32 // its read lease, when scanned (see object.leaseEnd)
+	used     int64 // the object's used, when scanned
+	lease    int64 // the end of its read lease, when scanned
 }
 
 // lastUse is an object's recency: the last access this leader saw, else
@@ -409,7 +409,7 @@ func (f *FSM) segmentObjects(id, name, after string, limit int) ([]*pb.AdoptedOb
 		}
 		for _, r := range f.exts(o) {
 			if f.segID(r) == id {
-				all = append(all, kept{k, o.parent(), f.tenantOf(o), r.offset, o.size, o.checksum, o.hard(), f.softPin(o)})
+				all = append(all, kept{k, o.parent(), f.tenantOf(o), r.offset(), o.size, o.checksum, o.hard(), f.softPin(o)})
 			}
 		}
 	}

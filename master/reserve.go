@@ -134,7 +134,7 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 			continue
 		}
 		s.objects++
-		exts = append(exts, extent{e.Offset, s.idx})
+		exts = append(exts, newExtent(e.Offset, s.idx))
 	}
 	if len(exts) == 0 {
 		if slices.ContainsFunc(it.Replicas, func(e *pb.Extent) bool { return f.segments[e.Segment] == nil }) {

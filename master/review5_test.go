@@ -153,7 +153,7 @@ func TestReview5LeaseInterleavings(t *testing.T) {
 			t.Fatalf("%s: %s not answered (refused %v)", r.name, c[0], refused)
 		}
 		at := s.fsm.replicasOf(c)[0].Replicas[0]
-		end := s.fsm.leaseEnd(c, s.cfg.Now().UnixNano())
+		end := s.fsm.leaseEnd(c)
 		items(t, m, "remove", m.master().Remove, c...)
 		s.fsm.mu.RLock()
 		held := false

@@ -84,7 +84,7 @@ func TestReview6RecordLayout(t *testing.T) {
 	}
 	walk(reflect.TypeFor[object](), "object")
 	var o object
-	if objectHeader%8 != 0 || unsafe.Offsetof(o.used)%8 != 0 || unsafe.Offsetof(o.lease)%4 != 0 || unsafe.Alignof(o) != 8 || objectHeader != 64 {
+	if objectHeader%8 != 0 || unsafe.Offsetof(o.used)%8 != 0 || unsafe.Offsetof(o.lease)%8 != 0 || unsafe.Alignof(o) != 8 || objectHeader != 64 {
 		t.Errorf("header %d bytes, used at %d, lease at %d, align %d", objectHeader, unsafe.Offsetof(o.used), unsafe.Offsetof(o.lease), unsafe.Alignof(o))
 	}
 	if MaxKeyLen > math.MaxUint16 {
@@ -94,7 +94,7 @@ func TestReview6RecordLayout(t *testing.T) {
 		key, parent := strings.Repeat("k", n[0]-1)+"K", strings.Repeat("p", max(n[1]-1, 0))+strings.Repeat("P", min(n[1], 1))
 		o := allocObject(key, parent)
 		o.used.Store(-1)
-		o.lease.Store(^uint32(0))
+		o.lease.Store(-1)
 		o.flags = flagGone | flagHasRare | flagHard
 		if o.key() != key || o.parent() != parent {
 			t.Errorf("record of a %d-byte key and %d-byte parent reads back %d and %d bytes", n[0], n[1], len(o.key()), len(o.parent()))

@@ -606,7 +606,7 @@ func (s *Server) startRemove(keys []string) (time.Time, func()) {
 		}
 		s.removals.Add(-int64(len(keys)))
 	}
-	if end := time.Unix(0, s.fsm.leaseEnd(keys, s.cfg.Now().UnixNano())); end.After(t) {
+	if end := time.Unix(0, s.fsm.leaseEnd(keys)); end.After(t) {
 		t = end
 	}
 	return t, done

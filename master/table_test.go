@@ -84,28 +84,3 @@ func BenchmarkObjectTableGet(b *testing.B) {
 		}
 	})
 }
-
-// TestObjectLease: a record keeps the latest lease end granted, rounded
-// up to the millisecond, and reads it back the same on either side of the
-// 2^32 ms wrap of its clock.
-func TestObjectLease(t *testing.T) {
-	const wrap = int64(1<<32) * 1e6 // ns at which the ms count wraps
-	for _, now := range []int64{1_700_000_000e9, wrap - 3e9, wrap, wrap + 5e6, 17 * wrap} {
-		o := allocObject("k", "")
-		if got := o.leaseEnd(now); got != 0 {
-			t.Fatalf("now %d: unleased record ends a lease at %d", now, got)
-		}
-		o.leaseUntil(now + 10e9 + 1) // 10 s and a nanosecond: rounds up a ms
-		o.leaseUntil(now + 2e9)      // a shorter one does not shorten it
-		want := now/1e6*1e6 + 10e9 + 1e6
-		if now%1e6 != 0 {
-			want += 1e6
-		}
-		if got := o.leaseEnd(now); got != want {
-			t.Fatalf("now %d: lease ends at %d, want %d", now, got, want)
-		}
-		if got := o.leaseEnd(now + 20e9); got != want {
-			t.Fatalf("now %d: read 20 s later, lease ends at %d, want %d", now, got, want)
-		}
-	}
-}
