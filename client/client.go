@@ -241,11 +241,16 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		forEach(len(idx), func(j int) { sums[idx[j]] = Checksum(values[idx[j]]) })
 	}()
 	defer func() { <-summed }()
+	var haveSums bool
 	checksums := func() {
+		if haveSums {
+			return
+		}
 		<-summed
 		for _, i := range idx {
 			items[i].Checksum = sums[i]
 		}
+		haveSums = true
 	}
 
 	// Where each put writes: a grant of its shape, or what BatchPutStart

@@ -342,9 +342,7 @@ func (s *Server) endExpiredCopies(ctx context.Context, now time.Time) {
 // drop's commit may still see the old replica, and its checksum check
 // sends it to the next one if the space was reused.
 func (s *Server) leaseEnd(keys []string) time.Time {
-	s.mu.Lock()
-	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
-	s.mu.Unlock()
+	t := s.evictableFrom() // the end of any lease an earlier leader granted
 	if end := time.Unix(0, s.fsm.leaseEnd(keys)); end.After(t) {
 		t = end
 	}

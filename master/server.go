@@ -594,7 +594,6 @@ func (s *Server) startRemove(keys []string) (time.Time, func()) {
 		s.mu.removing[k]++
 	}
 	s.removals.Add(int64(len(keys)))
-	t := s.mu.leaderSince.Add(s.cfg.LeaseTTL)
 	s.mu.Unlock()
 	done := func() {
 		s.mu.Lock()
@@ -606,10 +605,7 @@ func (s *Server) startRemove(keys []string) (time.Time, func()) {
 		}
 		s.removals.Add(-int64(len(keys)))
 	}
-	if end := time.Unix(0, s.fsm.leaseEnd(keys)); end.After(t) {
-		t = end
-	}
-	return t, done
+	return s.leaseEnd(keys), done // read after the keys are marked: see lease
 }
 
 func (s *Server) heartbeat(node string, epoch uint64) error {
