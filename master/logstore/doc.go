@@ -3,5 +3,6 @@
 // cleanly with current modules). A single pebble DB holds both the raft log
 // and the stable key/value pairs under distinct one-byte key prefixes.
 // Every write is committed with pebble.Sync, so acknowledged data survives a
-// crash.
+// crash. Open leaves pebble writing a WAL file that is already written in
+// full, so the fdatasync of a commit has no file size to journal.
 package logstore

@@ -35,13 +35,17 @@ type Store struct {
 	}
 }
 
+// memTableSize is pebble's memtable, and so about how much log a WAL file
+// holds before pebble moves to the next.
+const memTableSize = 4 << 20
+
 // Open opens or creates a Store in dir.
 func Open(dir string) (*Store, error) {
 	opts := &pebble.Options{
 		// The raft log is write-mostly and reads hit recent entries, which
 		// live in the memtable; keep memory use modest.
 		CacheSize:          8 << 20,
-		MemTableSize:       4 << 20,
+		MemTableSize:       memTableSize,
 		FormatMajorVersion: pebble.FormatNewest,
 		Logger:             quietLogger{pebble.DefaultLogger},
 	}
@@ -56,7 +60,37 @@ func Open(dir string) (*Store, error) {
 		return nil, err
 	}
 	s.mu.first, s.mu.last = first, last
+	if err := s.primeWAL(); err != nil {
+		_ = db.Close()
+		return nil, err
+	}
 	return s, nil
+}
+
+// primeWAL has the WAL file that commits go to written in full before the
+// first commit, as PostgreSQL fills its WAL segments with zeros: an
+// fdatasync after a write that grows a file also commits the file's new
+// size to the journal, and after one that overwrites written bytes it
+// does not (on this kind of machine a raft commit took 0.12 ms against
+// 0.16 ms). Pebble overwrites a WAL file only when it recycles one its DB
+// instance wrote and made obsolete, so a fresh or restarted master would
+// append for its first several MiB of log. Two rounds of filler and a
+// flush leave the live WAL a recycled file of a memtable's size and one
+// more such file to recycle next; the filler is never read (pebble's
+// LogData) and costs about 8 MiB of writes and 15 ms at open.
+func (s *Store) primeWAL() error {
+	filler := make([]byte, 256<<10)
+	for range 2 {
+		for n := 0; n < memTableSize; n += len(filler) {
+			if err := s.db.LogData(filler, pebble.NoSync); err != nil {
+				return fmt.Errorf("logstore: priming the WAL: %w", err)
+			}
+		}
+		if err := s.db.Flush(); err != nil {
+			return fmt.Errorf("logstore: priming the WAL: %w", err)
+		}
+	}
+	return nil
 }
 
 // Close closes the underlying DB. Calling Close more than once is a no-op.

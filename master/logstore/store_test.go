@@ -500,3 +500,31 @@ func BenchmarkStoreLogs(b *testing.B) {
 		}
 	}
 }
+
+// TestOpenPrimesWAL checks that commits after Open overwrite a WAL file
+// written in full (pebble recycled it) rather than grow a new one, on a
+// fresh store and on one reopened with a log in it.
+func TestOpenPrimesWAL(t *testing.T) {
+	dir := t.TempDir()
+	for _, round := range []string{"fresh", "reopened"} {
+		s, err := Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := s.db.Metrics().WAL
+		if w.Files != 1 || w.PhysicalSize < memTableSize || w.Size >= memTableSize/4 {
+			t.Errorf("%s: live WAL: %d files, %d bytes on disk, %d written: want one file of at least %d bytes, little of it live",
+				round, w.Files, w.PhysicalSize, w.Size, memTableSize)
+		}
+		if w.ObsoleteFiles < 1 || w.ObsoletePhysicalSize < memTableSize {
+			t.Errorf("%s: %d WAL files (%d bytes) to recycle next; want one of at least %d bytes", round, w.ObsoleteFiles, w.ObsoletePhysicalSize, memTableSize)
+		}
+		if err := s.StoreLogs(testLogs(1, 20)); err != nil {
+			t.Fatal(err)
+		}
+		checkBounds(t, s, 1, 20)
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
