@@ -17,9 +17,32 @@ type Block struct {
 	Key      string
 	Size     uint64
 	Checksum uint32
-	// Replicas are the block's copies, fastest tier first.
-	Replicas []*pb.Replica
 	leaseEnd time.Time
+	// Where the copies are: a describe's replicas, or a lookup's answer,
+	// whose columns hold them at replica at .. at+n-1. A lookup of a chain
+	// of thousands of blocks so allocates no replica until one is read.
+	reps  []*pb.Replica
+	from  *pb.LookupResponse
+	at, n uint32
+}
+
+// Replicas are the block's copies, fastest tier first. They are built
+// anew from the lookup's answer on each call.
+func (b Block) Replicas() []*pb.Replica {
+	if b.from == nil {
+		return b.reps
+	}
+	reps := make([]pb.Replica, b.n)
+	ptrs := make([]*pb.Replica, b.n)
+	for j := range reps {
+		i := b.at + uint32(j)
+		seg := b.from.Segments[b.from.ReplicaSegments[i]]
+		r := &reps[j]
+		r.Segment, r.Node, r.Endpoint, r.Tier = seg.Segment, seg.Node, seg.Endpoint, seg.Tier
+		r.Offset, r.Length = b.from.ReplicaOffsets[i], b.Size
+		ptrs[j] = r
+	}
+	return ptrs
 }
 
 // Match is the answer to a Lookup: the longest prefix of the chain whose
@@ -80,22 +103,11 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 	ttl := time.Duration(resp.LeaseTtlMs) * time.Millisecond
 	c.setLeaseTTL(ttl)
 	leaseEnd := asked.Add(ttl) // measured from our side: conservative
-	// Two allocations for every replica of the answer, not two per replica:
-	// a chain has thousands of blocks.
 	ttl = time.Until(leaseEnd) // ristretto reads 0 as forever: only a positive one caches
-	reps := make([]pb.Replica, len(resp.ReplicaSegments))
-	ptrs := make([]*pb.Replica, len(reps))
-	at := 0
+	at := uint32(0)
 	for i := range int(resp.Matched) {
-		n := int(resp.ReplicaCounts[i])
-		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: leaseEnd, Replicas: ptrs[at : at+n : at+n]}
-		for j := at; j < at+n; j++ {
-			seg := resp.Segments[resp.ReplicaSegments[j]]
-			r := &reps[j]
-			r.Segment, r.Node, r.Endpoint, r.Tier = seg.Segment, seg.Node, seg.Endpoint, seg.Tier
-			r.Offset, r.Length = resp.ReplicaOffsets[j], b.Size
-			ptrs[j] = r
-		}
+		n := resp.ReplicaCounts[i]
+		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: leaseEnd, from: resp, at: at, n: n}
 		at += n
 		m.add(b)
 		if c.descs != nil && ttl > 0 {
@@ -146,7 +158,7 @@ func (c *Client) GetMatched(ctx context.Context, m Match, bufs [][]byte) ([]int,
 	}
 	objs := make([]*pb.ObjectReplicas, m.Len())
 	for i, b := range m.Blocks {
-		objs[i] = &pb.ObjectReplicas{Status: &pb.ItemStatus{}, Size: b.Size, Checksum: b.Checksum, Replicas: b.Replicas}
+		objs[i] = &pb.ObjectReplicas{Status: &pb.ItemStatus{}, Size: b.Size, Checksum: b.Checksum, Replicas: b.Replicas()}
 	}
 	vals := make([][]byte, m.Len())
 	c.readReplicas(ctx, m.Keys(), objs, m.LeaseEnd, vals, errs, func(i int, size uint64) ([]byte, error) {

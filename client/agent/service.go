@@ -123,8 +123,9 @@ func lookupResponse(m client.Match, now time.Time) *pb.LookupResponse {
 	for _, b := range m.Blocks {
 		resp.Sizes = append(resp.Sizes, b.Size)
 		resp.Checksums = append(resp.Checksums, b.Checksum)
-		resp.ReplicaCounts = append(resp.ReplicaCounts, uint32(len(b.Replicas)))
-		for _, r := range b.Replicas {
+		reps := b.Replicas()
+		resp.ReplicaCounts = append(resp.ReplicaCounts, uint32(len(reps)))
+		for _, r := range reps {
 			i, ok := index[r.Segment]
 			if !ok {
 				i = uint32(len(resp.Segments))
@@ -483,7 +484,7 @@ func (a *service) Describe(ctx context.Context, req *pb.KeysRequest) (*pb.GetRep
 	blocks, errs := s.c.Describe(ctx, req.Keys)
 	resp := &pb.GetReplicasResponse{Results: make([]*pb.ObjectReplicas, len(blocks))}
 	for i, b := range blocks {
-		resp.Results[i] = &pb.ObjectReplicas{Status: itemStatus(errs[i]), Size: b.Size, Checksum: b.Checksum, Replicas: b.Replicas}
+		resp.Results[i] = &pb.ObjectReplicas{Status: itemStatus(errs[i]), Size: b.Size, Checksum: b.Checksum, Replicas: b.Replicas()}
 	}
 	return resp, nil
 }
