@@ -87,11 +87,13 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 		return m, nil
 	}
 	rest := chain[m.Len():]
+	req := &pb.LookupRequest{}
+	req.PackKeys(rest)
 	var resp *pb.LookupResponse
 	var asked time.Time
 	err := c.master(ctx, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
 		asked = time.Now() // per attempt: a retry after a failover gets a fresh lease
-		resp, err = mc.Lookup(ctx, &pb.LookupRequest{Keys: rest}, o...)
+		resp, err = mc.Lookup(ctx, req, o...)
 		return err
 	})
 	if err != nil {
@@ -130,9 +132,11 @@ func (c *Client) BatchExists(ctx context.Context, chain []string) (int, error) {
 	if err := validChain(chain); err != nil {
 		return 0, err
 	}
+	req := &pb.LookupRequest{CountOnly: true}
+	req.PackKeys(chain)
 	var resp *pb.LookupResponse
 	err := c.master(ctx, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
-		resp, err = mc.Lookup(ctx, &pb.LookupRequest{Keys: chain, CountOnly: true}, o...)
+		resp, err = mc.Lookup(ctx, req, o...)
 		return err
 	})
 	if err != nil {

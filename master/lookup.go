@@ -2,6 +2,7 @@ package master
 
 import (
 	"context"
+	"fmt"
 	"slices"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -17,17 +18,21 @@ import (
 // lease, one that starts later sees it. Either way the answer shrinks
 // rather than promise a block whose space may be reused.
 func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.LookupResponse, error) {
-	if err := validKeys(req.Keys); err != nil {
+	keys, err := req.ChainKeys(MaxBatchKeys)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+	}
+	if err := validKeys(keys); err != nil {
 		return nil, err
 	}
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	objs := m.s.fsm.prefix(req.Keys)
+	objs := m.s.fsm.prefix(keys)
 	if req.CountOnly {
 		return &pb.LookupResponse{Matched: uint32(len(objs))}, nil
 	}
-	keys := req.Keys[:len(objs)]
+	keys = keys[:len(objs)]
 	if refused := m.s.lease(keys, objs); len(refused) > 0 {
 		n := slices.IndexFunc(keys, func(k string) bool { return refused[k] })
 		keys, objs = keys[:n], objs[:n]

@@ -58,6 +58,11 @@ func TestLookup(t *testing.T) {
 		{"one block", chain[:1], 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			packed := &pb.LookupRequest{}
+			packed.PackKeys(tc.keys)
+			if r := lookup(t, m, packed); int(r.Matched) != tc.want {
+				t.Fatalf("packed keys matched %d, want %d", r.Matched, tc.want)
+			}
 			resp := lookup(t, m, &pb.LookupRequest{Keys: tc.keys})
 			if int(resp.Matched) != tc.want || len(resp.Sizes) != tc.want || len(resp.ReplicaCounts) != tc.want {
 				t.Fatalf("matched %d (sizes %d, counts %d), want %d", resp.Matched, len(resp.Sizes), len(resp.ReplicaCounts), tc.want)
@@ -98,6 +103,12 @@ func TestLookup(t *testing.T) {
 		{"no keys", &pb.LookupRequest{}},
 		{"an empty key", &pb.LookupRequest{Keys: []string{chain[0], ""}}},
 		{"too many keys", &pb.LookupRequest{Keys: make([]string, MaxBatchKeys+1)}},
+		{"too many packed keys", &pb.LookupRequest{PackedKeys: []byte("x"), KeyLengths: make([]uint32, MaxBatchKeys+1)}},
+		{"an empty packed key", &pb.LookupRequest{PackedKeys: []byte(chain[0]), KeyLengths: []uint32{uint32(len(chain[0])), 0}}},
+		{"keys listed and packed", &pb.LookupRequest{Keys: chain[:1], PackedKeys: []byte(chain[1]), KeyLengths: []uint32{uint32(len(chain[1]))}}},
+		{"a packed key past the bytes", &pb.LookupRequest{PackedKeys: []byte(chain[0]), KeyLengths: []uint32{uint32(len(chain[0])) + 1}}},
+		{"packed bytes left over", &pb.LookupRequest{PackedKeys: []byte(chain[0] + "x"), KeyLengths: []uint32{uint32(len(chain[0]))}}},
+		{"packed bytes without lengths", &pb.LookupRequest{PackedKeys: []byte(chain[0])}},
 	} {
 		if _, err := m.master().Lookup(rpcCtx(t), tc.req); status.Code(err) != codes.InvalidArgument {
 			t.Errorf("%s: %v, want InvalidArgument", tc.name, err)

@@ -90,6 +90,11 @@ func TestAgent(t *testing.T) {
 			if tc.want > 0 && resp.LeaseTtlMs == 0 {
 				t.Fatalf("%s: no lease", tc.name)
 			}
+			packed := &pb.LookupRequest{}
+			packed.PackKeys(tc.chain)
+			if p, err := f.ac.Lookup(ctx, packed); err != nil || p.Matched != resp.Matched {
+				t.Fatalf("%s: packed lookup = %v, %v; want %d matched", tc.name, p, err, resp.Matched)
+			}
 			count, err := f.ac.Lookup(ctx, &pb.LookupRequest{Keys: tc.chain, CountOnly: true})
 			if err != nil || int(count.Matched) != tc.want || len(count.Sizes) != 0 {
 				t.Fatalf("%s: count-only lookup = %v, %v; want %d and no columns", tc.name, count, err, tc.want)
@@ -301,6 +306,10 @@ func TestAgentRefusals(t *testing.T) {
 		}, codes.InvalidArgument, "batch limit"},
 		{"lookup no keys", func() error { _, err := f.ac.Lookup(ctx, &pb.LookupRequest{}); return err }, codes.InvalidArgument, "no keys"},
 		{"lookup empty key", func() error { _, err := f.ac.Lookup(ctx, &pb.LookupRequest{Keys: []string{"a", ""}}); return err }, codes.InvalidArgument, "empty key"},
+		{"lookup bad packed keys", func() error {
+			_, err := f.ac.Lookup(ctx, &pb.LookupRequest{PackedKeys: []byte("ab"), KeyLengths: []uint32{3}})
+			return err
+		}, codes.InvalidArgument, "past the"},
 		{"exists no keys", func() error { _, err := f.ac.BatchExists(ctx, &pb.KeysRequest{}); return err }, codes.InvalidArgument, "no keys"},
 		{"remove no keys", func() error { _, err := f.ac.Remove(ctx, &pb.KeysRequest{}); return err }, codes.InvalidArgument, "no keys"},
 		{"clear everything", func() error { _, err := f.ac.Clear(ctx, &pb.ClearRequest{}); return err }, codes.InvalidArgument, "prefix"},

@@ -85,22 +85,26 @@ func (a *service) Close(ctx context.Context, req *pb.SessionRef) (*pb.SessionRef
 
 func (a *service) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.LookupResponse, error) {
 	s := a.s
-	if err := checkKeys(req.Keys); err != nil {
+	keys, err := req.ChainKeys(MaxBatchKeys)
+	if err != nil {
+		return nil, s.fail(fmt.Errorf("%w: %w", client.ErrInvalidArgument, err))
+	}
+	if err := checkKeys(keys); err != nil {
 		return nil, s.fail(err)
 	}
 	if req.CountOnly {
-		n, err := s.batchExists(ctx, req.Keys)
+		n, err := s.batchExists(ctx, keys)
 		if err != nil {
 			return nil, s.fail(err)
 		}
 		return &pb.LookupResponse{Matched: uint32(n)}, nil
 	}
-	m, err := s.c.Lookup(ctx, req.Keys)
+	m, err := s.c.Lookup(ctx, keys)
 	if err != nil {
 		return nil, s.fail(err)
 	}
 	s.stats.lookups.Add(1)
-	s.stats.probed.Add(uint64(len(req.Keys)))
+	s.stats.probed.Add(uint64(len(keys)))
 	s.stats.matched.Add(uint64(m.Len()))
 	now := time.Now()
 	s.leases.keep(m, now)

@@ -1795,7 +1795,14 @@ type LookupRequest struct {
 	Keys []string `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
 	// Count the leading complete blocks only: no locations and no lease
 	// (the "batch exists" of SGLang's storage backends).
-	CountOnly     bool `protobuf:"varint,2,opt,name=count_only,json=countOnly,proto3" json:"count_only,omitempty"`
+	CountOnly bool `protobuf:"varint,2,opt,name=count_only,json=countOnly,proto3" json:"count_only,omitempty"`
+	// The same keys packed instead, for long chains: their bytes one after
+	// the other and the length of each (set these or keys, not both). A
+	// field per key costs the reader an allocation and a UTF-8 check per
+	// key; packed keys cost neither, and one that is not UTF-8 matches
+	// nothing (no object can have it).
+	PackedKeys    []byte   `protobuf:"bytes,3,opt,name=packed_keys,json=packedKeys,proto3" json:"packed_keys,omitempty"`
+	KeyLengths    []uint32 `protobuf:"varint,4,rep,packed,name=key_lengths,json=keyLengths,proto3" json:"key_lengths,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1842,6 +1849,20 @@ func (x *LookupRequest) GetCountOnly() bool {
 		return x.CountOnly
 	}
 	return false
+}
+
+func (x *LookupRequest) GetPackedKeys() []byte {
+	if x != nil {
+		return x.PackedKeys
+	}
+	return nil
+}
+
+func (x *LookupRequest) GetKeyLengths() []uint32 {
+	if x != nil {
+		return x.KeyLengths
+	}
+	return nil
 }
 
 // LookupResponse describes the matched prefix column by column, so a chain
@@ -3341,11 +3362,15 @@ const file_tidepool_proto_rawDesc = "" +
 	"\aobjects\x18\x05 \x01(\x04R\aobjects\x12%\n" +
 	"\x0ecomplete_bytes\x18\x06 \x01(\x04R\rcompleteBytes\x12*\n" +
 	"\x11raft_commit_index\x18\a \x01(\x04R\x0fraftCommitIndex\x12\x1b\n" +
-	"\traft_term\x18\b \x01(\x04R\braftTerm\"B\n" +
+	"\traft_term\x18\b \x01(\x04R\braftTerm\"\x84\x01\n" +
 	"\rLookupRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x1d\n" +
 	"\n" +
-	"count_only\x18\x02 \x01(\bR\tcountOnly\"\xad\x02\n" +
+	"count_only\x18\x02 \x01(\bR\tcountOnly\x12\x1f\n" +
+	"\vpacked_keys\x18\x03 \x01(\fR\n" +
+	"packedKeys\x12\x1f\n" +
+	"\vkey_lengths\x18\x04 \x03(\rR\n" +
+	"keyLengths\"\xad\x02\n" +
 	"\x0eLookupResponse\x12\x18\n" +
 	"\amatched\x18\x01 \x01(\rR\amatched\x120\n" +
 	"\bsegments\x18\x02 \x03(\v2\x14.tidepool.v1.ReplicaR\bsegments\x12\x14\n" +

@@ -1,0 +1,53 @@
+package tidepoolpb
+
+import (
+	"errors"
+	"fmt"
+	"unsafe"
+)
+
+// PackKeys sets r's keys in packed form (PackedKeys and KeyLengths), the
+// cheap one for a long chain.
+func (r *LookupRequest) PackKeys(keys []string) {
+	n := 0
+	for _, k := range keys {
+		n += len(k)
+	}
+	packed := make([]byte, 0, n)
+	lens := make([]uint32, len(keys))
+	for i, k := range keys {
+		packed = append(packed, k...)
+		lens[i] = uint32(len(k))
+	}
+	r.Keys, r.PackedKeys, r.KeyLengths = nil, packed, lens
+}
+
+// ChainKeys returns r's keys, whichever form they came in. Packed keys are
+// views of r.PackedKeys, not copies. More than max keys, both forms at
+// once, or lengths that do not add up to the packed bytes are an error.
+func (r *LookupRequest) ChainKeys(max int) ([]string, error) {
+	if len(r.PackedKeys) == 0 && len(r.KeyLengths) == 0 {
+		return r.Keys, nil
+	}
+	if len(r.Keys) > 0 {
+		return nil, errors.New("keys both listed and packed")
+	}
+	if len(r.KeyLengths) > max {
+		return nil, fmt.Errorf("%d keys exceed the batch limit of %d", len(r.KeyLengths), max)
+	}
+	keys := make([]string, len(r.KeyLengths))
+	rest := r.PackedKeys
+	for i, n := range r.KeyLengths {
+		if uint64(n) > uint64(len(rest)) {
+			return nil, fmt.Errorf("packed key %d of %d bytes runs past the %d packed bytes", i, n, len(r.PackedKeys))
+		}
+		if n > 0 {
+			keys[i] = unsafe.String(&rest[0], int(n))
+		}
+		rest = rest[n:]
+	}
+	if len(rest) > 0 {
+		return nil, fmt.Errorf("%d packed bytes after the last key", len(rest))
+	}
+	return keys, nil
+}
