@@ -58,6 +58,9 @@ type Client struct {
 	descs     *descCache   // nil: no lookup cache
 	shared    bool         // Config.SharedBuffers
 	lease     atomic.Int64 // the master's lease TTL in ns, as last answered
+	// listedKeys: the master did not read a lookup's packed keys (it
+	// predates them), so lookups list them.
+	listedKeys atomic.Bool
 	// putTimeout is the master's put timeout in ns, as last answered.
 	putTimeout atomic.Int64
 	grants     *grantPool

@@ -2,7 +2,9 @@ package client
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/dgraph-io/ristretto/v2"
@@ -18,28 +20,49 @@ type Block struct {
 	Size     uint64
 	Checksum uint32
 	leaseEnd time.Time
-	// Where the copies are: a describe's replicas, or a lookup's answer,
-	// whose columns hold them at replica at .. at+n-1. A lookup of a chain
-	// of thousands of blocks so allocates no replica until one is read.
-	reps  []*pb.Replica
-	from  *pb.LookupResponse
-	at, n uint32
+	// Where the copies are, fastest tier first: the first inline, the
+	// rest (few blocks have them) apart. A lookup of a chain of thousands
+	// of blocks so allocates nothing per block, and a block, cached or
+	// not, keeps nothing of its answer alive but its segments' descriptors.
+	first location
+	more  []location
 }
 
-// Replicas are the block's copies, fastest tier first. They are built
-// anew from the lookup's answer on each call.
-func (b Block) Replicas() []*pb.Replica {
-	if b.from == nil {
-		return b.reps
+// location is one copy of a block: its segment's descriptor (offset and
+// length unset) and its offset there.
+type location struct {
+	seg *pb.Replica
+	off uint64
+}
+
+// setReplicas makes reps (a describe's answer) the block's copies.
+func (b *Block) setReplicas(reps []*pb.Replica) {
+	b.first, b.more = location{}, nil
+	for i, r := range reps {
+		if i == 0 {
+			b.first = location{r, r.Offset}
+			continue
+		}
+		b.more = append(b.more, location{r, r.Offset})
 	}
-	reps := make([]pb.Replica, b.n)
-	ptrs := make([]*pb.Replica, b.n)
+}
+
+// Replicas are the block's copies, fastest tier first, built anew on each
+// call.
+func (b Block) Replicas() []*pb.Replica {
+	if b.first.seg == nil {
+		return nil
+	}
+	reps := make([]pb.Replica, 1+len(b.more))
+	ptrs := make([]*pb.Replica, len(reps))
 	for j := range reps {
-		i := b.at + uint32(j)
-		seg := b.from.Segments[b.from.ReplicaSegments[i]]
+		l := b.first
+		if j > 0 {
+			l = b.more[j-1]
+		}
 		r := &reps[j]
-		r.Segment, r.Node, r.Endpoint, r.Tier = seg.Segment, seg.Node, seg.Endpoint, seg.Tier
-		r.Offset, r.Length = b.from.ReplicaOffsets[i], b.Size
+		r.Segment, r.Node, r.Endpoint, r.Tier = l.seg.Segment, l.seg.Node, l.seg.Endpoint, l.seg.Tier
+		r.Offset, r.Length = l.off, b.Size
 		ptrs[j] = r
 	}
 	return ptrs
@@ -87,15 +110,8 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 		return m, nil
 	}
 	rest := chain[m.Len():]
-	req := &pb.LookupRequest{}
-	req.PackKeys(rest)
-	var resp *pb.LookupResponse
 	var asked time.Time
-	err := c.master(ctx, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
-		asked = time.Now() // per attempt: a retry after a failover gets a fresh lease
-		resp, err = mc.Lookup(ctx, req, o...)
-		return err
-	})
+	resp, err := c.lookup(ctx, rest, false, &asked)
 	if err != nil {
 		return Match{}, err
 	}
@@ -106,17 +122,58 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 	c.setLeaseTTL(ttl)
 	leaseEnd := asked.Add(ttl) // measured from our side: conservative
 	ttl = time.Until(leaseEnd) // ristretto reads 0 as forever: only a positive one caches
-	at := uint32(0)
+	at := 0
 	for i := range int(resp.Matched) {
-		n := resp.ReplicaCounts[i]
-		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: leaseEnd, from: resp, at: at, n: n}
-		at += n
+		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: leaseEnd}
+		for j := at; j < at+int(resp.ReplicaCounts[i]); j++ {
+			l := location{resp.Segments[resp.ReplicaSegments[j]], resp.ReplicaOffsets[j]}
+			if j == at {
+				b.first = l
+			} else {
+				b.more = append(b.more, l)
+			}
+		}
+		at += int(resp.ReplicaCounts[i])
 		m.add(b)
 		if c.descs != nil && ttl > 0 {
+			// Its own copy of the key: the caller's may be a view of a
+			// larger buffer (the agent's packed request) that the cache
+			// would otherwise keep.
+			b.Key = strings.Clone(b.Key)
 			c.descs.SetWithTTL(b.Key, b, 1, ttl)
 		}
 	}
 	return m, nil
+}
+
+// lookup sends one Lookup of keys, their time of asking in *asked if not
+// nil. The keys go packed unless the master has turned out not to read
+// packed keys: one built before them sees none and answers
+// InvalidArgument (the client checked the keys), and from then on this
+// client lists them.
+func (c *Client) lookup(ctx context.Context, keys []string, countOnly bool, asked *time.Time) (*pb.LookupResponse, error) {
+	for {
+		req := &pb.LookupRequest{CountOnly: countOnly}
+		listed := c.listedKeys.Load()
+		if listed {
+			req.Keys = keys
+		} else {
+			req.PackKeys(keys)
+		}
+		var resp *pb.LookupResponse
+		err := c.master(ctx, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
+			if asked != nil {
+				*asked = time.Now() // per attempt: a retry after a failover gets a fresh lease
+			}
+			resp, err = mc.Lookup(ctx, req, o...)
+			return err
+		})
+		if err != nil && !listed && errors.Is(err, ErrInvalidArgument) {
+			c.listedKeys.Store(true)
+			continue
+		}
+		return resp, err
+	}
 }
 
 func (m *Match) add(b Block) {
@@ -132,13 +189,7 @@ func (c *Client) BatchExists(ctx context.Context, chain []string) (int, error) {
 	if err := validChain(chain); err != nil {
 		return 0, err
 	}
-	req := &pb.LookupRequest{CountOnly: true}
-	req.PackKeys(chain)
-	var resp *pb.LookupResponse
-	err := c.master(ctx, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
-		resp, err = mc.Lookup(ctx, req, o...)
-		return err
-	})
+	resp, err := c.lookup(ctx, chain, true, nil)
 	if err != nil {
 		return 0, err
 	}

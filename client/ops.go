@@ -105,7 +105,8 @@ func (c *Client) Describe(ctx context.Context, keys []string) ([]Block, []error)
 			}
 			r := resp.Results[j]
 			if errs[i] = itemError(r.Status); errs[i] == nil {
-				blocks[i].Size, blocks[i].Checksum, blocks[i].reps = r.Size, r.Checksum, r.Replicas
+				blocks[i].Size, blocks[i].Checksum = r.Size, r.Checksum
+				blocks[i].setReplicas(r.Replicas)
 			}
 		}
 	}

@@ -3,13 +3,14 @@
 # host: the baselines (fio's fsync rate of the disk under the raft log,
 # one-stream iperf3 on loopback) next to `tidepool bench` puts on one
 # master (`tidepool up`) and batch puts on three masters (raft replicated,
-# every entry fsynced on each), and `tidepool bench meta`.
-# Needs Debian's iperf3 and fio.
+# every entry fsynced on each), and `tidepool bench meta`. A Redis PING
+# at concurrency 1 is the cost of one round trip between two processes.
+# Needs Debian's iperf3, fio, redis-server and redis-tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-3s}
-for cmd in iperf3 fio; do
-	command -v "$cmd" >/dev/null || { echo "bench-puts.sh: $cmd not found (apt-get install -y iperf3 fio)" >&2; exit 1; }
+for cmd in iperf3 fio redis-server redis-cli redis-benchmark; do
+	command -v "$cmd" >/dev/null || { echo "bench-puts.sh: $cmd not found (apt-get install -y iperf3 fio redis-server redis-tools)" >&2; exit 1; }
 done
 PY=/usr/bin/python3
 work=$(mktemp -d -p "${TMPDIR:-/var/tmp}")
@@ -27,6 +28,11 @@ fio --name=fsync --filename="$work/fio.dat" --size=64M --bs=4k --rw=write --ioen
 	--runtime=5 --time_based --output-format=json >"$work/fio.json" 2>/dev/null
 rm -f "$work/fio.dat"
 fsyncs=$($PY -c 'import json,sys; print("%.0f" % json.load(open(sys.argv[1]))["jobs"][0]["write"]["iops"])' "$work/fio.json")
+
+echo "redis-benchmark: PING, one client" >&2
+redis-server --port 55308 --save '' --appendonly no >/dev/null 2>&1 & pids+=($!)
+for _ in $(seq 50); do redis-cli -p 55308 ping >/dev/null 2>&1 && break; sleep 0.1; done
+pings=$(redis-benchmark -p 55308 -t ping_mbulk -n 50000 -c 1 --csv 2>/dev/null | awk -F'","' 'NR==2 {print $2}')
 
 # One stream, and two iperf3 pairs at once: a large value travels over
 # the engine's pooled connections from several threads, and Debian 12's
@@ -64,13 +70,16 @@ masters=127.0.0.1:55311,127.0.0.1:55321,127.0.0.1:55331
 for _ in $(seq 200); do "$tp" status --masters "$masters" 2>/dev/null | grep -q alive && break; sleep 0.1; done
 "$tp" bench --masters "$masters" --duration "$DURATION" --json --ops put --sizes 4KiB --batch 128 --concurrency 1,2,4,8 >"$work/three.json"
 
-$PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" "$iperf2" <<'PYEOF'
+$PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" "$iperf2" "$pings" <<'PYEOF'
 import json, sys
 def load(p): return [json.loads(l) for l in open(p) if l.strip()]
 one, meta, three = load(sys.argv[1]), load(sys.argv[2]), load(sys.argv[3])
-fsyncs, iperf1, iperf2 = float(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
+fsyncs, iperf1, iperf2, pings = float(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
 def size(n): return f"{n>>20} MiB" if n >= 1<<20 else f"{n>>10} KiB"
-print(f"Baselines: fio 4 KiB write + fdatasync {fsyncs:.0f}/s; iperf3 loopback {iperf1:.2f} GB/s with one stream, {iperf2:.2f} GB/s with two iperf3 pairs at once\n")
+# One put at a time needs at least a round trip and an fsync in series.
+floor = 1 / (1 / pings + 1 / fsyncs)
+print(f"Baselines: fio 4 KiB write + fdatasync {fsyncs:.0f}/s; Redis PING with one client {pings:.0f}/s ({1e6/pings:.0f} us a round trip), "
+      f"so one round trip and one fsync in series {floor:.0f}/s; iperf3 loopback {iperf1:.2f} GB/s with one stream, {iperf2:.2f} GB/s with two iperf3 pairs at once\n")
 print("| masters | path | size | batch | conc | keys/s | vs fsyncs/s | GB/s | vs iperf3 | vs 2 x iperf3 | p50 ms | p99 ms |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 paths = ["shm", "shm", "tcp", "tcp", "shm", "shm", "shm", "shm"]

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -169,7 +170,8 @@ func (s *Server) noteLookup(keys []string, resp *pb.LookupResponse) {
 	at := 0
 	for i, n := range resp.ReplicaCounts {
 		if resp.Segments[resp.ReplicaSegments[at]].Tier == pb.Tier_TIER_SSD {
-			slow = append(slow, keys[i])
+			// Kept past the request: not a view of its packed keys.
+			slow = append(slow, strings.Clone(keys[i]))
 		}
 		at += int(n)
 	}

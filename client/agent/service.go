@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"regexp"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/tidepool-kv/tidepool/client"
@@ -88,6 +89,13 @@ func (a *service) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.Lookup
 	keys, err := req.ChainKeys(MaxBatchKeys)
 	if err != nil {
 		return nil, s.fail(fmt.Errorf("%w: %w", client.ErrInvalidArgument, err))
+	}
+	if len(req.PackedKeys) > 0 {
+		// The lease table keeps the matched keys: not as views that would
+		// keep the whole request.
+		for i, k := range keys {
+			keys[i] = strings.Clone(k)
+		}
 	}
 	if err := checkKeys(keys); err != nil {
 		return nil, s.fail(err)

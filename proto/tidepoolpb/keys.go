@@ -23,8 +23,9 @@ func (r *LookupRequest) PackKeys(keys []string) {
 }
 
 // ChainKeys returns r's keys, whichever form they came in. Packed keys are
-// views of r.PackedKeys, not copies. More than max keys, both forms at
-// once, or lengths that do not add up to the packed bytes are an error.
+// views of r.PackedKeys, not copies: one kept past the request keeps all
+// of it, so clone what you keep. More than max keys, both forms at once,
+// or lengths that do not add up to the packed bytes are an error.
 func (r *LookupRequest) ChainKeys(max int) ([]string, error) {
 	if len(r.PackedKeys) == 0 && len(r.KeyLengths) == 0 {
 		return r.Keys, nil
