@@ -174,8 +174,9 @@ func New(cfg Config) (*Server, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable()}
+	// Stop waits for the handlers, while raft still runs (see Close).
 	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20),
-		leaderconn.ServerOption())
+		grpc.WaitForHandlers(true), leaderconn.ServerOption())
 	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
 	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
 	pb.RegisterAdminServer(s.grpc, &adminService{s: s})
@@ -285,11 +286,16 @@ func (s *Server) Close() error {
 		s.goMu.Unlock()
 		close(s.stop)
 		s.grpc.Stop()
+		// Handlers and the leader's own work end before raft does:
+		// hashicorp/raft drops the entries committed but not yet applied
+		// when it shuts down, and their futures never answer, so an apply
+		// waiting on one would hang Close. While raft runs, every future
+		// answers (applied, or failed when leadership is lost).
+		s.wg.Wait()
 		var errs []error
 		if s.raft != nil {
 			errs = append(errs, s.raft.Shutdown().Error())
 		}
-		s.wg.Wait()
 		errs = append(errs, s.closeStores())
 		s.closeErr = errors.Join(errs...)
 	})
