@@ -53,11 +53,11 @@ func TestReview8CodecKeysOutliveBuffers(t *testing.T) {
 		t.Fatal(err)
 	}
 	k := &review8Keeper{}
-	srv := grpc.NewServer(leaderconn.ServerOption(), grpc.MaxRecvMsgSize(64<<20))
+	srv := grpc.NewServer(append(leaderconn.ServerOptions(), grpc.MaxRecvMsgSize(64<<20))...)
 	pb.RegisterMasterServer(srv, k)
 	go srv.Serve(ln)
 	t.Cleanup(srv.Stop)
-	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()), leaderconn.DialOption())
+	conn, err := grpc.NewClient(ln.Addr().String(), append(leaderconn.DialOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -175,8 +175,8 @@ func New(cfg Config) (*Server, error) {
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable()}
 	// Stop waits for the handlers, while raft still runs (see Close).
-	s.grpc = grpc.NewServer(grpc.UnaryInterceptor(s.intercept), grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20),
-		grpc.WaitForHandlers(true), leaderconn.ServerOption())
+	s.grpc = grpc.NewServer(append(leaderconn.ServerOptions(), grpc.UnaryInterceptor(s.intercept),
+		grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20), grpc.WaitForHandlers(true))...)
 	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
 	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
 	pb.RegisterAdminServer(s.grpc, &adminService{s: s})

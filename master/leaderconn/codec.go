@@ -14,13 +14,28 @@ import (
 // 32 KiB to 1 MiB, and the pool zeroes a buffer's whole capacity when it
 // hands it out: each such message cleared a MiB at each end, a tenth of a
 // lookup's CPU. Master RPCs use this codec instead, on both ends.
+//
+// They also use fixed HTTP/2 flow-control windows (a stream 4 MiB, a
+// connection 16 MiB; gRPC's estimate of the bandwidth-delay product grows
+// both to at most 16 MiB), which turns that estimate off: it pings the
+// peer as data arrives, more frames and wake-ups on the way of every small
+// RPC (64 KiB puts at concurrency 1 ran 12% faster without it here).
+const (
+	streamWindow = 4 << 20
+	connWindow   = 16 << 20
+)
 
-// ServerOption makes a gRPC server of master RPCs use the codec.
-func ServerOption() grpc.ServerOption { return grpc.ForceServerCodecV2(newCodec()) }
+// ServerOptions make a gRPC server of master RPCs use the codec and the
+// fixed windows.
+func ServerOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{grpc.ForceServerCodecV2(newCodec()), grpc.InitialWindowSize(streamWindow), grpc.InitialConnWindowSize(connWindow)}
+}
 
-// DialOption makes a client of master RPCs use the codec.
-func DialOption() grpc.DialOption {
-	return grpc.WithDefaultCallOptions(grpc.ForceCodecV2(newCodec()))
+// DialOptions make a client of master RPCs use the codec and the fixed
+// windows.
+func DialOptions() []grpc.DialOption {
+	return []grpc.DialOption{grpc.WithDefaultCallOptions(grpc.ForceCodecV2(newCodec())),
+		grpc.WithInitialWindowSize(streamWindow), grpc.WithInitialConnWindowSize(connWindow)}
 }
 
 // codec is gRPC's proto codec with a pool tiered at every power of two,

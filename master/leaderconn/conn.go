@@ -99,10 +99,9 @@ func (c *Conn) current() (string, *grpc.ClientConn, error) {
 	if cc := c.mu.conns[addr]; cc != nil {
 		return addr, cc, nil
 	}
-	cc, err := grpc.NewClient(addr,
+	cc, err := grpc.NewClient(addr, append(DialOptions(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		DialOption(),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))...)
 	if err != nil {
 		return "", nil, fmt.Errorf("master address %q: %w", addr, err)
 	}
