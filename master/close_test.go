@@ -49,8 +49,9 @@ func TestCloseWithEntriesCommittedNotApplied(t *testing.T) {
 	closed := make(chan error, 1)
 	go func() { closed <- s.Close() }()
 	// Give raft the chance to shut down with the entries queued (it does
-	// at once when Close shuts it down first); Close must not.
-	deadline := time.Now().Add(2 * time.Second)
+	// at once when Close shuts it down first); Close must not, within its
+	// grace.
+	deadline := time.Now().Add(closeGrace / 4)
 	for time.Now().Before(deadline) && s.raft.State() != raft.Shutdown {
 		time.Sleep(10 * time.Millisecond)
 	}

@@ -285,16 +285,31 @@ func (s *Server) Close() error {
 		s.closing = true
 		s.goMu.Unlock()
 		close(s.stop)
-		s.grpc.Stop()
-		// Handlers and the leader's own work end before raft does:
+		// Handlers and the leader's own work end first, while raft runs:
 		// hashicorp/raft drops the entries committed but not yet applied
-		// when it shuts down, and their futures never answer, so an apply
-		// waiting on one would hang Close. While raft runs, every future
-		// answers (applied, or failed when leadership is lost).
-		s.wg.Wait()
+		// when it shuts down, and their futures never answer. But a leader
+		// that keeps its lease and cannot commit (its followers' disks
+		// stuck) answers none either, so after closeGrace raft shuts down
+		// regardless, which fails the futures of what did not commit.
+		quiet := make(chan struct{})
+		go func() {
+			s.grpc.Stop()
+			s.wg.Wait()
+			close(quiet)
+		}()
 		var errs []error
+		select {
+		case <-quiet:
+		case <-time.After(closeGrace):
+			s.log.Warn("closing: raft work still in flight, shutting raft down under it", "grace", closeGrace)
+		}
 		if s.raft != nil {
 			errs = append(errs, s.raft.Shutdown().Error())
+		}
+		select {
+		case <-quiet:
+		case <-time.After(closeGrace):
+			errs = append(errs, fmt.Errorf("master: handlers still waiting on raft %v after it shut down", closeGrace))
 		}
 		errs = append(errs, s.closeStores())
 		s.closeErr = errors.Join(errs...)
@@ -350,8 +365,22 @@ func (s *Server) Leader() (id, addr string) {
 // FSM exposes the state machine, for tests and status pages.
 func (s *Server) FSM() *FSM { return s.fsm }
 
+// closeGrace bounds how long Close waits for raft work in flight, before
+// and after it shuts raft down.
+const closeGrace = 2 * time.Second
+
 // apply proposes cmd through raft and returns what FSM.Apply returned.
+// It proposes nothing once ctx is done or the server is closing: a
+// request of many rounds (an unpin of thousands of keys) stops there.
 func (s *Server) apply(ctx context.Context, cmd *pb.Command) (any, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	select {
+	case <-s.stop:
+		return nil, fmt.Errorf("%w: master closing", ErrNotLeader)
+	default:
+	}
 	cmd.NowUnixNano = s.cfg.Now().UnixNano()
 	data, err := proto.Marshal(cmd)
 	if err != nil {
