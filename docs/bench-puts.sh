@@ -58,9 +58,10 @@ m=(--masters 127.0.0.1:55303 --duration "$DURATION" --json)
 } >"$work/one.json"
 "$tp" bench meta --masters 127.0.0.1:55303 --duration "$DURATION" --json --ops put --batch 1,128 --clients 1,2 >"$work/meta.json"
 kill "$up"; wait "$up" 2>/dev/null || true
-# The shared machine's loopback rate drifts: one stream again after the
-# rows, and the table divides by the higher of the two.
+# The shared machine's loopback rate drifts: both baselines again after
+# the rows, and the table divides by the higher of each pair.
 iperf1b=$(iperf_one 55301)
+iperf2b=$(iperf_two 55301 55307)
 
 echo "three masters and a store, batch puts" >&2
 peers=m1=127.0.0.1:55312,m2=127.0.0.1:55322,m3=127.0.0.1:55332
@@ -73,18 +74,19 @@ masters=127.0.0.1:55311,127.0.0.1:55321,127.0.0.1:55331
 for _ in $(seq 200); do "$tp" status --masters "$masters" 2>/dev/null | grep -q alive && break; sleep 0.1; done
 "$tp" bench --masters "$masters" --duration "$DURATION" --json --ops put --sizes 4KiB --batch 128 --concurrency 1,2,4,8 >"$work/three.json"
 
-$PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" "$iperf2" "$pings" "$iperf1b" <<'PYEOF'
+$PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" "$iperf2" "$pings" "$iperf1b" "$iperf2b" <<'PYEOF'
 import json, sys
 def load(p): return [json.loads(l) for l in open(p) if l.strip()]
 one, meta, three = load(sys.argv[1]), load(sys.argv[2]), load(sys.argv[3])
-fsyncs, iperf2, pings = float(sys.argv[4]), float(sys.argv[6]), float(sys.argv[7])
+fsyncs, pings = float(sys.argv[4]), float(sys.argv[7])
 iperf1a, iperf1b = float(sys.argv[5]), float(sys.argv[8])
-iperf1 = max(iperf1a, iperf1b)
+iperf2a, iperf2b = float(sys.argv[6]), float(sys.argv[9])
+iperf1, iperf2 = max(iperf1a, iperf1b), max(iperf2a, iperf2b)
 def size(n): return f"{n>>20} MiB" if n >= 1<<20 else f"{n>>10} KiB"
 # One put at a time needs at least a round trip and an fsync in series.
 floor = 1 / (1 / pings + 1 / fsyncs)
 print(f"Baselines: fio 4 KiB write + fdatasync {fsyncs:.0f}/s; Redis PING with one client {pings:.0f}/s ({1e6/pings:.0f} us a round trip), "
-      f"so one round trip and one fsync in series {floor:.0f}/s; iperf3 loopback {iperf1:.2f} GB/s with one stream (the higher of {iperf1a:.2f} before the rows and {iperf1b:.2f} after), {iperf2:.2f} GB/s with two iperf3 pairs at once\n")
+      f"so one round trip and one fsync in series {floor:.0f}/s; iperf3 loopback {iperf1:.2f} GB/s with one stream (the higher of {iperf1a:.2f} before the rows and {iperf1b:.2f} after), {iperf2:.2f} GB/s with two iperf3 pairs at once ({iperf2a:.2f} and {iperf2b:.2f})\n")
 print("| masters | path | size | batch | conc | keys/s | vs fsyncs/s | GB/s | vs iperf3 | vs 2 x iperf3 | p50 ms | p99 ms |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 paths = ["shm", "shm", "tcp", "tcp", "shm", "shm", "shm", "shm"]
