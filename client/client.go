@@ -61,6 +61,7 @@ type Client struct {
 	// listedKeys: the master did not read a lookup's packed keys (it
 	// predates them), so lookups list them.
 	listedKeys atomic.Bool
+	lookupReqs sync.Pool // of *pb.LookupRequest, for their packed buffers
 	// putTimeout is the master's put timeout in ns, as last answered.
 	putTimeout atomic.Int64
 	grants     *grantPool

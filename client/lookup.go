@@ -153,10 +153,14 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 // client lists them.
 func (c *Client) lookup(ctx context.Context, keys []string, countOnly bool, asked *time.Time) (*pb.LookupResponse, error) {
 	for {
-		req := &pb.LookupRequest{CountOnly: countOnly}
+		req, _ := c.lookupReqs.Get().(*pb.LookupRequest)
+		if req == nil {
+			req = &pb.LookupRequest{}
+		}
+		req.CountOnly = countOnly
 		listed := c.listedKeys.Load()
 		if listed {
-			req.Keys = keys
+			req.Keys, req.PackedKeys, req.KeyLengths = keys, req.PackedKeys[:0], req.KeyLengths[:0]
 		} else {
 			req.PackKeys(keys)
 		}
@@ -168,6 +172,12 @@ func (c *Client) lookup(ctx context.Context, keys []string, countOnly bool, aske
 			resp, err = mc.Lookup(ctx, req, o...)
 			return err
 		})
+		// gRPC is done with the request once the call returns: its packed
+		// buffers serve the next lookup, unless a huge chain grew them.
+		if cap(req.PackedKeys) <= maxPooledKeyBytes {
+			req.Keys = nil
+			c.lookupReqs.Put(req)
+		}
 		if err != nil && !listed && errors.Is(err, ErrInvalidArgument) {
 			c.listedKeys.Store(true)
 			continue
@@ -175,6 +185,9 @@ func (c *Client) lookup(ctx context.Context, keys []string, countOnly bool, aske
 		return resp, err
 	}
 }
+
+// maxPooledKeyBytes bounds the packed keys a pooled lookup request keeps.
+const maxPooledKeyBytes = 1 << 20
 
 func (m *Match) add(b Block) {
 	if len(m.Blocks) == 0 || b.leaseEnd.Before(m.LeaseEnd) {

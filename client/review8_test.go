@@ -6,6 +6,7 @@ import (
 	"net"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"weak"
 
@@ -172,5 +173,41 @@ func TestReview8ReplicasAreFresh(t *testing.T) {
 	m2, err := c.Lookup(context.Background(), chain)
 	if err != nil || m2.Len() != 3 || m2.Blocks[2].Replicas()[0].Offset != 200 {
 		t.Fatalf("cached lookup: %d, %v", m2.Len(), err)
+	}
+}
+
+// TestLookupPooledRequests: concurrent lookups of chains of different
+// lengths share pooled requests (their packed buffers) and each gets the
+// answer to its own chain, as does a chain too long to pool.
+func TestLookupPooledRequests(t *testing.T) {
+	c := review8Client(t, &review8Master{})
+	c.descs.Close() // every lookup asks the master
+	c.descs = nil
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 100 {
+				hits := (g*31 + i*7) % 50
+				chain := review8Chain(hits)
+				for j := range 3 {
+					chain = append(chain, fmt.Sprintf("miss/%d/%d/%d", g, i, j))
+				}
+				if n, err := c.BatchExists(context.Background(), chain); err != nil || n != hits {
+					t.Errorf("BatchExists of %d hits: %d, %v", hits, n, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	long := review8Chain(2)
+	for i := 0; len(long)*4000 <= maxPooledKeyBytes; i++ {
+		long = append(long, fmt.Sprintf("miss/%d/%s", i, strings.Repeat("m", 4000)))
+	}
+	if n, err := c.BatchExists(context.Background(), long); err != nil || n != 2 {
+		t.Fatalf("a chain past the pool's bound: %d, %v", n, err)
+	}
+	if n, err := c.BatchExists(context.Background(), review8Chain(3)); err != nil || n != 3 {
+		t.Fatalf("after it: %d, %v", n, err)
 	}
 }

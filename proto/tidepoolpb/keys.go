@@ -7,17 +7,23 @@ import (
 )
 
 // PackKeys sets r's keys in packed form (PackedKeys and KeyLengths), the
-// cheap one for a long chain.
+// cheap one for a long chain, reusing the capacity r's packed fields
+// already have.
 func (r *LookupRequest) PackKeys(keys []string) {
 	n := 0
 	for _, k := range keys {
 		n += len(k)
 	}
-	packed := make([]byte, 0, n)
-	lens := make([]uint32, len(keys))
-	for i, k := range keys {
+	packed, lens := r.PackedKeys[:0], r.KeyLengths[:0]
+	if cap(packed) < n {
+		packed = make([]byte, 0, n)
+	}
+	if cap(lens) < len(keys) {
+		lens = make([]uint32, 0, len(keys))
+	}
+	for _, k := range keys {
 		packed = append(packed, k...)
-		lens[i] = uint32(len(k))
+		lens = append(lens, uint32(len(k)))
 	}
 	r.Keys, r.PackedKeys, r.KeyLengths = nil, packed, lens
 }
