@@ -42,9 +42,17 @@ func (m *review4Master) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 	return resp, nil
 }
 
-// review4Client starts the fake master (with the real master's message
-// limit) and a client of it.
+// review4Client starts the fake master and a client of it.
 func review4Client(t *testing.T, m *review4Master) *Client {
+	t.Helper()
+	c := fakeMasterClient(t, m)
+	c.setWriteTimeout(3 * time.Second) // as mastertest's PutTimeout
+	return c
+}
+
+// fakeMasterClient serves m as the master (with the real master's message
+// limit) on loopback and returns a client of it.
+func fakeMasterClient(t *testing.T, m pb.MasterServer) *Client {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -59,7 +67,6 @@ func review4Client(t *testing.T, m *review4Master) *Client {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	c.setWriteTimeout(3 * time.Second) // as mastertest's PutTimeout
 	return c
 }
 

@@ -3,19 +3,16 @@ package client
 import (
 	"context"
 	"fmt"
-	"net"
 	"runtime"
 	"strings"
 	"sync"
 	"testing"
 	"weak"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/tidepool-kv/tidepool/engine"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
@@ -64,20 +61,7 @@ func (m *review8Master) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 
 func review8Client(t *testing.T, m *review8Master) *Client {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := grpc.NewServer(grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20))
-	pb.RegisterMasterServer(srv, m)
-	go srv.Serve(ln)
-	t.Cleanup(srv.Stop)
-	c, err := New(Config{Masters: []string{ln.Addr().String()}, EngineConfig: engine.Config{NoShm: true}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	return c
+	return fakeMasterClient(t, m)
 }
 
 func review8Chain(n int) []string {
