@@ -7,6 +7,8 @@ import (
 	"math"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -115,11 +117,7 @@ func (t *shmTransport) copyCached(op *Op) (key shmKey, m *shmMapping, handled bo
 	if !inRange(op.Offset, n, int64(len(m.mem))) {
 		return key, m, true, fmt.Errorf("%w: %s %d+%d of %q (size %d)", ErrOutOfRange, op.Kind, op.Offset, n, key.segment, len(m.mem))
 	}
-	if op.Kind == OpRead {
-		copy(op.Buf, m.mem[op.Offset:])
-	} else {
-		copy(m.mem[op.Offset:], op.Buf)
-	}
+	m.move(op)
 	return key, m, true, nil
 }
 
@@ -160,13 +158,34 @@ func (t *shmTransport) copy(key shmKey, m *shmMapping, op *Op) error {
 		m.mu.RUnlock()
 		return fmt.Errorf("%w: %s %d+%d of %q (size %d)", ErrOutOfRange, op.Kind, op.Offset, n, key.segment, size)
 	}
-	if op.Kind == OpRead {
-		copy(op.Buf, m.mem[op.Offset:])
-	} else {
-		copy(m.mem[op.Offset:], op.Buf)
-	}
+	m.move(op)
 	m.mu.RUnlock()
 	return nil
+}
+
+// faultAround is the span the kernel maps on a read fault of a page
+// already in a shared file's page cache (its fault_around_bytes, 64 KiB
+// by default); a write fault maps one page.
+const faultAround = 64 << 10
+
+// move copies op's bytes (in range, m read-held). Before a write it reads
+// one word of each fault-around span of the destination: this process's
+// page tables of the peer's memory start empty, and a 64 KiB write into
+// fresh ones then takes one fault instead of sixteen, which measured here
+// as 23 us against 7 for the whole copy. (The peer's pages are writable
+// once mapped: shmem asks no write notification.)
+func (m *shmMapping) move(op *Op) {
+	mem := m.mem[op.Offset : op.Offset+int64(len(op.Buf))]
+	if op.Kind == OpRead {
+		copy(op.Buf, mem)
+		return
+	}
+	// The mapping starts page aligned, so each word read lies in it.
+	end := op.Offset + int64(len(mem))
+	for at := op.Offset &^ 3; at < end; at = (at + faultAround) &^ (faultAround - 1) {
+		atomic.LoadUint32((*uint32)(unsafe.Pointer(&m.mem[at])))
+	}
+	copy(mem, op.Buf)
 }
 
 // handle is what a same-host transport caches for one peer segment: a mapping (shm) or open

@@ -505,3 +505,37 @@ func TestShmCopyCached(t *testing.T) {
 		t.Fatal("copyCached used a mapping dropped for a dead owner")
 	}
 }
+
+// A write reads a word of each fault-around span first: whatever the
+// offset and length, the bytes land where asked and nowhere else, up to
+// the segment's last byte.
+func TestShmWriteSpans(t *testing.T) {
+	const size = 4 * faultAround
+	f := newShmFixture(t, size)
+	ctx := context.Background()
+	for _, tt := range []struct {
+		off int64
+		n   int
+	}{
+		{0, 1}, {1, 3}, {faultAround - 1, 2}, {4093, faultAround + 7}, {faultAround, faultAround},
+		{size - faultAround, faultAround}, {size - 1, 1}, {size - 3, 3}, {size, 0}, {5, 0},
+	} {
+		mem := f.seg.Bytes()
+		for i := range mem {
+			mem[i] = 0xee
+		}
+		put := bytes.Repeat([]byte{7}, tt.n)
+		if err := f.shm.Do(ctx, f.op(OpWrite, "dram0", tt.off, put)); err != nil {
+			t.Fatalf("%d+%d: %v", tt.off, tt.n, err)
+		}
+		for i, b := range mem {
+			want := byte(0xee)
+			if int64(i) >= tt.off && int64(i) < tt.off+int64(tt.n) {
+				want = 7
+			}
+			if b != want {
+				t.Fatalf("%d+%d: byte %d = %#x, want %#x", tt.off, tt.n, i, b, want)
+			}
+		}
+	}
+}
