@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/tidepool-kv/tidepool/master/framed"
 	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	"github.com/tidepool-kv/tidepool/master/logstore"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -102,7 +103,8 @@ type Server struct {
 	metrics *metrics
 	puts    *putTable
 
-	grpc *grpc.Server
+	grpc   *grpc.Server
+	framed *framed.Server
 
 	mu struct {
 		sync.Mutex
@@ -177,9 +179,13 @@ func New(cfg Config) (*Server, error) {
 	// Stop waits for the handlers, while raft still runs (see Close).
 	s.grpc = grpc.NewServer(append(leaderconn.ServerOptions(), grpc.UnaryInterceptor(s.intercept),
 		grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20), grpc.WaitForHandlers(true))...)
-	pb.RegisterMasterServer(s.grpc, &masterService{s: s})
-	pb.RegisterRegistryServer(s.grpc, &registryService{s: s})
-	pb.RegisterAdminServer(s.grpc, &adminService{s: s})
+	// The same services' unary calls, framed, on the same port (see Serve).
+	s.framed = framed.NewServer(s.intercept, cfg.Logger)
+	for _, r := range []grpc.ServiceRegistrar{s.grpc, s.framed} {
+		pb.RegisterMasterServer(r, &masterService{s: s})
+		pb.RegisterRegistryServer(r, &registryService{s: s})
+		pb.RegisterAdminServer(r, &adminService{s: s})
+	}
 	s.rng = rand.New(rand.NewPCG(uint64(cfg.Now().UnixNano()), 0x7469646570))
 	s.mu.lastSeen = map[string]time.Time{}
 	s.mu.removing = map[string]int{}
@@ -268,10 +274,12 @@ func (s *Server) startRaft() error {
 	return nil
 }
 
-// Serve answers the Master and Registry services on ln until Close.
-// It may be called once; it returns nil after Close.
+// Serve answers the Master, Registry and Admin services on ln until
+// Close, over gRPC and, for unary calls, framed (package framed): a
+// master's hot calls cost a third of gRPC's round trip that way. It may be
+// called once; it returns nil after Close.
 func (s *Server) Serve(ln net.Listener) error {
-	if err := s.grpc.Serve(ln); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+	if err := s.grpc.Serve(s.framed.Split(ln)); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("master: serve: %w", err)
 	}
 	return nil
@@ -294,6 +302,7 @@ func (s *Server) Close() error {
 		quiet := make(chan struct{})
 		go func() {
 			s.grpc.Stop()
+			s.framed.Stop()
 			s.wg.Wait()
 			close(quiet)
 		}()

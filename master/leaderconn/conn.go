@@ -19,6 +19,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+
+	"github.com/tidepool-kv/tidepool/master/framed"
 )
 
 // Trailer names the trailer in which followers return the leader's address.
@@ -34,8 +36,15 @@ type Conn struct {
 		addrs  []string
 		next   int
 		leader string
-		conns  map[string]*grpc.ClientConn
+		conns  map[string]*master
 	}
+}
+
+// master is the connections to one master: its unary calls framed, its
+// streams (and all calls, if it does not speak framed) over gRPC.
+type master struct {
+	grpc   *grpc.ClientConn
+	framed *framed.Client
 }
 
 // Dial prepares connections to the masters; it does not block.
@@ -45,7 +54,7 @@ func Dial(addrs []string) (*Conn, error) {
 	}
 	c := &Conn{}
 	c.mu.addrs = append([]string(nil), addrs...)
-	c.mu.conns = map[string]*grpc.ClientConn{}
+	c.mu.conns = map[string]*master{}
 	c.mu.leader = addrs[0]
 	return c, nil
 }
@@ -92,12 +101,12 @@ func (c *Conn) Do(ctx context.Context, call Call) error {
 	}
 }
 
-func (c *Conn) current() (string, *grpc.ClientConn, error) {
+func (c *Conn) current() (string, grpc.ClientConnInterface, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	addr := c.mu.leader
-	if cc := c.mu.conns[addr]; cc != nil {
-		return addr, cc, nil
+	if m := c.mu.conns[addr]; m != nil {
+		return addr, m.framed, nil
 	}
 	cc, err := grpc.NewClient(addr, append(DialOptions(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -105,8 +114,9 @@ func (c *Conn) current() (string, *grpc.ClientConn, error) {
 	if err != nil {
 		return "", nil, fmt.Errorf("master address %q: %w", addr, err)
 	}
-	c.mu.conns[addr] = cc
-	return addr, cc, nil
+	m := &master{grpc: cc, framed: framed.NewClient(addr, cc)}
+	c.mu.conns[addr] = m
+	return addr, m.framed, nil
 }
 
 func (c *Conn) setLeader(addr string) {
@@ -137,9 +147,9 @@ func (c *Conn) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var errs []error
-	for _, cc := range c.mu.conns {
-		errs = append(errs, cc.Close())
+	for _, m := range c.mu.conns {
+		errs = append(errs, m.framed.Close(), m.grpc.Close())
 	}
-	c.mu.conns = map[string]*grpc.ClientConn{}
+	c.mu.conns = map[string]*master{}
 	return errors.Join(errs...)
 }

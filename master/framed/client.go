@@ -1,0 +1,336 @@
+package framed
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+const (
+	// dialTimeout bounds a dial and its preface exchange.
+	dialTimeout = 5 * time.Second
+	// unframedFor is how long a peer that did not answer the preface is
+	// called through the fallback before framed is tried again.
+	unframedFor = time.Minute
+)
+
+// errUnframed is a peer that does not speak framed.
+var errUnframed = errors.New("framed: peer does not answer the preface")
+
+// Client is one server's unary calls over one framed connection, dialled
+// on first use and again after it broke. It is a grpc.ClientConnInterface,
+// so generated clients use it: streams, and every call while the server
+// does not speak framed, go to fallback. Its errors are gRPC statuses, as
+// a grpc.ClientConn's.
+type Client struct {
+	addr     string
+	fallback grpc.ClientConnInterface
+	mu       struct {
+		sync.Mutex
+		conn     *clientConn
+		dialing  chan struct{} // closed when the dial in progress ends
+		unframed time.Time     // until then, calls take fallback
+		closed   bool
+	}
+}
+
+var _ grpc.ClientConnInterface = (*Client)(nil)
+
+// NewClient returns a client of addr; it does not dial.
+func NewClient(addr string, fallback grpc.ClientConnInterface) *Client {
+	return &Client{addr: addr, fallback: fallback}
+}
+
+// NewStream opens a stream through the fallback.
+func (c *Client) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	return c.fallback.NewStream(ctx, desc, method, opts...)
+}
+
+// Invoke makes a unary call. The trailer and header call options are
+// honoured; the others (message sizes, codecs) are gRPC's own, and framed
+// calls keep to MaxMessage.
+func (c *Client) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	cc, err := c.conn(ctx)
+	if errors.Is(err, errUnframed) {
+		return c.fallback.Invoke(ctx, method, args, reply, opts...)
+	}
+	if err != nil {
+		return err
+	}
+	a, err := cc.call(ctx, method, args)
+	if err != nil {
+		return err
+	}
+	for _, o := range opts {
+		switch o := o.(type) {
+		case grpc.TrailerCallOption:
+			*o.TrailerAddr = a.trailer
+		case grpc.HeaderCallOption:
+			*o.HeaderAddr = metadata.MD{}
+		}
+	}
+	if a.code != codes.OK {
+		return status.Error(a.code, a.text)
+	}
+	m, ok := reply.(proto.Message)
+	if !ok {
+		return status.Errorf(codes.Internal, "framed: reply %T is not a proto message", reply)
+	}
+	if err := proto.Unmarshal(a.message, m); err != nil {
+		return status.Errorf(codes.Internal, "framed: unmarshal the reply of %s: %v", method, err)
+	}
+	return nil
+}
+
+// conn returns the live connection, dialling one if there is none;
+// errUnframed says to take the fallback.
+func (c *Client) conn(ctx context.Context) (*clientConn, error) {
+	for {
+		c.mu.Lock()
+		switch {
+		case c.mu.closed:
+			c.mu.Unlock()
+			return nil, status.Error(codes.Canceled, "framed: client is closed")
+		case c.mu.conn != nil && c.mu.conn.live():
+			cc := c.mu.conn
+			c.mu.Unlock()
+			return cc, nil
+		case time.Now().Before(c.mu.unframed):
+			c.mu.Unlock()
+			return nil, errUnframed
+		case c.mu.dialing != nil:
+			d := c.mu.dialing
+			c.mu.Unlock()
+			select {
+			case <-d:
+				continue
+			case <-ctx.Done():
+				return nil, status.FromContextError(ctx.Err()).Err()
+			}
+		}
+		d := make(chan struct{})
+		c.mu.dialing = d
+		c.mu.Unlock()
+		cc, err := dial(ctx, c.addr)
+		c.mu.Lock()
+		c.mu.dialing = nil
+		close(d)
+		switch {
+		case errors.Is(err, errUnframed):
+			c.mu.unframed = time.Now().Add(unframedFor)
+		case err == nil && c.mu.closed:
+			cc.close(errors.New("client closed"))
+			err = status.Error(codes.Canceled, "framed: client is closed")
+		case err == nil:
+			if old := c.mu.conn; old != nil {
+				old.close(errors.New("replaced"))
+			}
+			c.mu.conn = cc
+		}
+		c.mu.Unlock()
+		return cc, err
+	}
+}
+
+// Close closes the connection; calls in flight fail. The fallback is the
+// caller's to close.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	c.mu.closed = true
+	cc := c.mu.conn
+	c.mu.conn = nil
+	c.mu.Unlock()
+	if cc != nil {
+		cc.close(errors.New("client closed"))
+		<-cc.done
+	}
+	return nil
+}
+
+// clientConn is one framed connection: calls write their requests under
+// wmu, and its reader hands each answer to the call waiting for it.
+type clientConn struct {
+	conn net.Conn
+	addr string
+	wmu  sync.Mutex
+	done chan struct{} // closed when the reader has ended
+	mu   struct {
+		sync.Mutex
+		next    uint64
+		pending map[uint64]chan answer
+		err     error // why the connection ended; nil while live
+	}
+}
+
+// dial connects to addr and exchanges the preface.
+func dial(ctx context.Context, addr string) (*clientConn, error) {
+	dctx, cancel := context.WithTimeout(ctx, dialTimeout)
+	defer cancel()
+	var d net.Dialer
+	conn, err := d.DialContext(dctx, "tcp", addr)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+		return nil, status.Errorf(codes.Unavailable, "framed: dial %s: %v", addr, err)
+	}
+	if tc, ok := conn.(*net.TCPConn); ok {
+		_ = tc.SetNoDelay(true)
+	}
+	deadline, _ := dctx.Deadline()
+	_ = conn.SetDeadline(deadline)
+	defer context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })()
+	head := make([]byte, len(preface))
+	_, err = io.WriteString(conn, preface)
+	if err == nil {
+		_, err = io.ReadFull(conn, head)
+	}
+	if err != nil || string(head) != preface {
+		_ = conn.Close()
+		if ctx.Err() != nil {
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+		return nil, fmt.Errorf("%w: %s: %v", errUnframed, addr, err)
+	}
+	_ = conn.SetDeadline(time.Time{})
+	cc := &clientConn{conn: conn, addr: addr, done: make(chan struct{})}
+	cc.mu.pending = map[uint64]chan answer{}
+	go cc.read()
+	return cc, nil
+}
+
+func (cc *clientConn) live() bool {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	return cc.mu.err == nil
+}
+
+// call sends one request and waits for its answer or ctx.
+func (cc *clientConn) call(ctx context.Context, method string, args any) (answer, error) {
+	m, ok := args.(proto.Message)
+	if !ok {
+		return answer{}, status.Errorf(codes.Internal, "framed: request %T is not a proto message", args)
+	}
+	if len(method) > maxMethod {
+		return answer{}, status.Errorf(codes.Internal, "framed: method name of %d bytes", len(method))
+	}
+	var timeout time.Duration
+	if d, ok := ctx.Deadline(); ok {
+		if timeout = time.Until(d); timeout <= 0 {
+			return answer{}, status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
+		}
+	}
+	size := proto.Size(m)
+	if size > MaxMessage {
+		return answer{}, status.Errorf(codes.ResourceExhausted, "framed: request of %d bytes, more than %d", size, MaxMessage)
+	}
+	ch := make(chan answer, 1)
+	cc.mu.Lock()
+	if err := cc.mu.err; err != nil {
+		cc.mu.Unlock()
+		return answer{}, cc.lost(err)
+	}
+	cc.mu.next++
+	id := cc.mu.next
+	cc.mu.pending[id] = ch
+	cc.mu.Unlock()
+	b := appendRequestHead(make([]byte, 0, 32+len(method)+size), id, timeout, method)
+	b, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(b, m)
+	if err != nil {
+		cc.forget(id)
+		return answer{}, status.Errorf(codes.Internal, "framed: marshal the request of %s: %v", method, err)
+	}
+	if err := cc.write(ctx, finish(b)); err != nil {
+		cc.close(err)
+		return answer{}, cc.lost(err)
+	}
+	select {
+	case a := <-ch:
+		if a.code == errLost {
+			return answer{}, cc.lost(errors.New(a.text))
+		}
+		return a, nil
+	case <-ctx.Done():
+		cc.forget(id)
+		return answer{}, status.FromContextError(ctx.Err()).Err()
+	}
+}
+
+// errLost marks the answer a broken connection gives its pending calls
+// (not a gRPC code).
+const errLost = codes.Code(1 << 20)
+
+func (cc *clientConn) lost(err error) error {
+	return status.Errorf(codes.Unavailable, "framed: connection to %s lost: %v", cc.addr, err)
+}
+
+func (cc *clientConn) forget(id uint64) {
+	cc.mu.Lock()
+	delete(cc.mu.pending, id)
+	cc.mu.Unlock()
+}
+
+func (cc *clientConn) write(ctx context.Context, b []byte) error {
+	cc.wmu.Lock()
+	defer cc.wmu.Unlock()
+	deadline := bodyDeadline(len(b))
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	_ = cc.conn.SetWriteDeadline(deadline)
+	_, err := cc.conn.Write(b)
+	return err
+}
+
+// read hands answers to their calls until the connection fails.
+func (cc *clientConn) read() {
+	defer close(cc.done)
+	fr := newFrameReader(cc.conn)
+	for {
+		// The idle bound is the server's to keep: calls wait here for
+		// as long as their contexts allow.
+		body, err := fr.next(24 * time.Hour)
+		if err == nil {
+			var a answer
+			if a, err = parseAnswer(body); err == nil {
+				cc.mu.Lock()
+				ch := cc.mu.pending[a.id]
+				delete(cc.mu.pending, a.id)
+				cc.mu.Unlock()
+				if ch != nil {
+					ch <- a
+				}
+				continue
+			}
+		}
+		cc.close(err)
+		return
+	}
+}
+
+// close ends the connection for why, failing the calls waiting on it.
+func (cc *clientConn) close(why error) {
+	cc.mu.Lock()
+	if cc.mu.err != nil {
+		cc.mu.Unlock()
+		return
+	}
+	cc.mu.err = why
+	pending := cc.mu.pending
+	cc.mu.pending = nil
+	cc.mu.Unlock()
+	_ = cc.conn.Close()
+	for _, ch := range pending {
+		ch <- answer{code: errLost, text: why.Error()}
+	}
+}

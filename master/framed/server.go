@@ -1,0 +1,393 @@
+package framed
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+const (
+	// maxInFlight bounds the calls one connection runs at once; past it
+	// the connection's reader waits, and so does its peer's socket.
+	maxInFlight = 256
+	// maxConns bounds the framed connections of a server, and apart the
+	// connections Split has not yet told apart.
+	maxConns = 4096
+	// prefaceTimeout bounds the wait for a new connection's preface.
+	prefaceTimeout = 10 * time.Second
+)
+
+// Server answers the unary methods of the services registered with it,
+// through the interceptor given to NewServer. It is a grpc.ServiceRegistrar,
+// so a service's generated Register function registers with it.
+type Server struct {
+	intercept grpc.UnaryServerInterceptor
+	log       *slog.Logger
+	methods   map[string]method // by full name
+	wg        sync.WaitGroup    // readers, handlers, Split's loops
+	mu        struct {
+		sync.Mutex
+		conns    map[*serverConn]struct{}
+		sniffing map[net.Conn]struct{} // accepted, preface not yet read
+		lns      []net.Listener
+		stopped  bool
+	}
+}
+
+type method struct {
+	impl    any
+	handler grpc.MethodHandler
+}
+
+// NewServer returns a server whose calls go through intercept (nil: none).
+func NewServer(intercept grpc.UnaryServerInterceptor, log *slog.Logger) *Server {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{intercept: intercept, log: log, methods: map[string]method{}}
+	s.mu.conns = map[*serverConn]struct{}{}
+	s.mu.sniffing = map[net.Conn]struct{}{}
+	return s
+}
+
+// RegisterService registers desc's unary methods (its streams are gRPC's
+// alone). Call it before serving.
+func (s *Server) RegisterService(desc *grpc.ServiceDesc, impl any) {
+	for _, m := range desc.Methods {
+		s.methods["/"+desc.ServiceName+"/"+m.MethodName] = method{impl: impl, handler: m.Handler}
+	}
+}
+
+var _ grpc.ServiceRegistrar = (*Server)(nil)
+
+// Split serves the framed connections that arrive on ln and returns a
+// listener of the others, for a grpc.Server. Closing it (grpc.Server's
+// Stop does) closes ln; so does Stop. A connection whose first bytes are
+// neither preface is closed.
+func (s *Server) Split(ln net.Listener) net.Listener {
+	l := &splitListener{ln: ln, conns: make(chan net.Conn), done: make(chan struct{})}
+	s.mu.Lock()
+	stopped := s.mu.stopped
+	if !stopped {
+		s.mu.lns = append(s.mu.lns, l)
+		s.wg.Add(1)
+	}
+	s.mu.Unlock()
+	if stopped {
+		_ = l.Close()
+		return l
+	}
+	go func() {
+		defer s.wg.Done()
+		s.accept(l)
+	}()
+	return l
+}
+
+// accept hands each connection of l.ln to sniff until l.ln fails for
+// good. Errors such as running out of file descriptors pass, after a
+// backoff as gRPC's own accept loop takes.
+func (s *Server) accept(l *splitListener) {
+	backoff := 5 * time.Millisecond
+	for {
+		conn, err := l.ln.Accept()
+		if err != nil {
+			var ne net.Error
+			if errors.Is(err, net.ErrClosed) || !errors.As(err, &ne) || !ne.Timeout() && !isTemporary(err) {
+				l.fail(err)
+				return
+			}
+			s.log.Warn("framed: accept failed, retrying", "err", err, "after", backoff)
+			select {
+			case <-time.After(backoff):
+			case <-l.done:
+				return
+			}
+			backoff = min(2*backoff, time.Second)
+			continue
+		}
+		backoff = 5 * time.Millisecond
+		if !s.startSniff(conn) {
+			s.log.Warn("framed: too many connections not yet identified, closing one", "from", conn.RemoteAddr(), "limit", maxConns)
+			_ = conn.Close()
+			continue
+		}
+		go func() {
+			defer s.wg.Done()
+			s.sniff(l, conn)
+		}()
+	}
+}
+
+// isTemporary is net.Error's deprecated Temporary, which accept errors
+// such as EMFILE still answer.
+func isTemporary(err error) bool {
+	t, ok := err.(interface{ Temporary() bool })
+	return ok && t.Temporary()
+}
+
+func (s *Server) startSniff(conn net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.mu.stopped || len(s.mu.sniffing) >= maxConns {
+		return false
+	}
+	s.mu.sniffing[conn] = struct{}{}
+	s.wg.Add(1)
+	return true
+}
+
+// sniff reads conn's preface and hands it to gRPC or serves it.
+func (s *Server) sniff(l *splitListener, conn net.Conn) {
+	head := make([]byte, len(preface))
+	_ = conn.SetReadDeadline(time.Now().Add(prefaceTimeout))
+	_, err := io.ReadFull(conn, head)
+	_ = conn.SetReadDeadline(time.Time{})
+	s.mu.Lock()
+	delete(s.mu.sniffing, conn)
+	s.mu.Unlock()
+	switch {
+	case err != nil:
+		_ = conn.Close()
+	case string(head) == preface:
+		s.serve(conn)
+	case string(head) == http2Preface:
+		select {
+		case l.conns <- &prefixConn{Conn: conn, prefix: head}:
+		case <-l.done:
+			_ = conn.Close()
+		}
+	default:
+		s.log.Debug("framed: connection opened with neither preface, closing it", "from", conn.RemoteAddr())
+		_ = conn.Close()
+	}
+}
+
+// http2Preface opens every gRPC connection.
+const http2Preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+// serverConn is one framed connection being served.
+type serverConn struct {
+	conn   net.Conn
+	peer   *peer.Peer
+	ctx    context.Context // ends when the connection closes
+	cancel context.CancelFunc
+	wmu    sync.Mutex // one answer written at a time
+}
+
+// serve answers conn's calls until it closes or the server stops.
+func (s *Server) serve(conn net.Conn) {
+	c := &serverConn{conn: conn, peer: &peer.Peer{Addr: conn.RemoteAddr(), LocalAddr: conn.LocalAddr()}}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	defer c.cancel()
+	defer conn.Close()
+	s.mu.Lock()
+	if s.mu.stopped || len(s.mu.conns) >= maxConns {
+		s.mu.Unlock()
+		s.log.Warn("framed: connection refused", "from", conn.RemoteAddr(), "limit", maxConns)
+		return
+	}
+	s.mu.conns[c] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.mu.conns, c)
+		s.mu.Unlock()
+	}()
+	_ = conn.SetWriteDeadline(time.Now().Add(prefaceTimeout))
+	if _, err := io.WriteString(conn, preface); err != nil {
+		return
+	}
+	fr := newFrameReader(conn)
+	slots := make(chan struct{}, maxInFlight)
+	for {
+		body, err := fr.next(IdleTimeout)
+		if err != nil {
+			if errors.Is(err, errFrame) {
+				s.log.Warn("framed: closing a connection", "from", conn.RemoteAddr(), "err", err)
+			}
+			return
+		}
+		req, err := parseRequest(body)
+		if err != nil {
+			s.log.Warn("framed: closing a connection", "from", conn.RemoteAddr(), "err", err)
+			return
+		}
+		select {
+		case slots <- struct{}{}:
+		case <-c.ctx.Done():
+			return
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			defer func() { <-slots }()
+			s.handle(c, req)
+		}()
+	}
+}
+
+// handle runs one call and writes its answer.
+func (s *Server) handle(c *serverConn, req request) {
+	ctx, cancel := c.ctx, context.CancelFunc(func() {})
+	if req.timeout > 0 {
+		ctx, cancel = context.WithTimeout(ctx, req.timeout)
+	}
+	defer cancel()
+	st := &stream{method: req.method}
+	ctx = grpc.NewContextWithServerTransportStream(peer.NewContext(ctx, c.peer), st)
+	var reply any
+	var err error
+	if m, ok := s.methods[req.method]; ok {
+		dec := func(v any) error {
+			if err := proto.Unmarshal(req.message, v.(proto.Message)); err != nil {
+				return status.Errorf(codes.Internal, "framed: error unmarshalling request: %v", err)
+			}
+			return nil
+		}
+		reply, err = m.handler(m.impl, ctx, dec, s.intercept)
+	} else {
+		err = status.Errorf(codes.Unimplemented, "unknown method %s", req.method)
+	}
+	var b []byte
+	if err == nil {
+		b, err = marshalAnswer(req.id, st.trailer(), reply)
+	}
+	if err != nil {
+		sts := status.Convert(err)
+		b = finish(appendAnswerHead(nil, req.id, sts.Code(), sts.Message(), st.trailer()))
+	}
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	_ = c.conn.SetWriteDeadline(bodyDeadline(len(b)))
+	if _, err := c.conn.Write(b); err != nil {
+		c.cancel()
+		_ = c.conn.Close() // its reader ends
+	}
+}
+
+func marshalAnswer(id uint64, trailer metadata.MD, reply any) ([]byte, error) {
+	m, ok := reply.(proto.Message)
+	if !ok {
+		return nil, status.Errorf(codes.Internal, "framed: reply %T is not a proto message", reply)
+	}
+	size := proto.Size(m)
+	if size > MaxMessage {
+		return nil, status.Errorf(codes.ResourceExhausted, "framed: reply of %d bytes, more than %d", size, MaxMessage)
+	}
+	b := appendAnswerHead(make([]byte, 0, 64+size), id, codes.OK, "", trailer)
+	b, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(b, m)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "framed: marshal reply: %v", err)
+	}
+	return finish(b), nil
+}
+
+// Stop closes the listeners and connections and waits for the calls in
+// flight to return (their contexts are cancelled).
+func (s *Server) Stop() {
+	s.mu.Lock()
+	s.mu.stopped = true
+	lns := s.mu.lns
+	var conns []*serverConn
+	for c := range s.mu.conns {
+		conns = append(conns, c)
+	}
+	for c := range s.mu.sniffing {
+		_ = c.Close() // its sniff ends
+	}
+	s.mu.Unlock()
+	for _, l := range lns {
+		_ = l.Close()
+	}
+	for _, c := range conns {
+		c.cancel()
+		_ = c.conn.Close()
+	}
+	s.wg.Wait()
+}
+
+// stream is what grpc.SetTrailer and grpc.SetHeader see of a framed call.
+// Headers are accepted and dropped: no master method sends any.
+type stream struct {
+	method string
+	mu     sync.Mutex
+	md     metadata.MD
+}
+
+func (t *stream) Method() string               { return t.method }
+func (t *stream) SetHeader(metadata.MD) error  { return nil }
+func (t *stream) SendHeader(metadata.MD) error { return nil }
+func (t *stream) SetTrailer(md metadata.MD) error {
+	t.mu.Lock()
+	t.md = metadata.Join(t.md, md)
+	t.mu.Unlock()
+	return nil
+}
+
+func (t *stream) trailer() metadata.MD {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.md
+}
+
+// splitListener is the listener Split returns: the connections that
+// opened with HTTP/2's preface.
+type splitListener struct {
+	ln    net.Listener
+	conns chan net.Conn
+	once  sync.Once
+	done  chan struct{}
+	err   error // why Accept fails, once done is closed
+}
+
+func (l *splitListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.done:
+		return nil, l.err
+	}
+}
+
+func (l *splitListener) fail(err error) {
+	l.once.Do(func() {
+		l.err = err
+		close(l.done)
+	})
+	_ = l.ln.Close()
+}
+
+func (l *splitListener) Close() error {
+	l.fail(fmt.Errorf("framed: %w", net.ErrClosed))
+	return nil
+}
+
+func (l *splitListener) Addr() net.Addr { return l.ln.Addr() }
+
+// prefixConn replays the preface Split read before its reads.
+type prefixConn struct {
+	net.Conn
+	prefix []byte
+}
+
+func (c *prefixConn) Read(p []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(p, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.Conn.Read(p)
+}
