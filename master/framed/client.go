@@ -79,6 +79,7 @@ func (c *Client) Invoke(ctx context.Context, method string, args, reply any, opt
 			*o.HeaderAddr = metadata.MD{}
 		}
 	}
+	defer cc.bufs.put(a.body) // reply decodes a copy of the message
 	if a.code != codes.OK {
 		return status.Error(a.code, a.text)
 	}
@@ -163,6 +164,7 @@ type clientConn struct {
 	conn net.Conn
 	addr string
 	wmu  sync.Mutex
+	bufs bufPool
 	done chan struct{} // closed when the reader has ended
 	mu   struct {
 		sync.Mutex
@@ -244,13 +246,16 @@ func (cc *clientConn) call(ctx context.Context, method string, args any) (answer
 	id := cc.mu.next
 	cc.mu.pending[id] = ch
 	cc.mu.Unlock()
-	b := appendRequestHead(make([]byte, 0, 32+len(method)+size), id, timeout, method)
+	b := appendRequestHead(cc.bufs.get(32 + len(method) + size)[:0], id, timeout, method)
 	b, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(b, m)
 	if err != nil {
+		cc.bufs.put(b)
 		cc.forget(id)
 		return answer{}, status.Errorf(codes.Internal, "framed: marshal the request of %s: %v", method, err)
 	}
-	if err := cc.write(ctx, finish(b)); err != nil {
+	err = cc.write(ctx, finish(b))
+	cc.bufs.put(b)
+	if err != nil {
 		cc.close(err)
 		return answer{}, cc.lost(err)
 	}
@@ -295,7 +300,7 @@ func (cc *clientConn) write(ctx context.Context, b []byte) error {
 // read hands answers to their calls until the connection fails.
 func (cc *clientConn) read() {
 	defer close(cc.done)
-	fr := newFrameReader(cc.conn)
+	fr := newFrameReader(cc.conn, &cc.bufs)
 	for {
 		// The idle bound is the server's to keep: calls wait here for
 		// as long as their contexts allow.
@@ -303,15 +308,19 @@ func (cc *clientConn) read() {
 		if err == nil {
 			var a answer
 			if a, err = parseAnswer(body); err == nil {
+				a.body = body
 				cc.mu.Lock()
 				ch := cc.mu.pending[a.id]
 				delete(cc.mu.pending, a.id)
 				cc.mu.Unlock()
 				if ch != nil {
 					ch <- a
+				} else {
+					cc.bufs.put(body) // its call gave up
 				}
 				continue
 			}
+			cc.bufs.put(body)
 		}
 		cc.close(err)
 		return

@@ -36,7 +36,8 @@ type Server struct {
 	intercept grpc.UnaryServerInterceptor
 	log       *slog.Logger
 	methods   map[string]method // by full name
-	wg        sync.WaitGroup    // readers, handlers, Split's loops
+	bufs      bufPool
+	wg        sync.WaitGroup // readers, handlers, Split's loops
 	mu        struct {
 		sync.Mutex
 		conns    map[*serverConn]struct{}
@@ -210,7 +211,7 @@ func (s *Server) serve(conn net.Conn) {
 	if _, err := io.WriteString(conn, preface); err != nil {
 		return
 	}
-	fr := newFrameReader(conn)
+	fr := newFrameReader(conn, &s.bufs)
 	slots := make(chan struct{}, maxInFlight)
 	for {
 		body, err := fr.next(IdleTimeout)
@@ -222,6 +223,7 @@ func (s *Server) serve(conn net.Conn) {
 		}
 		req, err := parseRequest(body)
 		if err != nil {
+			s.bufs.put(body)
 			s.log.Warn("framed: closing a connection", "from", conn.RemoteAddr(), "err", err)
 			return
 		}
@@ -235,6 +237,7 @@ func (s *Server) serve(conn net.Conn) {
 			defer s.wg.Done()
 			defer func() { <-slots }()
 			s.handle(c, req)
+			s.bufs.put(body) // the handler decoded a copy of the message
 		}()
 	}
 }
@@ -263,7 +266,7 @@ func (s *Server) handle(c *serverConn, req request) {
 	}
 	var b []byte
 	if err == nil {
-		b, err = marshalAnswer(req.id, st.trailer(), reply)
+		b, err = s.marshalAnswer(req.id, st.trailer(), reply)
 	}
 	if err != nil {
 		sts := status.Convert(err)
@@ -276,9 +279,10 @@ func (s *Server) handle(c *serverConn, req request) {
 		c.cancel()
 		_ = c.conn.Close() // its reader ends
 	}
+	s.bufs.put(b)
 }
 
-func marshalAnswer(id uint64, trailer metadata.MD, reply any) ([]byte, error) {
+func (s *Server) marshalAnswer(id uint64, trailer metadata.MD, reply any) ([]byte, error) {
 	m, ok := reply.(proto.Message)
 	if !ok {
 		return nil, status.Errorf(codes.Internal, "framed: reply %T is not a proto message", reply)
@@ -287,9 +291,10 @@ func marshalAnswer(id uint64, trailer metadata.MD, reply any) ([]byte, error) {
 	if size > MaxMessage {
 		return nil, status.Errorf(codes.ResourceExhausted, "framed: reply of %d bytes, more than %d", size, MaxMessage)
 	}
-	b := appendAnswerHead(make([]byte, 0, 64+size), id, codes.OK, "", trailer)
+	b := appendAnswerHead(s.bufs.get(64 + size)[:0], id, codes.OK, "", trailer)
 	b, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(b, m)
 	if err != nil {
+		s.bufs.put(b)
 		return nil, status.Errorf(codes.Internal, "framed: marshal reply: %v", err)
 	}
 	return finish(b), nil

@@ -48,16 +48,18 @@ func bodyDeadline(n int) time.Time {
 type frameReader struct {
 	conn net.Conn
 	r    *bufio.Reader
+	bufs *bufPool
 	head [4]byte
 }
 
-func newFrameReader(conn net.Conn) *frameReader {
-	return &frameReader{conn: conn, r: bufio.NewReaderSize(conn, 32<<10)}
+func newFrameReader(conn net.Conn, bufs *bufPool) *frameReader {
+	return &frameReader{conn: conn, r: bufio.NewReaderSize(conn, 32<<10), bufs: bufs}
 }
 
-// next reads one frame's size and body. idle bounds the wait for the
-// size. A body not yet here grows as its bytes arrive (from 64 KiB), so a
-// peer that announces a large frame and sends little holds little.
+// next reads one frame's size and body; the body is the caller's to put
+// back in f.bufs. idle bounds the wait for the size. A large body not yet
+// here grows as its bytes arrive (from 64 KiB), so a peer that announces
+// a large frame and sends little holds little.
 func (f *frameReader) next(idle time.Duration) ([]byte, error) {
 	if f.r.Buffered() < len(f.head) {
 		if err := f.conn.SetReadDeadline(time.Now().Add(idle)); err != nil {
@@ -71,15 +73,20 @@ func (f *frameReader) next(idle time.Duration) ([]byte, error) {
 	if n > maxFrame {
 		return nil, fmt.Errorf("%w: %d bytes, more than %d", errFrame, n, maxFrame)
 	}
-	if f.r.Buffered() >= n {
-		body := make([]byte, n)
-		_, err := io.ReadFull(f.r, body)
-		return body, err
+	if f.r.Buffered() < n {
+		if err := f.conn.SetReadDeadline(bodyDeadline(n)); err != nil {
+			return nil, err
+		}
 	}
-	if err := f.conn.SetReadDeadline(bodyDeadline(n)); err != nil {
-		return nil, err
+	if f.r.Buffered() >= n || n <= 64<<10 {
+		body := f.bufs.get(n)
+		if _, err := io.ReadFull(f.r, body); err != nil {
+			f.bufs.put(body)
+			return nil, err
+		}
+		return body, nil
 	}
-	body := make([]byte, 0, min(n, 64<<10))
+	body := make([]byte, 0, 64<<10)
 	for len(body) < n {
 		if len(body) == cap(body) {
 			body = append(body, make([]byte, min(n-len(body), cap(body)))...)[:len(body)]
@@ -137,13 +144,14 @@ func parseRequest(body []byte) (request, error) {
 	return r, nil
 }
 
-// answer is a decoded answer frame; message aliases the frame.
+// answer is a decoded answer frame; message aliases body, the frame.
 type answer struct {
 	id      uint64
 	code    codes.Code
 	text    string
 	trailer metadata.MD
 	message []byte
+	body    []byte
 }
 
 func appendAnswerHead(b []byte, id uint64, code codes.Code, text string, trailer metadata.MD) []byte {
