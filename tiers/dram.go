@@ -56,7 +56,15 @@ const prefaultChunk = 64 << 20
 // write to a page (a put) does not take the fault that allocates and
 // zeroes it. It returns when done, when ctx ends, or at the first
 // failure (ENOSPC: the host or its memory limit cannot hold the tier).
+//
+// fallocate commits the pages, but shmem leaves them unwritten (not
+// uptodate) and zeroes each at its first fault; a same-host client's read
+// fault then maps no neighbours (the kernel's fault-around maps only
+// uptodate pages), so each of its writes faulted page by page. Writing
+// the pages through this mapping (MADV_POPULATE_WRITE) zeroes them here.
+// Kernels before 5.14 lack it; there the pages stay committed only.
 func (t *DRAMTier) Prefault(ctx context.Context) error {
+	populate := true
 	for off := int64(0); off < int64(len(t.mem)); off += prefaultChunk {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -64,6 +72,15 @@ func (t *DRAMTier) Prefault(ctx context.Context) error {
 		n := min(prefaultChunk, int64(len(t.mem))-off)
 		if err := unix.Fallocate(t.fd, 0, off, n); err != nil {
 			return fmt.Errorf("dram tier %q: commit pages at %d: %w", t.name, off, err)
+		}
+		if !populate {
+			continue
+		}
+		switch err := unix.Madvise(t.mem[off:off+n], unix.MADV_POPULATE_WRITE); {
+		case errors.Is(err, unix.EINVAL):
+			populate = false
+		case err != nil:
+			return fmt.Errorf("dram tier %q: write pages at %d: %w", t.name, off, err)
 		}
 	}
 	return nil
