@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"time"
 
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -26,6 +28,9 @@ const (
 
 // errUnframed is a peer that does not speak framed.
 var errUnframed = errors.New("framed: peer does not answer the preface")
+
+// errClosed ends the connections of a closed client.
+var errClosed = errors.New("client closed")
 
 // Client is one server's unary calls over one framed connection, dialled
 // on first use and again after it broke. It is a grpc.ClientConnInterface,
@@ -71,6 +76,12 @@ func (c *Client) Invoke(ctx context.Context, method string, args, reply any, opt
 	if err != nil {
 		return err
 	}
+	defer cc.bufs.put(a.body) // reply decodes a copy of the message
+	var details []string
+	if a.trailer != nil {
+		details = a.trailer[detailsKey]
+		delete(a.trailer, detailsKey) // gRPC does not show it either
+	}
 	for _, o := range opts {
 		switch o := o.(type) {
 		case grpc.TrailerCallOption:
@@ -79,8 +90,13 @@ func (c *Client) Invoke(ctx context.Context, method string, args, reply any, opt
 			*o.HeaderAddr = metadata.MD{}
 		}
 	}
-	defer cc.bufs.put(a.body) // reply decodes a copy of the message
 	if a.code != codes.OK {
+		if len(details) > 0 {
+			p := &spb.Status{}
+			if err := proto.Unmarshal([]byte(details[0]), p); err == nil && p.Code == int32(a.code) {
+				return status.FromProto(p).Err()
+			}
+		}
 		return status.Error(a.code, a.text)
 	}
 	m, ok := reply.(proto.Message)
@@ -130,7 +146,7 @@ func (c *Client) conn(ctx context.Context) (*clientConn, error) {
 		case errors.Is(err, errUnframed):
 			c.mu.unframed = time.Now().Add(unframedFor)
 		case err == nil && c.mu.closed:
-			cc.close(errors.New("client closed"))
+			cc.close(errClosed)
 			err = status.Error(codes.Canceled, "framed: client is closed")
 		case err == nil:
 			if old := c.mu.conn; old != nil {
@@ -152,8 +168,8 @@ func (c *Client) Close() error {
 	c.mu.conn = nil
 	c.mu.Unlock()
 	if cc != nil {
-		cc.close(errors.New("client closed"))
-		<-cc.done
+		cc.close(errClosed)
+		cc.wg.Wait()
 	}
 	return nil
 }
@@ -163,10 +179,13 @@ func (c *Client) Close() error {
 type clientConn struct {
 	conn net.Conn
 	addr string
-	wmu  sync.Mutex
-	bufs bufPool
-	done chan struct{} // closed when the reader has ended
-	mu   struct {
+	// wlock is held (full) while a frame is written: a call waiting for
+	// it gives up at its context's end, and a frame begun is finished.
+	wlock  chan struct{}
+	bufs   bufPool
+	wg     sync.WaitGroup // the reader, and cancel frames waiting to go
+	closed chan struct{}  // closed with the connection
+	mu     struct {
 		sync.Mutex
 		next    uint64
 		pending map[uint64]chan answer
@@ -191,22 +210,29 @@ func dial(ctx context.Context, addr string) (*clientConn, error) {
 	}
 	deadline, _ := dctx.Deadline()
 	_ = conn.SetDeadline(deadline)
-	defer context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })()
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })
 	head := make([]byte, len(preface))
 	_, err = io.WriteString(conn, preface)
 	if err == nil {
 		_, err = io.ReadFull(conn, head)
 	}
-	if err != nil || string(head) != preface {
+	stopped := stop() // false: ctx ended, and may have cut the exchange
+	if err != nil || string(head) != preface || !stopped {
 		_ = conn.Close()
-		if ctx.Err() != nil {
-			return nil, status.FromContextError(ctx.Err()).Err()
+		callerDeadline, ok := ctx.Deadline()
+		switch {
+		case ctx.Err() != nil || !stopped:
+			return nil, status.FromContextError(context.Cause(ctx)).Err()
+		case errors.Is(err, os.ErrDeadlineExceeded) && ok && !callerDeadline.After(deadline):
+			// The caller's deadline, just before its context says so.
+			return nil, status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
 		}
 		return nil, fmt.Errorf("%w: %s: %v", errUnframed, addr, err)
 	}
 	_ = conn.SetDeadline(time.Time{})
-	cc := &clientConn{conn: conn, addr: addr, done: make(chan struct{})}
+	cc := &clientConn{conn: conn, addr: addr, wlock: make(chan struct{}, 1), closed: make(chan struct{})}
 	cc.mu.pending = map[uint64]chan answer{}
+	cc.wg.Add(1)
 	go cc.read()
 	return cc, nil
 }
@@ -223,7 +249,10 @@ func (cc *clientConn) call(ctx context.Context, method string, args any) (answer
 	if !ok {
 		return answer{}, status.Errorf(codes.Internal, "framed: request %T is not a proto message", args)
 	}
-	if len(method) > maxMethod {
+	switch {
+	case method == "": // on the wire, a cancel
+		return answer{}, status.Error(codes.Unimplemented, "framed: malformed method name \"\"")
+	case len(method) > maxMethod:
 		return answer{}, status.Errorf(codes.Internal, "framed: method name of %d bytes", len(method))
 	}
 	var timeout time.Duration
@@ -253,53 +282,141 @@ func (cc *clientConn) call(ctx context.Context, method string, args any) (answer
 		cc.forget(id)
 		return answer{}, status.Errorf(codes.Internal, "framed: marshal the request of %s: %v", method, err)
 	}
-	err = cc.write(ctx, finish(b))
-	cc.bufs.put(b)
-	if err != nil {
+	switch written, err := cc.write(ctx, finish(b)); {
+	case !written:
+		cc.forget(id)
+		return answer{}, status.FromContextError(context.Cause(ctx)).Err()
+	case errors.Is(err, errCut):
+		cc.giveUp(ctx, id)
+		return answer{}, status.FromContextError(context.Cause(ctx)).Err()
+	case err != nil:
 		cc.close(err)
 		return answer{}, cc.lost(err)
 	}
 	select {
 	case a := <-ch:
-		if a.code == errLost {
-			return answer{}, cc.lost(errors.New(a.text))
+		if a.lost != nil {
+			return answer{}, cc.lost(a.lost)
 		}
 		return a, nil
 	case <-ctx.Done():
-		cc.forget(id)
-		return answer{}, status.FromContextError(ctx.Err()).Err()
+		cc.giveUp(ctx, id)
+		return answer{}, status.FromContextError(context.Cause(ctx)).Err()
 	}
 }
 
-// errLost marks the answer a broken connection gives its pending calls
-// (not a gRPC code).
-const errLost = codes.Code(1 << 20)
-
-func (cc *clientConn) lost(err error) error {
-	return status.Errorf(codes.Unavailable, "framed: connection to %s lost: %v", cc.addr, err)
+// giveUp forgets call id, whose ctx ended, and if it was cancelled rather
+// than timed out tells the server (which times it out by itself).
+func (cc *clientConn) giveUp(ctx context.Context, id uint64) {
+	if cc.forget(id) && !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		cc.cancel(id)
+	}
 }
 
-func (cc *clientConn) forget(id uint64) {
+// lost is the error of a call whose connection ended for why.
+func (cc *clientConn) lost(why error) error {
+	if errors.Is(why, errClosed) {
+		return status.Error(codes.Canceled, "framed: client is closed")
+	}
+	return status.Errorf(codes.Unavailable, "framed: connection to %s lost: %v", cc.addr, why)
+}
+
+// cancel tells the server to cancel call id (a request frame without a
+// method), so its handler ends as under gRPC. It never blocks: when
+// another frame is being written it goes after it.
+func (cc *clientConn) cancel(id uint64) {
+	b := finish(appendRequestHead(nil, id, 0, ""))
+	select {
+	case cc.wlock <- struct{}{}:
+		if err := cc.writeLocked(nil, b); err != nil {
+			cc.close(err)
+		}
+		return
+	default:
+	}
+	cc.wg.Add(1)
+	go func() {
+		defer cc.wg.Done()
+		if _, err := cc.write(nil, b); err != nil {
+			cc.close(err)
+		}
+	}()
+}
+
+// forget drops call id's place; false if it was no longer waiting.
+func (cc *clientConn) forget(id uint64) bool {
 	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	_, ok := cc.mu.pending[id]
 	delete(cc.mu.pending, id)
-	cc.mu.Unlock()
+	return ok
 }
 
-func (cc *clientConn) write(ctx context.Context, b []byte) error {
-	cc.wmu.Lock()
-	defer cc.wmu.Unlock()
-	deadline := bodyDeadline(len(b))
-	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
-		deadline = d
+// write writes the frame b, which it owns, once it has the connection,
+// unless ctx (nil: none) ends first (written false). A frame begun is
+// finished, or the connection breaks for every call: so if ctx ends
+// mid-frame, a goroutine of the connection writes the rest, holding it
+// till then, and write returns errCut.
+func (cc *clientConn) write(ctx context.Context, b []byte) (written bool, err error) {
+	var done <-chan struct{} = cc.closed
+	if ctx != nil {
+		done = ctx.Done()
 	}
-	_ = cc.conn.SetWriteDeadline(deadline)
-	_, err := cc.conn.Write(b)
-	return err
+	select {
+	case cc.wlock <- struct{}{}:
+	case <-done:
+		cc.bufs.put(b)
+		return false, nil
+	}
+	return true, cc.writeLocked(ctx, b)
+}
+
+// errCut is a frame whose writer gave up; the rest of it is on its way.
+var errCut = errors.New("framed: the frame's call ended while it was written")
+
+// writeLocked writes b holding wlock, and releases it once b is written.
+func (cc *clientConn) writeLocked(ctx context.Context, b []byte) error {
+	_ = cc.conn.SetWriteDeadline(bodyDeadline(len(b)))
+	var mu sync.Mutex
+	returned, cut := false, false
+	stop := func() bool { return true }
+	if ctx != nil {
+		stop = context.AfterFunc(ctx, func() {
+			mu.Lock()
+			defer mu.Unlock()
+			if !returned {
+				cut = true
+				_ = cc.conn.SetWriteDeadline(time.Now())
+			}
+		})
+	}
+	n, err := cc.conn.Write(b)
+	mu.Lock()
+	returned = true
+	mu.Unlock()
+	stop()
+	if err == nil || !cut || !errors.Is(err, os.ErrDeadlineExceeded) {
+		<-cc.wlock
+		cc.bufs.put(b)
+		return err
+	}
+	cc.wg.Add(1)
+	go func() {
+		defer cc.wg.Done()
+		_ = cc.conn.SetWriteDeadline(bodyDeadline(len(b) - n))
+		_, err := cc.conn.Write(b[n:])
+		<-cc.wlock
+		cc.bufs.put(b)
+		if err != nil {
+			cc.close(err)
+		}
+	}()
+	return errCut
 }
 
 // read hands answers to their calls until the connection fails.
 func (cc *clientConn) read() {
-	defer close(cc.done)
+	defer cc.wg.Done()
 	fr := newFrameReader(cc.conn, &cc.bufs)
 	for {
 		// The idle bound is the server's to keep: calls wait here for
@@ -338,8 +455,9 @@ func (cc *clientConn) close(why error) {
 	pending := cc.mu.pending
 	cc.mu.pending = nil
 	cc.mu.Unlock()
+	close(cc.closed)
 	_ = cc.conn.Close()
 	for _, ch := range pending {
-		ch <- answer{code: errLost, text: why.Error()}
+		ch <- answer{lost: why}
 	}
 }

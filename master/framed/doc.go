@@ -24,12 +24,21 @@
 //
 // big-endian, where method is gRPC's "/package.Service/Method", code and
 // text are the call's gRPC status, trailer is the trailer metadata as
-// pairs (u16 key size, key, u32 value size, value) and message is the
-// protobuf request or reply. Answers come in any order; the id pairs them.
+// pairs (u16 key size, key, u32 value size, value; a status's details ride
+// in it as under gRPC) and message is the protobuf request or reply.
+// Answers come in any order; the id pairs them. A request without a
+// method cancels the call of its id, as a cancelled gRPC call resets its
+// stream; a call past its deadline sends none, the server's own timer ends
+// it.
+//
+// A frame begun is finished, whatever its call does meanwhile: a call
+// cancelled while its request is written returns at once, and the rest of
+// the frame follows from a goroutine of the connection.
 //
 // Bounds, so a peer holds little: a frame carries at most MaxMessage of
-// message, its body must arrive within a deadline that grows with its size,
-// a connection idle for IdleTimeout is closed, each connection runs at most
-// maxInFlight calls at once (then its requests wait in the socket), and a
-// server holds at most maxConns connections.
+// message and 1 MiB of trailer, its body must arrive within a deadline
+// that grows with its size, a connection without a call for IdleTimeout is
+// closed, each connection runs at most maxInFlight calls at once (then its
+// requests wait in the socket), and a server holds at most maxConns
+// connections.
 package framed

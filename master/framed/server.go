@@ -37,6 +37,7 @@ type Server struct {
 	log       *slog.Logger
 	methods   map[string]method // by full name
 	bufs      bufPool
+	idle      time.Duration  // IdleTimeout; shorter in tests
 	wg        sync.WaitGroup // readers, handlers, Split's loops
 	mu        struct {
 		sync.Mutex
@@ -57,7 +58,7 @@ func NewServer(intercept grpc.UnaryServerInterceptor, log *slog.Logger) *Server 
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{intercept: intercept, log: log, methods: map[string]method{}}
+	s := &Server{intercept: intercept, log: log, methods: map[string]method{}, idle: IdleTimeout}
 	s.mu.conns = map[*serverConn]struct{}{}
 	s.mu.sniffing = map[net.Conn]struct{}{}
 	return s
@@ -186,12 +187,17 @@ type serverConn struct {
 	ctx    context.Context // ends when the connection closes
 	cancel context.CancelFunc
 	wmu    sync.Mutex // one answer written at a time
+	mu     struct {
+		sync.Mutex
+		calls map[uint64]context.CancelFunc // running, by id: a cancel frame ends one
+	}
 }
 
 // serve answers conn's calls until it closes or the server stops.
 func (s *Server) serve(conn net.Conn) {
 	c := &serverConn{conn: conn, peer: &peer.Peer{Addr: conn.RemoteAddr(), LocalAddr: conn.LocalAddr()}}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
+	c.mu.calls = map[uint64]context.CancelFunc{}
 	defer c.cancel()
 	defer conn.Close()
 	s.mu.Lock()
@@ -214,7 +220,10 @@ func (s *Server) serve(conn net.Conn) {
 	fr := newFrameReader(conn, &s.bufs)
 	slots := make(chan struct{}, maxInFlight)
 	for {
-		body, err := fr.next(IdleTimeout)
+		body, err := fr.next(s.idle)
+		if errors.Is(err, errIdle) && len(slots) > 0 {
+			continue // idle only between requests, not while calls run
+		}
 		if err != nil {
 			if errors.Is(err, errFrame) {
 				s.log.Warn("framed: closing a connection", "from", conn.RemoteAddr(), "err", err)
@@ -227,28 +236,44 @@ func (s *Server) serve(conn net.Conn) {
 			s.log.Warn("framed: closing a connection", "from", conn.RemoteAddr(), "err", err)
 			return
 		}
+		if req.method == "" { // a cancel frame
+			s.bufs.put(body)
+			c.mu.Lock()
+			cancel := c.mu.calls[req.id]
+			c.mu.Unlock()
+			if cancel != nil {
+				cancel()
+			}
+			continue
+		}
 		select {
 		case slots <- struct{}{}:
 		case <-c.ctx.Done():
 			return
 		}
+		ctx, cancel := context.WithCancel(c.ctx)
+		if req.timeout > 0 {
+			ctx, cancel = context.WithTimeout(c.ctx, req.timeout)
+		}
+		c.mu.Lock()
+		c.mu.calls[req.id] = cancel
+		c.mu.Unlock()
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
 			defer func() { <-slots }()
-			s.handle(c, req)
+			s.handle(ctx, c, req)
 			s.bufs.put(body) // the handler decoded a copy of the message
+			c.mu.Lock()
+			delete(c.mu.calls, req.id)
+			c.mu.Unlock()
+			cancel()
 		}()
 	}
 }
 
 // handle runs one call and writes its answer.
-func (s *Server) handle(c *serverConn, req request) {
-	ctx, cancel := c.ctx, context.CancelFunc(func() {})
-	if req.timeout > 0 {
-		ctx, cancel = context.WithTimeout(ctx, req.timeout)
-	}
-	defer cancel()
+func (s *Server) handle(ctx context.Context, c *serverConn, req request) {
 	st := &stream{method: req.method}
 	ctx = grpc.NewContextWithServerTransportStream(peer.NewContext(ctx, c.peer), st)
 	var reply any
@@ -264,13 +289,30 @@ func (s *Server) handle(c *serverConn, req request) {
 	} else {
 		err = status.Errorf(codes.Unimplemented, "unknown method %s", req.method)
 	}
+	trailer := st.trailer()
 	var b []byte
 	if err == nil {
-		b, err = s.marshalAnswer(req.id, st.trailer(), reply)
+		if err = checkTrailer(trailer); err == nil {
+			b, err = s.marshalAnswer(req.id, trailer, reply)
+		}
 	}
 	if err != nil {
-		sts := status.Convert(err)
-		b = finish(appendAnswerHead(nil, req.id, sts.Code(), sts.Message(), st.trailer()))
+		// As gRPC's server: a handler's bare context error keeps its code.
+		sts, ok := status.FromError(err)
+		if !ok {
+			sts = status.FromContextError(err)
+		}
+		if p := sts.Proto(); len(p.Details) > 0 {
+			// Where gRPC carries them too.
+			d, merr := proto.Marshal(p)
+			if merr == nil {
+				trailer = metadata.Join(trailer, metadata.Pairs(detailsKey, string(d)))
+			}
+		}
+		if terr := checkTrailer(trailer); terr != nil {
+			sts, trailer = status.Convert(terr), nil
+		}
+		b = finish(appendAnswerHead(nil, req.id, sts.Code(), sts.Message(), trailer))
 	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
@@ -280,6 +322,27 @@ func (s *Server) handle(c *serverConn, req request) {
 		_ = c.conn.Close() // its reader ends
 	}
 	s.bufs.put(b)
+}
+
+// detailsKey is the trailer that carries a status's details, encoded as
+// gRPC encodes them.
+const detailsKey = "grpc-status-details-bin"
+
+// checkTrailer refuses a trailer the wire cannot carry.
+func checkTrailer(md metadata.MD) error {
+	n := 0
+	for k, vs := range md {
+		if len(k) > 1<<16-1 {
+			return status.Errorf(codes.Internal, "framed: trailer key of %d bytes", len(k))
+		}
+		for _, v := range vs {
+			n += 6 + len(k) + len(v)
+		}
+	}
+	if n > maxTrailer {
+		return status.Errorf(codes.ResourceExhausted, "framed: trailer of %d bytes, more than %d", n, maxTrailer)
+	}
+	return nil
 }
 
 func (s *Server) marshalAnswer(id uint64, trailer metadata.MD, reply any) ([]byte, error) {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -23,7 +24,7 @@ const MaxMessage = 64 << 20
 
 const (
 	maxMethod  = 1 << 10
-	maxTrailer = 64 << 10
+	maxTrailer = 1 << 20
 	// The fixed parts of a frame after its size.
 	requestHead = 8 + 8 + 2
 	answerHead  = 8 + 4 + 4 + 4
@@ -36,6 +37,9 @@ const IdleTimeout = 5 * time.Minute
 
 // errFrame is a frame that breaks the protocol: the connection closes.
 var errFrame = errors.New("framed: malformed frame")
+
+// errIdle is no frame begun within the idle bound.
+var errIdle = errors.New("framed: idle")
 
 // bodyDeadline is how long the rest of a frame of n bytes may take once
 // its size arrived: 10 s, plus a second per MiB.
@@ -61,8 +65,19 @@ func newFrameReader(conn net.Conn, bufs *bufPool) *frameReader {
 // here grows as its bytes arrive (from 64 KiB), so a peer that announces
 // a large frame and sends little holds little.
 func (f *frameReader) next(idle time.Duration) ([]byte, error) {
-	if f.r.Buffered() < len(f.head) {
+	if f.r.Buffered() == 0 {
 		if err := f.conn.SetReadDeadline(time.Now().Add(idle)); err != nil {
+			return nil, err
+		}
+		if _, err := f.r.Peek(1); err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				return nil, errIdle
+			}
+			return nil, err
+		}
+	}
+	if f.r.Buffered() < len(f.head) {
+		if err := f.conn.SetReadDeadline(bodyDeadline(0)); err != nil {
 			return nil, err
 		}
 	}
@@ -152,6 +167,7 @@ type answer struct {
 	trailer metadata.MD
 	message []byte
 	body    []byte
+	lost    error // set instead when the connection ended first
 }
 
 func appendAnswerHead(b []byte, id uint64, code codes.Code, text string, trailer metadata.MD) []byte {
