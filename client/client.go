@@ -196,6 +196,10 @@ type PutOptions struct {
 	Replicas int
 }
 
+// inlineChecksum is the most bytes of a put a caller sums itself before
+// writing; more are summed beside the writes.
+const inlineChecksum = 256 << 10
+
 // BatchPutWith is BatchPut with options.
 func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byte, o PutOptions) []error {
 	replicas := c.replicas
@@ -238,12 +242,25 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	}
 	// The checksums are computed while the values are on the wire: only
 	// BatchPutEnd needs them, and BatchPutStart, which waits for them.
+	// Small values are summed here first (a 64 KiB value takes 5 us, less
+	// than starting and waking a goroutine for it).
 	sums := make([]uint32, len(keys))
 	summed := make(chan struct{})
-	go func() {
-		defer close(summed)
-		forEach(len(idx), func(j int) { sums[idx[j]] = Checksum(values[idx[j]]) })
-	}()
+	total := 0
+	for _, i := range idx {
+		total += len(values[i])
+	}
+	if total <= inlineChecksum {
+		for _, i := range idx {
+			sums[i] = Checksum(values[i])
+		}
+		close(summed)
+	} else {
+		go func() {
+			defer close(summed)
+			forEach(len(idx), func(j int) { sums[idx[j]] = Checksum(values[idx[j]]) })
+		}()
+	}
 	defer func() { <-summed }()
 	var haveSums bool
 	checksums := func() {
