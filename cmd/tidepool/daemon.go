@@ -130,7 +130,7 @@ type masterFlags struct {
 func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&m.id, "id", "m1", "raft server id of this master; stable across restarts")
 	fs.StringVar(&m.dir, "dir", "tidepool-master", "directory for the raft log and snapshots")
-	fs.StringVar(&m.listen, "listen", defaultMaster, "gRPC address for clients and stores")
+	fs.StringVar(&m.listen, "listen", defaultMaster, "address for clients and stores (gRPC, and the same calls framed)")
 	fs.StringVar(&m.advertise, "advertise", "", "gRPC address others reach this master at (default --listen)")
 	fs.StringVar(&m.raftAddr, "raft", defaultRaft, "address for raft traffic between masters")
 	fs.StringVar(&m.peers, "peers", "", "initial voters of a new cluster as id=raftaddr,...; empty: this master alone")
@@ -406,7 +406,7 @@ func registered(n *store.Node) error {
 func runUp(ctx context.Context, e *env, args []string) error {
 	fs := newFlags("up", "[flags]", "Run an all-in-one local cluster: one master and one store in this process.", e.stderr)
 	dir := fs.String("dir", "tidepool-data", "directory for the master's raft log and snapshots")
-	listen := fs.String("listen", defaultMaster, "master gRPC address")
+	listen := fs.String("listen", defaultMaster, "master address (gRPC, and the same calls framed)")
 	raftAddr := fs.String("raft", defaultRaft, "master raft address")
 	engineAddr := fs.String("engine", defaultEngine, "store transfer engine address")
 	dram := fs.String("dram", "1GiB", "size of the store's DRAM tier")
