@@ -118,7 +118,7 @@ func (c *Client) conn(ctx context.Context) (*clientConn, error) {
 		case c.mu.closed:
 			c.mu.Unlock()
 			return nil, status.Error(codes.Canceled, "framed: client is closed")
-		case c.mu.conn != nil && c.mu.conn.live():
+		case c.mu.conn != nil && c.mu.conn.usable(time.Now()):
 			cc := c.mu.conn
 			c.mu.Unlock()
 			return cc, nil
@@ -188,6 +188,7 @@ type clientConn struct {
 	mu     struct {
 		sync.Mutex
 		next    uint64
+		used    time.Time // when a call last took it
 		pending map[uint64]chan answer
 		err     error // why the connection ended; nil while live
 	}
@@ -232,6 +233,7 @@ func dial(ctx context.Context, addr string) (*clientConn, error) {
 	_ = conn.SetDeadline(time.Time{})
 	cc := &clientConn{conn: conn, addr: addr, wlock: make(chan struct{}, 1), closed: make(chan struct{})}
 	cc.mu.pending = map[uint64]chan answer{}
+	cc.mu.used = time.Now()
 	cc.wg.Add(1)
 	go cc.read()
 	return cc, nil
@@ -242,6 +244,32 @@ func (cc *clientConn) live() bool {
 	defer cc.mu.Unlock()
 	return cc.mu.err == nil
 }
+
+// clientIdle is how long a client keeps a connection without calls: less
+// than the server's IdleTimeout, so that a call never meets the server's
+// close of an idle connection (it would fail Unavailable, and leaderconn
+// would back off before it tried again).
+const clientIdle = IdleTimeout - time.Minute
+
+// usable says whether a call may take the connection at now, and counts
+// it as used. One idle for clientIdle is closed instead.
+func (cc *clientConn) usable(now time.Time) bool {
+	cc.mu.Lock()
+	idle := cc.mu.err == nil && len(cc.mu.pending) == 0 && now.Sub(cc.mu.used) >= clientIdle
+	if !idle {
+		cc.mu.used = now
+	}
+	live := cc.mu.err == nil
+	cc.mu.Unlock()
+	if idle {
+		cc.close(errIdleClosed)
+		return false
+	}
+	return live
+}
+
+// errIdleClosed ends a connection the client left idle.
+var errIdleClosed = errors.New("closed after idling")
 
 // call sends one request and waits for its answer or ctx.
 func (cc *clientConn) call(ctx context.Context, method string, args any) (answer, error) {

@@ -38,7 +38,8 @@
 // Bounds, so a peer holds little: a frame carries at most MaxMessage of
 // message and 1 MiB of trailer, its body must arrive within a deadline
 // that grows with its size, a connection without a call for IdleTimeout is
-// closed, each connection runs at most maxInFlight calls at once (then its
-// requests wait in the socket), and a server holds at most maxConns
-// connections.
+// closed (a client replaces its own a minute before, so no call meets
+// that close), each connection runs at most maxInFlight calls at once
+// (then its requests wait in the socket), and a server holds at most
+// maxConns connections.
 package framed
