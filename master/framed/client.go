@@ -29,6 +29,9 @@ const (
 // errUnframed is a peer that does not speak framed.
 var errUnframed = errors.New("framed: peer does not answer the preface")
 
+// errSilent is a peer that did not answer a dial within dialTimeout.
+var errSilent = errors.New("framed: no answer")
+
 // errClosed ends the connections of a closed client.
 var errClosed = errors.New("client closed")
 
@@ -40,11 +43,17 @@ var errClosed = errors.New("client closed")
 type Client struct {
 	addr     string
 	fallback grpc.ClientConnInterface
+	ctx      context.Context // ends at Close, and with it a dial
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup // the dial in progress
 	mu       struct {
 		sync.Mutex
 		conn     *clientConn
-		dialing  chan struct{} // closed when the dial in progress ends
-		unframed time.Time     // until then, calls take fallback
+		dialing  *dialAttempt // the dial in progress, if any
+		unframed time.Time    // until then, calls take fallback
+		down     time.Time    // until then, calls fail with downErr
+		downErr  error
+		backoff  time.Duration // the last down's
 		closed   bool
 	}
 }
@@ -53,7 +62,9 @@ var _ grpc.ClientConnInterface = (*Client)(nil)
 
 // NewClient returns a client of addr; it does not dial.
 func NewClient(addr string, fallback grpc.ClientConnInterface) *Client {
-	return &Client{addr: addr, fallback: fallback}
+	c := &Client{addr: addr, fallback: fallback}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	return c
 }
 
 // NewStream opens a stream through the fallback.
@@ -110,54 +121,90 @@ func (c *Client) Invoke(ctx context.Context, method string, args, reply any, opt
 }
 
 // conn returns the live connection, dialling one if there is none;
-// errUnframed says to take the fallback.
+// errUnframed says to take the fallback. The dial is the client's, not the
+// caller's: a caller whose ctx ends first leaves it running, so a peer
+// that accepts but never answers (a stopped or wedged process) is found
+// out within dialTimeout whatever the callers' deadlines, and its calls
+// then fail at once with Unavailable (leaderconn moves on to another
+// master) until a backoff has passed, as a gRPC channel in
+// TRANSIENT_FAILURE fails them.
 func (c *Client) conn(ctx context.Context) (*clientConn, error) {
 	for {
 		c.mu.Lock()
+		now := time.Now()
 		switch {
 		case c.mu.closed:
 			c.mu.Unlock()
 			return nil, status.Error(codes.Canceled, "framed: client is closed")
-		case c.mu.conn != nil && c.mu.conn.usable(time.Now()):
+		case c.mu.conn != nil && c.mu.conn.usable(now):
 			cc := c.mu.conn
 			c.mu.Unlock()
 			return cc, nil
-		case time.Now().Before(c.mu.unframed):
+		case now.Before(c.mu.unframed):
 			c.mu.Unlock()
 			return nil, errUnframed
-		case c.mu.dialing != nil:
-			d := c.mu.dialing
+		case now.Before(c.mu.down):
+			err := c.mu.downErr
 			c.mu.Unlock()
-			select {
-			case <-d:
-				continue
-			case <-ctx.Done():
-				return nil, status.FromContextError(ctx.Err()).Err()
-			}
+			return nil, err
+		case c.mu.dialing == nil:
+			c.mu.dialing = &dialAttempt{done: make(chan struct{})}
+			c.wg.Add(1)
+			go c.dial(c.mu.dialing)
 		}
-		d := make(chan struct{})
-		c.mu.dialing = d
+		d := c.mu.dialing
 		c.mu.Unlock()
-		cc, err := dial(ctx, c.addr)
-		c.mu.Lock()
-		c.mu.dialing = nil
-		close(d)
-		switch {
-		case errors.Is(err, errUnframed):
-			c.mu.unframed = time.Now().Add(unframedFor)
-		case err == nil && c.mu.closed:
-			cc.close(errClosed)
-			err = status.Error(codes.Canceled, "framed: client is closed")
-		case err == nil:
-			if old := c.mu.conn; old != nil {
-				old.close(errors.New("replaced"))
+		select {
+		case <-d.done:
+			if d.err != nil && !errors.Is(d.err, errUnframed) && !errors.Is(d.err, errSilent) {
+				return nil, d.err // refused: the next call dials again
 			}
-			c.mu.conn = cc
+		case <-ctx.Done():
+			return nil, status.FromContextError(context.Cause(ctx)).Err()
 		}
-		c.mu.Unlock()
-		return cc, err
 	}
 }
+
+// dialAttempt is a dial in progress; err is set before done closes.
+type dialAttempt struct {
+	done chan struct{}
+	err  error
+}
+
+// dial connects, then ends d. A peer that does not answer within
+// dialTimeout is down for a backoff that doubles from downFor to
+// maxDownFor; one that refuses is dialled again by the next call.
+func (c *Client) dial(d *dialAttempt) {
+	defer c.wg.Done()
+	cc, err := dial(c.ctx, c.addr)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.mu.dialing = nil
+	d.err = err
+	close(d.done)
+	switch {
+	case errors.Is(err, errUnframed):
+		c.mu.unframed = time.Now().Add(unframedFor)
+	case errors.Is(err, errSilent):
+		c.mu.backoff = min(max(2*c.mu.backoff, downFor), maxDownFor)
+		c.mu.down = time.Now().Add(c.mu.backoff)
+		c.mu.downErr = status.Errorf(codes.Unavailable, "framed: %s did not answer within %v (not tried again for %v)", c.addr, dialTimeout, c.mu.backoff)
+	case err == nil && c.mu.closed:
+		cc.close(errClosed)
+	case err == nil:
+		c.mu.backoff = 0
+		if old := c.mu.conn; old != nil {
+			old.close(errors.New("replaced"))
+		}
+		c.mu.conn = cc
+	}
+}
+
+// How long a peer that did not answer a dial is not dialled again.
+const (
+	downFor    = time.Second
+	maxDownFor = 10 * time.Second
+)
 
 // Close closes the connection; calls in flight fail. The fallback is the
 // caller's to close.
@@ -167,6 +214,8 @@ func (c *Client) Close() error {
 	cc := c.mu.conn
 	c.mu.conn = nil
 	c.mu.Unlock()
+	c.cancel() // a dial in progress
+	c.wg.Wait()
 	if cc != nil {
 		cc.close(errClosed)
 		cc.wg.Wait()
@@ -194,16 +243,19 @@ type clientConn struct {
 	}
 }
 
-// dial connects to addr and exchanges the preface.
+// dial connects to addr and exchanges the preface, within dialTimeout.
 func dial(ctx context.Context, addr string) (*clientConn, error) {
 	dctx, cancel := context.WithTimeout(ctx, dialTimeout)
 	defer cancel()
 	var d net.Dialer
 	conn, err := d.DialContext(dctx, "tcp", addr)
-	if err != nil {
-		if ctx.Err() != nil {
-			return nil, status.FromContextError(ctx.Err()).Err()
-		}
+	switch {
+	case err == nil:
+	case ctx.Err() != nil:
+		return nil, status.FromContextError(ctx.Err()).Err()
+	case dctx.Err() != nil:
+		return nil, fmt.Errorf("%w: dial %s: %v", errSilent, addr, err)
+	default:
 		return nil, status.Errorf(codes.Unavailable, "framed: dial %s: %v", addr, err)
 	}
 	if tc, ok := conn.(*net.TCPConn); ok {
@@ -220,13 +272,11 @@ func dial(ctx context.Context, addr string) (*clientConn, error) {
 	stopped := stop() // false: ctx ended, and may have cut the exchange
 	if err != nil || string(head) != preface || !stopped {
 		_ = conn.Close()
-		callerDeadline, ok := ctx.Deadline()
 		switch {
 		case ctx.Err() != nil || !stopped:
 			return nil, status.FromContextError(context.Cause(ctx)).Err()
-		case errors.Is(err, os.ErrDeadlineExceeded) && ok && !callerDeadline.After(deadline):
-			// The caller's deadline, just before its context says so.
-			return nil, status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			return nil, fmt.Errorf("%w: %s: %v", errSilent, addr, err)
 		}
 		return nil, fmt.Errorf("%w: %s: %v", errUnframed, addr, err)
 	}

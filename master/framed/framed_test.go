@@ -729,7 +729,7 @@ func TestCancelIsPromptAndConnStays(t *testing.T) {
 	c2 := NewClient(s.addr, &failingConn{})
 	defer c2.Close()
 	c2.mu.Lock()
-	c2.mu.dialing = make(chan struct{}) // a dial that never ends
+	c2.mu.dialing = &dialAttempt{done: make(chan struct{})} // a dial that never ends
 	c2.mu.Unlock()
 	ctx2, cancel2 := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel2()
