@@ -276,6 +276,10 @@ func TestPeerDiesMidTransfer(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, "the first slices to arrive", func() bool { return bh.received.Load() >= 64<<10 })
+	// A dead peer refuses new connections too: a slice that dialled after
+	// the drop would otherwise wait on a live listener forever (the write
+	// has no deadline), which made this test flaky under load.
+	bh.ln.Close()
 	bh.dropConns()
 	waitTask(t, task)
 	if task.State() != Failed || !errors.Is(task.Err(), ErrUnavailable) {
