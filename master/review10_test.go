@@ -93,31 +93,12 @@ func review10Start(t testing.TB, cfg Config) (*member, *review10Listener) {
 
 func review10Cluster(t testing.TB, n int, tweak func(*Config)) (*cluster, []*review10Listener) {
 	t.Helper()
-	c := &cluster{t: t, members: make([]*member, n), trans: make([]*raft.InmemTransport, n), down: make([]bool, n)}
-	lns := make([]*review10Listener, n)
-	var peers []raft.Server
-	for i := range n {
-		addr, tr := raft.NewInmemTransport("")
-		c.trans[i] = tr
-		if n > 1 {
-			peers = append(peers, raft.Server{ID: raft.ServerID(fmt.Sprintf("m%d", i)), Address: addr})
-		}
-	}
-	for i, a := range c.trans {
-		for j, b := range c.trans {
-			if i != j {
-				a.Connect(b.LocalAddr(), b)
-			}
-		}
-	}
-	for i := range n {
-		cfg := Config{ID: fmt.Sprintf("m%d", i), Dir: t.TempDir(), Peers: peers, Transport: c.trans[i]}
-		fastTimings(&cfg)
-		if tweak != nil {
-			tweak(&cfg)
-		}
-		c.members[i], lns[i] = review10Start(t, cfg)
-	}
+	var lns []*review10Listener
+	c := newClusterOf(t, n, tweak, func(t testing.TB, cfg Config) *member {
+		m, ln := review10Start(t, cfg)
+		lns = append(lns, ln)
+		return m
+	})
 	return c, lns
 }
 

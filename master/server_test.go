@@ -126,6 +126,12 @@ func fastTimings(cfg *Config) {
 
 func newCluster(t testing.TB, n int, tweak func(*Config)) *cluster {
 	t.Helper()
+	return newClusterOf(t, n, tweak, start)
+}
+
+// newClusterOf is newCluster with each member started by startMember.
+func newClusterOf(t testing.TB, n int, tweak func(*Config), startMember func(testing.TB, Config) *member) *cluster {
+	t.Helper()
 	c := &cluster{t: t, members: make([]*member, n), trans: make([]*raft.InmemTransport, n), down: make([]bool, n)}
 	var peers []raft.Server
 	for i := range n {
@@ -148,7 +154,7 @@ func newCluster(t testing.TB, n int, tweak func(*Config)) *cluster {
 		if tweak != nil {
 			tweak(&cfg)
 		}
-		c.members[i] = start(t, cfg)
+		c.members[i] = startMember(t, cfg)
 	}
 	return c
 }
