@@ -75,20 +75,7 @@ func review10Start(t testing.TB, cfg Config) (*member, *review10Listener) {
 		t.Fatal(err)
 	}
 	ln := &review10Listener{Listener: inner}
-	cfg.Advertise = ln.Addr().String()
-	srv, err := New(cfg)
-	if err != nil {
-		ln.Close()
-		t.Fatalf("new master %s: %v", cfg.ID, err)
-	}
-	m := &member{srv: srv, addr: cfg.Advertise, served: make(chan error, 1)}
-	go func() { m.served <- srv.Serve(ln) }()
-	m.conn, err = grpc.NewClient(m.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { m.stop(t) })
-	return m, ln
+	return serve(t, cfg, ln), ln
 }
 
 func review10Cluster(t testing.TB, n int, tweak func(*Config)) (*cluster, []*review10Listener) {

@@ -62,6 +62,20 @@ func start(t testing.TB, cfg Config) *member {
 	if err != nil {
 		t.Fatal(err)
 	}
+	m := serve(t, cfg, ln)
+	// Status answers on any master; once it does, Serve is running, so a
+	// Close cannot overtake it.
+	waitFor(t, 10*time.Second, "gRPC server of "+cfg.ID, func() error {
+		_, err := m.master().Status(rpcCtx(t), &pb.StatusRequest{})
+		return err
+	})
+	return m
+}
+
+// serve runs a master on ln (cfg.Advertise is set to it) and dials it;
+// Cleanup stops it.
+func serve(t testing.TB, cfg Config, ln net.Listener) *member {
+	t.Helper()
 	cfg.Advertise = ln.Addr().String()
 	srv, err := New(cfg)
 	if err != nil {
@@ -75,12 +89,6 @@ func start(t testing.TB, cfg Config) *member {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m.stop(t) })
-	// Status answers on any master; once it does, Serve is running, so a
-	// Close cannot overtake it.
-	waitFor(t, 10*time.Second, "gRPC server of "+cfg.ID, func() error {
-		_, err := m.master().Status(rpcCtx(t), &pb.StatusRequest{})
-		return err
-	})
 	return m
 }
 
