@@ -21,8 +21,9 @@ import (
 const (
 	// dialTimeout bounds a dial and its preface exchange.
 	dialTimeout = 5 * time.Second
-	// unframedFor is how long a peer that did not answer the preface is
-	// called through the fallback before framed is tried again.
+	// unframedFor is how long a peer that closed on the preface, or
+	// answered another, is called through the fallback before framed is
+	// tried again.
 	unframedFor = time.Minute
 )
 
