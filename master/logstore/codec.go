@@ -14,6 +14,7 @@ import (
 const (
 	logPrefix    byte = 0x01
 	stablePrefix byte = 0x02
+	primePrefix  byte = 0x03 // a key that exists only while the WAL is primed
 
 	logKeyLen = 1 + 8
 )

@@ -528,3 +528,30 @@ func TestOpenPrimesWAL(t *testing.T) {
 		}
 	}
 }
+
+// The WAL files a primed store writes its log into are recycled files of
+// a full memtable's log or more from the first commit on, however many
+// memtables the log has filled since: none grows as it is written.
+func TestPrimedWALStaysRecycled(t *testing.T) {
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	data := make([]byte, 500)
+	idx := uint64(1)
+	for written := 0; written < 4*memTableSize; {
+		var logs []*raft.Log
+		for range 64 {
+			logs = append(logs, &raft.Log{Index: idx, Term: 1, Type: raft.LogCommand, Data: data})
+			idx++
+			written += len(data)
+		}
+		if err := s.StoreLogs(logs); err != nil {
+			t.Fatal(err)
+		}
+		if w := s.db.Metrics().WAL; w.PhysicalSize < memTableSize || w.Size > w.PhysicalSize {
+			t.Fatalf("after %d bytes of log the live WAL holds %d bytes in a file of %d: want a recycled file of at least %d", written, w.Size, w.PhysicalSize, memTableSize)
+		}
+	}
+}
