@@ -620,34 +620,18 @@ func TestGRPCClientsThroughSplit(t *testing.T) {
 	g := grpcConn(t, s.addr)
 	c, _ := newClient(t, s.addr)
 	ctx := testCtx(t)
-	var wg sync.WaitGroup
-	errs := make(chan error, 40)
-	for i := range 20 {
-		wg.Add(2)
-		go func() {
-			defer wg.Done()
-			r, err := list(ctx, g, fmt.Sprint("g", i))
-			if err == nil && r.Objects[0].Key != fmt.Sprint("g", i) {
-				err = fmt.Errorf("gRPC got %v", r)
-			}
-			errs <- err
-		}()
-		go func() {
-			defer wg.Done()
-			r, err := list(ctx, c, fmt.Sprint("f", i))
-			if err == nil && r.Objects[0].Key != fmt.Sprint("f", i) {
-				err = fmt.Errorf("framed got %v", r)
-			}
-			errs <- err
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			t.Fatal(err)
+	inParallel(t, 40, func(i int) error {
+		cc, name := grpc.ClientConnInterface(g), "gRPC"
+		if i%2 == 1 {
+			cc, name = c, "framed"
 		}
-	}
+		p := fmt.Sprint(name, i)
+		r, err := list(ctx, cc, p)
+		if err == nil && r.Objects[0].Key != p {
+			err = fmt.Errorf("%s got %v", name, r)
+		}
+		return err
+	})
 	st, err := pb.NewAdminClient(g).Drain(ctx, &pb.DrainRequest{})
 	if err != nil {
 		t.Fatal(err)
@@ -1544,26 +1528,13 @@ func TestConcurrentFirstCallsShareOneDial(t *testing.T) {
 	s := startServer(t, "127.0.0.1:0", &testMaster{}, nil)
 	c := NewClient(s.addr, &failingConn{})
 	defer c.Close()
-	var wg sync.WaitGroup
-	errs := make(chan error, 32)
-	for i := range 32 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r, err := list(testCtx(t), c, fmt.Sprint(i))
-			if err == nil && r.Objects[0].Key != fmt.Sprint(i) {
-				err = fmt.Errorf("got %v", r)
-			}
-			errs <- err
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			t.Fatal(err)
+	inParallel(t, 32, func(i int) error {
+		r, err := list(testCtx(t), c, fmt.Sprint(i))
+		if err == nil && r.Objects[0].Key != fmt.Sprint(i) {
+			err = fmt.Errorf("got %v", r)
 		}
-	}
+		return err
+	})
 	s.framed.mu.Lock()
 	n := len(s.framed.mu.conns)
 	s.framed.mu.Unlock()
@@ -1582,30 +1553,17 @@ func TestLargeMessages(t *testing.T) {
 		wantEcho(t, r, err, p)
 	}
 	// Concurrent big ones share the connection with small ones.
-	var wg sync.WaitGroup
-	errs := make(chan error, 16)
-	for i := range 16 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			p := fmt.Sprint(i)
-			if i%4 == 0 {
-				p += strings.Repeat("z", 2<<20)
-			}
-			r, err := list(ctx, c, p)
-			if err == nil && r.Objects[0].Key != p {
-				err = errors.New("wrong answer")
-			}
-			errs <- err
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			t.Fatal(err)
+	inParallel(t, 16, func(i int) error {
+		p := fmt.Sprint(i)
+		if i%4 == 0 {
+			p += strings.Repeat("z", 2<<20)
 		}
-	}
+		r, err := list(ctx, c, p)
+		if err == nil && r.Objects[0].Key != p {
+			err = errors.New("wrong answer")
+		}
+		return err
+	})
 	cc := liveConn(c)
 	// Over MaxMessage: refused here, the connection untouched.
 	_, err := list(ctx, c, strings.Repeat("x", MaxMessage+1))
@@ -1849,4 +1807,21 @@ func FuzzParseAnswer(f *testing.F) {
 			t.Fatalf("%+v", a)
 		}
 	})
+}
+
+// inParallel runs fn(0..n-1) at once and fails t with the first error.
+func inParallel(t *testing.T, n int, fn func(i int) error) {
+	t.Helper()
+	errs := make(chan error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() { errs <- fn(i) })
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
 }
