@@ -5,6 +5,7 @@ package integration
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,6 +24,7 @@ import (
 	"time"
 
 	"github.com/tidepool-kv/tidepool/client"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
 // binPath is the tidepool binary TestMain builds; read-only once tests run.
@@ -280,6 +283,7 @@ func startMaster(t *testing.T, ctx context.Context, dir string, extra ...string)
 		m.grpc, m.raft, m.http = freeAddr(t), freeAddr(t), freeAddr(t)
 		return m.argv(), m.http
 	})
+	t.Cleanup(func() { checkNoSharedExtents(t, m.proc, m.grpc) })
 	return m
 }
 
@@ -328,7 +332,59 @@ func startUp(t *testing.T, ctx context.Context, dir string, extra ...string) *up
 		u.grpc, u.raft, u.engine, u.http = freeAddr(t), freeAddr(t), freeAddr(t), freeAddr(t)
 		return append([]string{"up", "--dir", dir, "--listen", u.grpc, "--raft", u.raft, "--engine", u.engine, "--http", u.http}, extra...), u.http
 	})
+	t.Cleanup(func() { checkNoSharedExtents(t, u.proc, u.grpc) })
 	return u
+}
+
+// checkNoSharedExtents is the invariant every test ends with, run while
+// its master still serves: no two replicas of live objects overlap in a
+// segment. A master that has exited, or a cluster left without a leader,
+// is not checked (logged).
+func checkNoSharedExtents(t *testing.T, p *proc, masters string) {
+	t.Helper()
+	if p.exited() {
+		return
+	}
+	c, err := client.New(client.Config{Masters: []string{masters}})
+	if err != nil {
+		t.Logf("extents not checked: %v", err)
+		return
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	objs, err := c.List(ctx, "")
+	if err != nil {
+		t.Logf("extents not checked: list: %v", err)
+		return
+	}
+	if err := sharedExtents(objs); err != nil {
+		t.Errorf("invariant: %v", err)
+	}
+}
+
+// sharedExtents returns an error naming the first two objects whose
+// replicas overlap in one segment.
+func sharedExtents(objs []*pb.ObjectInfo) error {
+	type ext struct {
+		key      string
+		off, end uint64
+	}
+	bySeg := map[string][]ext{}
+	for _, o := range objs {
+		for _, r := range o.Replicas {
+			bySeg[r.Segment] = append(bySeg[r.Segment], ext{o.Key, r.Offset, r.Offset + max(r.Length, o.Size)})
+		}
+	}
+	for seg, exts := range bySeg {
+		slices.SortFunc(exts, func(a, b ext) int { return cmp.Compare(a.off, b.off) })
+		for i := 1; i < len(exts); i++ {
+			if a, b := exts[i-1], exts[i]; b.off < a.end {
+				return fmt.Errorf("objects %q [%d, %d) and %q [%d, %d) share space in segment %s", a.key, a.off, a.end, b.key, b.off, b.end, seg)
+			}
+		}
+	}
+	return nil
 }
 
 // cliResult is the outcome of one client command.

@@ -61,6 +61,9 @@ func (a *adminService) Evict(ctx context.Context, req *pb.EvictRequest) (*pb.Evi
 	if err := a.s.leaderOnly(); err != nil {
 		return nil, err
 	}
+	if err := validTier(req.Tier); err != nil {
+		return nil, err
+	}
 	now := a.s.cfg.Now()
 	victims, allowSoft, skipped, err := a.s.adminVictims(req, now)
 	if err != nil {

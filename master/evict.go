@@ -34,10 +34,8 @@ func (s *Server) touch(keys []string, now time.Time) { s.fsm.touch(keys, now.Uni
 // byRecency sorts objects least recently used first, and
 // reports which were read-leased at now when scanned.
 func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]bool) {
-	uses := make(map[string]time.Time, len(objs))
 	leased = map[string]bool{}
 	for _, o := range objs {
-		uses[o.key] = o.lastUse()
 		if o.lease > now.UnixNano() {
 			leased[o.key] = true
 		}
@@ -48,7 +46,7 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 		// what stays is a matchable prefix; at one depth, leaves first.
 		// (Children alone would order only the last leaf: the rest of a
 		// chain has one child each, and would go in key order.)
-		return cmp.Or(uses[a.key].Compare(uses[b.key]), cmp.Compare(b.depth, a.depth), cmp.Compare(a.children, b.children), cmp.Compare(a.key, b.key))
+		return cmp.Or(cmp.Compare(a.lastUseNano(), b.lastUseNano()), cmp.Compare(b.depth, a.depth), cmp.Compare(a.children, b.children), cmp.Compare(a.key, b.key))
 	})
 	return leased
 }
@@ -313,8 +311,15 @@ func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []ev
 		}
 		return victims, allowSoft, 0, nil
 	}
-	objs := s.fsm.completeObjects(func(k string) bool {
-		return (req.Key == "" || k == req.Key) && strings.HasPrefix(k, req.Prefix)
+	from := req.Prefix
+	if req.Key != "" {
+		from = req.Key
+	}
+	objs := s.fsm.completeFrom(from, func(k string) (keep, more bool) {
+		if !strings.HasPrefix(k, req.Prefix) || (req.Key != "" && k != req.Key) {
+			return false, false
+		}
+		return true, true
 	})
 	segTier := map[string]pb.Tier{}
 	for _, v := range s.fsm.segmentViews() {

@@ -549,6 +549,20 @@ func (f *FSM) releasePending(now int64) {
 
 func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 	n := f.nodes[c.Node]
+	// The handler refuses names that could collide; this guards entries
+	// an older master accepted: never two allocators for one id.
+	epoch := uint64(1)
+	if n != nil {
+		epoch = n.epoch + 1
+	}
+	ids := map[string]bool{}
+	for _, spec := range c.Segments {
+		id := SegmentID(c.Node, spec.Name, epoch)
+		if s := f.segments[id]; ids[id] || (s != nil && s.node != c.Node) {
+			return fmt.Errorf("%w: segment id %q of node %q is taken", ErrInvalidRequest, id, c.Node)
+		}
+		ids[id] = true
+	}
 	if n == nil {
 		n = &node{id: c.Node}
 		f.nodes[c.Node] = n

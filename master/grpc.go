@@ -21,6 +21,12 @@ import (
 const (
 	MaxKeyLen    = 4096
 	MaxBatchKeys = 16384
+	// MaxSegmentsPerNode bounds a Register: each segment is FSM state and
+	// a line of every status answer.
+	MaxSegmentsPerNode = 64
+	// maxSegmentID is the longest segment id (node/name@epoch) the
+	// transfer engine's frames carry (engine.MaxSegmentName).
+	maxSegmentID = 255
 	defaultList  = 1000
 	// LeaderTrailer names the trailer that carries the leader's address when
 	// a follower refuses a request.
@@ -88,6 +94,72 @@ func validKey(k string) error {
 		return fmt.Errorf("%w: key of %d bytes exceeds the %d-byte limit", ErrInvalidRequest, len(k), MaxKeyLen)
 	}
 	return nil
+}
+
+// validTier refuses a tier this master does not know (the zero tier is
+// the caller's default).
+func validTier(t pb.Tier) error {
+	if _, ok := pb.Tier_name[int32(t)]; !ok {
+		return fmt.Errorf("%w: unknown tier %d", ErrInvalidRequest, t)
+	}
+	return nil
+}
+
+// validName checks a node id or segment name: printable ASCII without the
+// separators of a segment id ("/" and "@"), so that no two (node, name)
+// pairs make the same id.
+func validName(what, name string) error {
+	if name == "" {
+		return fmt.Errorf("%w: empty %s", ErrInvalidRequest, what)
+	}
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c <= ' ' || c > '~' || c == '/' || c == '@' {
+			return fmt.Errorf("%w: %s %q: byte %#02x at %d (want printable ASCII without space, '/' or '@')", ErrInvalidRequest, what, name, c, i)
+		}
+	}
+	return nil
+}
+
+// validRegister checks a Register request: names that make unambiguous
+// segment ids the engine can carry, known tiers, and bounded counts.
+func validRegister(req *pb.RegisterRequest) error {
+	if req.Endpoint == "" || len(req.Segments) == 0 {
+		return fmt.Errorf("%w: register needs a node id, an endpoint and at least one segment", ErrInvalidRequest)
+	}
+	if err := validName("node id", req.Node); err != nil {
+		return err
+	}
+	if len(req.Segments) > MaxSegmentsPerNode {
+		return fmt.Errorf("%w: %d segments (at most %d per node)", ErrInvalidRequest, len(req.Segments), MaxSegmentsPerNode)
+	}
+	if len(req.Endpoint) > maxSegmentID {
+		return fmt.Errorf("%w: endpoint of %d bytes", ErrInvalidRequest, len(req.Endpoint))
+	}
+	names := map[string]bool{}
+	for _, sp := range req.Segments {
+		if err := validName("segment name", sp.Name); err != nil {
+			return err
+		}
+		// The epoch can take 20 digits.
+		if n := len(SegmentID(req.Node, sp.Name, 0)) - 1 + 20; n > maxSegmentID {
+			return fmt.Errorf("%w: segment %q of node %q makes an id of up to %d bytes (at most %d)", ErrInvalidRequest, sp.Name, req.Node, n, maxSegmentID)
+		}
+		if sp.Tier == pb.Tier_TIER_UNSPECIFIED || validTier(sp.Tier) != nil {
+			return fmt.Errorf("%w: segment %q has tier %d (want HBM, DRAM or SSD)", ErrInvalidRequest, sp.Name, sp.Tier)
+		}
+		if sp.Capacity < alignment(sp.Tier) || names[sp.Name] {
+			return fmt.Errorf("%w: segment %q needs a unique name and a capacity of at least %d bytes", ErrInvalidRequest, sp.Name, alignment(sp.Tier))
+		}
+		names[sp.Name] = true
+	}
+	return nil
+}
+
+func parentLoopError(key, parent string) error {
+	if key == parent {
+		return fmt.Errorf("%w: %q names itself as its parent", ErrInvalidRequest, key)
+	}
+	return fmt.Errorf("%w: parent %q of %q descends from it: the chain would loop", ErrInvalidRequest, parent, key)
 }
 
 func validKeys(keys []string) error {
@@ -172,7 +244,13 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		largest = max(largest, v.capacity)
 	}
 	results := make([]*pb.PutStartResult, len(req.Items))
+	loops := m.s.fsm.loopingParents(len(req.Items), func(i int) (string, string) { return req.Items[i].Key, req.Items[i].Parent })
 	for i, it := range req.Items {
+		if loops[i] {
+			results[i] = &pb.PutStartResult{Status: itemStatus(parentLoopError(it.Key, it.Parent))}
+			m.s.metrics.putFailed(codes.InvalidArgument)
+			continue
+		}
 		r, err := m.start(ctx, it, place, views, largest, host)
 		if err != nil {
 			return nil, err // the context ended
@@ -191,6 +269,9 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 	views map[string]segmentView, largest uint64, host string) (*pb.PutStartResult, error) {
 	fail := func(err error) (*pb.PutStartResult, error) { return &pb.PutStartResult{Status: itemStatus(err)}, nil }
 	err := validKey(it.Key)
+	if err == nil {
+		err = validTier(it.Tier)
+	}
 	if err == nil && (len(it.Parent) > MaxKeyLen || len(it.Tenant) > MaxKeyLen) {
 		err = fmt.Errorf("%w: parent key or tenant of %q longer than %d bytes", ErrInvalidRequest, it.Key, MaxKeyLen)
 	}
@@ -339,11 +420,16 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 	var legacy []int  // puts started by a PutStartCmd (the log of an older master)
 	var unplaced []uint32
 	now := m.s.cfg.Now().UnixNano()
+	loops := m.s.fsm.loopingParents(len(req.Items), func(i int) (string, string) { return req.Items[i].Key, req.Items[i].Parent })
 	t := m.s.puts
 	t.mu.Lock()
 	for i, it := range req.Items {
 		if err := validKey(it.Key); err != nil {
 			errs[i] = err
+			continue
+		}
+		if loops[i] {
+			errs[i] = parentLoopError(it.Key, it.Parent)
 			continue
 		}
 		id := it.PutId
@@ -592,15 +678,8 @@ type registryService struct {
 }
 
 func (r *registryService) Register(ctx context.Context, req *pb.RegisterRequest) (*pb.RegisterResponse, error) {
-	if req.Node == "" || req.Endpoint == "" || len(req.Segments) == 0 {
-		return nil, fmt.Errorf("%w: register needs a node id, an endpoint and at least one segment", ErrInvalidRequest)
-	}
-	names := map[string]bool{}
-	for _, sp := range req.Segments {
-		if sp.Name == "" || sp.Capacity < alignment(sp.Tier) || names[sp.Name] {
-			return nil, fmt.Errorf("%w: segment %q needs a unique name and a capacity of at least %d bytes", ErrInvalidRequest, sp.Name, alignment(sp.Tier))
-		}
-		names[sp.Name] = true
+	if err := validRegister(req); err != nil {
+		return nil, err
 	}
 	out, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{
 		Node: req.Node, Endpoint: req.Endpoint, Segments: req.Segments, Adopt: req.Adopt, AdoptMore: req.AdoptMore,

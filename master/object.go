@@ -134,8 +134,58 @@ func (o *object) parent() string {
 	return unsafe.String((*byte)(unsafe.Add(unsafe.Pointer(o), objectHeader+uintptr(o.keyLen))), int(o.parentLen))
 }
 
-// newObject is a complete object of the put described, in the table.
+// maxChainWalk bounds the walk up a chain's parent links; a chain longer
+// than this (a million tokens in blocks of 16) counts as a loop.
+const maxChainWalk = 1 << 16
+
+// parentLoop reports whether naming parent as the parent of key would close
+// a loop of parent links: parent is key, or key is an ancestor of parent.
+// Only a key that objects already name as their parent can be an ancestor,
+// so a new block of a chain walks nothing; a block put again under its
+// children walks up its parent's chain. f.mu must be held.
+func (f *FSM) parentLoop(key, parent string) bool {
+	switch {
+	case parent == "":
+		return false
+	case parent == key:
+		return true
+	case f.children[key] == 0:
+		return false
+	}
+	for k, n := parent, 0; n < maxChainWalk; n++ {
+		o := f.objects.get(k)
+		if o == nil || o.parent() == "" {
+			return false
+		}
+		if k = o.parent(); k == key {
+			return true
+		}
+	}
+	return true
+}
+
+// loopingParents reports, for each item of a batch of puts, whether its
+// parent would close a loop of parent links.
+func (f *FSM) loopingParents(n int, item func(int) (key, parent string)) []bool {
+	out := make([]bool, n)
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	for i := range out {
+		if k, p := item(i); p != "" {
+			out[i] = f.parentLoop(k, p)
+		}
+	}
+	return out
+}
+
+// newObject is a complete object of the put described, in the table. A
+// parent that would close a loop of parent links is left out (the
+// services refuse such puts; this keeps entries of older masters, and
+// their snapshots, from making one).
 func (f *FSM) newObject(key string, size uint64, checksum uint32, putID uint64, created int64, parent, tenant string, exts []extent) *object {
+	if f.parentLoop(key, parent) {
+		parent = ""
+	}
 	o := allocObject(key, parent)
 	o.size, o.checksum, o.putID, o.created = size, checksum, putID, created
 	o.setState(pb.ObjectState_OBJECT_STATE_COMPLETE)

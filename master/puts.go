@@ -510,7 +510,7 @@ func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) [
 			same++
 		}
 		i += same
-		if it.Size == 0 {
+		if it.Size == 0 || validTier(it.Tier) != nil {
 			return out // the runs answer a prefix of the requests
 		}
 		want := min(same, maxGrants-count, int((maxGrantBytes-bytes)/it.Size))

@@ -126,13 +126,24 @@ func (f *FSM) exists(keys []string) []bool {
 func (f *FSM) list(prefix, after string, limit int) ([]*pb.ObjectInfo, bool) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	var keys []string
-	for k := range f.objects.all() {
-		if strings.HasPrefix(k, prefix) && k > after {
-			keys = append(keys, k)
-		}
+	start := prefix
+	if after >= start {
+		start = after + "\x00" // the first key after it
 	}
-	return f.page(keys, limit)
+	var out []*pb.ObjectInfo
+	truncated := false
+	f.objects.from(start, func(o *object) bool {
+		if !strings.HasPrefix(o.key(), prefix) {
+			return false
+		}
+		if len(out) == limit {
+			truncated = true
+			return false
+		}
+		out = append(out, f.info(o))
+		return true
+	})
+	return out, truncated
 }
 
 // page describes the first limit of keys in key order, and reports
@@ -279,11 +290,13 @@ type evictable struct {
 
 // lastUse is an object's recency: the last access this leader saw, else
 // its creation.
-func (o evictable) lastUse() time.Time {
+func (o evictable) lastUse() time.Time { return time.Unix(0, o.lastUseNano()) }
+
+func (o evictable) lastUseNano() int64 {
 	if o.used > 0 {
-		return time.Unix(0, o.used)
+		return o.used
 	}
-	return time.Unix(0, o.created)
+	return o.created
 }
 
 // touch records an access of keys at now (unix nanos), for recency.
@@ -299,32 +312,65 @@ func (f *FSM) touch(keys []string, now int64) {
 
 // completeObjects lists the complete objects that match, in key order.
 func (f *FSM) completeObjects(match func(key string) bool) []evictable {
-	return f.scan(func(o *object) bool { return match(o.key()) })
+	return f.scan("", func(o *object) (bool, bool) { return match(o.key()), true })
+}
+
+// completeFrom lists in key order the complete objects from key from on
+// that match accepts, until match answers that no more follow.
+func (f *FSM) completeFrom(from string, match func(key string) (keep, more bool)) []evictable {
+	return f.scan(from, func(o *object) (bool, bool) { return match(o.key()) })
 }
 
 // completeOn lists the complete objects with a replica on segment id, in
 // key order; it builds nothing for the others.
 func (f *FSM) completeOn(id string) []evictable {
-	return f.scan(func(o *object) bool {
-		return f.onSegment(o, id)
+	return f.scan("", func(o *object) (bool, bool) {
+		return f.onSegment(o, id), true
 	})
 }
 
-// scan lists the complete objects keep accepts, in key order. It sorts
-// after releasing the lock, so Apply waits only for the scan; keep runs
-// under the read lock.
-func (f *FSM) scan(keep func(*object) bool) []evictable {
+// scan lists in key order the complete objects from key from on that keep
+// accepts, until keep answers that no more follow. It walks the table a
+// chunk at a time, each under the read lock, so Apply (and so every put)
+// waits for one chunk at most, not for the table; an object added or
+// removed meanwhile may be listed or not. keep runs under the read lock.
+func (f *FSM) scan(from string, keep func(*object) (ok, more bool)) []evictable {
 	var out []evictable
 	depths := map[string]int{}
-	f.mu.RLock()
-	for k, o := range f.objects.all() {
-		if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || !keep(o) {
-			continue
+	for more := true; more; {
+		f.mu.RLock()
+		from, more = f.scanChunk(from, keep, depths, &out)
+		f.mu.RUnlock()
+	}
+	return out
+}
+
+// scanChunk is scan's work under the lock: it appends to out what keep
+// accepts of up to scanChunkLen objects from the key from on, and returns
+// where the next chunk starts, if the scan goes on. f.mu must be held.
+func (f *FSM) scanChunk(from string, keep func(*object) (ok, more bool), depths map[string]int, out *[]evictable) (next string, more bool) {
+	n := 0
+	f.objects.from(from, func(o *object) bool {
+		k := o.key()
+		if n == scanChunkLen {
+			next, more = k, true
+			return false
+		}
+		n++
+		if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
+			return true
+		}
+		ok, goOn := keep(o)
+		if !goOn {
+			return false
+		}
+		if !ok {
+			return true
 		}
 		e := evictable{
 			key: k, size: o.size, created: o.created, hard: o.hard(), softPin: f.softPin(o), checksum: o.checksum,
 			putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[k], tenant: f.tenantOf(o),
-			depth: f.depth(k, depths), used: o.used.Load(), lease: o.lease.Load(),
+			depth: f.depth(o, depths), used: o.used.Load(), lease: o.lease.Load(),
 		}
 		for _, r := range f.exts(o) {
 			if s := f.seg(r); s != nil {
@@ -332,54 +378,71 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 				e.freed = max(e.freed, s.alloc.rounded(o.size))
 			}
 		}
-		out = append(out, e)
-	}
-	f.mu.RUnlock()
-	slices.SortFunc(out, func(a, b evictable) int { return cmp.Compare(a.key, b.key) })
-	return out
+		*out = append(*out, e)
+		return true
+	})
+	return next, more
 }
 
-// depth counts key's ancestors in the table, following parent keys up to
-// the first one missing; memo keeps the depths found, so a scan of the
-// table walks each chain once. A parent cycle (clients name parents) ends
-// the walk. f.mu must be held.
-func (f *FSM) depth(key string, memo map[string]int) int {
-	if d, ok := memo[key]; ok {
+// scanChunkLen is how many objects scan looks at under one hold of the
+// read lock: about a millisecond of work.
+const scanChunkLen = 1024
+
+// depth counts o's ancestors in the table, following parent keys up to
+// the first one missing; memo keeps the depths found below the roots, so a
+// scan of the table walks each chain once. The table has no parent loops
+// (newObject refuses them); a walk longer than maxChainWalk stops there
+// all the same. f.mu must be held.
+func (f *FSM) depth(o *object, memo map[string]int) int {
+	if o.parent() == "" {
+		return 0
+	}
+	if d, ok := memo[o.key()]; ok {
 		return d
 	}
-	var path []string
+	var buf [32]*object
+	path := append(buf[:0], o)
 	base := -1 // depth of the ancestor the walk stopped at; -1: none
-	for k := key; ; {
+	for len(path) < maxChainWalk {
+		k := path[len(path)-1].parent()
+		if k == "" {
+			break
+		}
 		if d, ok := memo[k]; ok {
 			base = d
 			break
 		}
-		o := f.objects.get(k)
-		if o == nil || len(path) > f.objects.len() { // longer than the table: a cycle
+		p := f.objects.get(k)
+		if p == nil {
 			break
 		}
-		path = append(path, k)
-		if o.parent() == "" {
-			break
-		}
-		k = o.parent()
+		path = append(path, p)
+	}
+	if path[len(path)-1].parent() == "" {
+		// The walk ended at a root, which memo leaves out.
+		path, base = path[:len(path)-1], 0
 	}
 	for i := len(path) - 1; i >= 0; i-- {
 		base++
-		memo[path[i]] = base
+		memo[path[i].key()] = base
 	}
-	return memo[key]
+	return base
 }
 
 // infos describes the named objects that exist.
+// It holds the read lock for a chunk of keys at a time, as scan does.
 func (f *FSM) infos(keys []string) []*pb.ObjectInfo {
-	f.mu.RLock()
-	defer f.mu.RUnlock()
 	var out []*pb.ObjectInfo
-	for _, k := range keys {
-		if o := f.objects.get(k); o != nil {
-			out = append(out, f.info(o))
+	for len(keys) > 0 {
+		chunk := keys[:min(len(keys), scanChunkLen)]
+		keys = keys[len(chunk):]
+		f.mu.RLock()
+		for _, k := range chunk {
+			if o := f.objects.get(k); o != nil {
+				out = append(out, f.info(o))
+			}
 		}
+		f.mu.RUnlock()
 	}
 	return out
 }

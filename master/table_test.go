@@ -52,8 +52,15 @@ func TestObjectTableMatchesMap(t *testing.T) {
 	if !maps.Equal(got, want) {
 		t.Fatalf("iteration yielded %d objects, want %d", len(got), len(want))
 	}
-	if keys := tab.sortedKeys(); !slices.IsSorted(keys) || len(keys) != len(want) {
-		t.Fatalf("sortedKeys: %d keys, sorted %v", len(keys), slices.IsSorted(keys))
+	if keys, wantKeys := tab.sortedKeys(), slices.Sorted(maps.Keys(want)); !slices.Equal(keys, wantKeys) {
+		t.Fatalf("sortedKeys: %d keys, want the %d of the map in order", len(keys), len(wantKeys))
+	}
+	var from []*object
+	tab.from("kv/5", func(o *object) bool { from = append(from, o); return len(from) < 3 })
+	for i, o := range from {
+		if i > 0 && from[i-1].key() >= o.key() || o.key() < "kv/5" || o != want[o.key()] {
+			t.Fatalf("from(kv/5) yielded %q after %v", o.key(), from[:i])
+		}
 	}
 	for k := range want {
 		tab.remove(k)

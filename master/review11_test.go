@@ -1,0 +1,126 @@
+package master
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// TestValidRegister: names that would make ambiguous segment ids, ids the
+// engine cannot carry, unknown tiers and too many segments are refused.
+func TestValidRegister(t *testing.T) {
+	seg := func(name string) *pb.SegmentSpec {
+		return &pb.SegmentSpec{Name: name, Tier: pb.Tier_TIER_DRAM, Capacity: 1 << 20}
+	}
+	many := make([]*pb.SegmentSpec, MaxSegmentsPerNode+1)
+	for i := range many {
+		many[i] = seg(fmt.Sprintf("d%d", i))
+	}
+	for _, tc := range []struct {
+		name string
+		req  *pb.RegisterRequest
+		ok   bool
+	}{
+		{"plain", &pb.RegisterRequest{Node: "store-0", Endpoint: "127.0.0.1:1", Segments: []*pb.SegmentSpec{seg("dram0"), seg("ssd0")}}, true},
+		{"host name and dots", &pb.RegisterRequest{Node: "gpu-07.rack3.example", Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg("hbm.0")}}, true},
+		{"longest id", &pb.RegisterRequest{Node: strings.Repeat("n", 200), Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg(strings.Repeat("s", 255-200-2-20))}}, true},
+		{"one byte longer", &pb.RegisterRequest{Node: strings.Repeat("n", 200), Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg(strings.Repeat("s", 255-200-2-20+1))}}, false},
+		{"slash", &pb.RegisterRequest{Node: "a", Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg("b/c")}}, false},
+		{"at", &pb.RegisterRequest{Node: "a@2", Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg("c")}}, false},
+		{"control byte", &pb.RegisterRequest{Node: "a\n", Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg("c")}}, false},
+		{"non-ASCII", &pb.RegisterRequest{Node: "ä", Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg("c")}}, false},
+		{"empty node", &pb.RegisterRequest{Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg("c")}}, false},
+		{"duplicate segment", &pb.RegisterRequest{Node: "a", Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg("c"), seg("c")}}, false},
+		{"too many segments", &pb.RegisterRequest{Node: "a", Endpoint: "h:1", Segments: many}, false},
+		{"unknown tier", &pb.RegisterRequest{Node: "a", Endpoint: "h:1", Segments: []*pb.SegmentSpec{{Name: "c", Tier: 7, Capacity: 1 << 20}}}, false},
+		{"long endpoint", &pb.RegisterRequest{Node: "a", Endpoint: strings.Repeat("h", 300), Segments: []*pb.SegmentSpec{seg("c")}}, false},
+	} {
+		err := validRegister(tc.req)
+		if tc.ok != (err == nil) || (err != nil && !errors.Is(err, ErrInvalidRequest)) {
+			t.Errorf("%s: %v, want ok %v", tc.name, err, tc.ok)
+		}
+	}
+}
+
+// TestRegisterRefusesTakenSegmentID: an entry that would give a second
+// node a segment id another node owns (as an older master could accept)
+// is refused in Apply, and the first node's segment keeps its allocator.
+func TestRegisterRefusesTakenSegmentID(t *testing.T) {
+	d := newDriver(t)
+	d.register(1, "a", "ep-a", &pb.SegmentSpec{Name: "b/c", Tier: pb.Tier_TIER_DRAM, Capacity: 1 << 20})
+	before := d.f.segments["a/b/c@1"]
+	out := d.apply(2, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{Node: "a/b", Endpoint: "ep-ab",
+		Segments: []*pb.SegmentSpec{{Name: "c", Tier: pb.Tier_TIER_DRAM, Capacity: 1 << 20}}}}})
+	if err, ok := out.(error); !ok || !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("register of a taken id: %v, want invalid argument", out)
+	}
+	if d.f.segments["a/b/c@1"] != before || before.node != "a" {
+		t.Fatalf("the taken segment changed: %+v", d.f.segments["a/b/c@1"])
+	}
+}
+
+// TestParentLoops: an object never names itself or a descendant as its
+// parent, and depths follow chains without walking loops.
+func TestParentLoops(t *testing.T) {
+	f := NewFSM()
+	add := func(key, parent string) *object { return f.newObject(key, 1, 0, 0, 0, parent, "", nil) }
+	if !f.parentLoop("x", "x") {
+		t.Fatal("an object naming itself is no loop")
+	}
+	add("a", "b") // b is not there yet
+	add("c", "a")
+	if got := add("b", "c").parent(); got != "" {
+		t.Fatalf("b under c (whose grandparent is b) kept parent %q", got)
+	}
+	if !f.parentLoop("b", "a") || f.parentLoop("b", "z") || f.parentLoop("d", "c") {
+		t.Fatal("parentLoop misjudges a chain")
+	}
+	if got := add("s", "s").parent(); got != "" {
+		t.Fatalf("self-parented object kept parent %q", got)
+	}
+	// Depths: b (now a root) <- a <- c; orphan under a missing key.
+	add("orphan", "missing")
+	memo := map[string]int{}
+	for key, want := range map[string]int{"b": 0, "a": 1, "c": 2, "orphan": 0, "s": 0} {
+		if got := f.depth(f.objects.get(key), memo); got != want {
+			t.Errorf("depth(%s) = %d, want %d", key, got, want)
+		}
+	}
+}
+
+// TestListPages: pages come in key order from the ordered index, bounded
+// by prefix, start and limit.
+func TestListPages(t *testing.T) {
+	f := NewFSM()
+	for _, k := range []string{"b/2", "a/1", "b/1", "b/3", "c/1", "b"} {
+		f.newObject(k, 1, 0, 0, 0, "", "", nil)
+	}
+	keys := func(objs []*pb.ObjectInfo) (out []string) {
+		for _, o := range objs {
+			out = append(out, o.Key)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		prefix, after string
+		limit         int
+		want          string
+		truncated     bool
+	}{
+		{"b/", "", 10, "b/1 b/2 b/3", false},
+		{"b/", "", 2, "b/1 b/2", true},
+		{"b/", "b/2", 2, "b/3", false},
+		{"b/", "a", 10, "b/1 b/2 b/3", false},
+		{"", "b/3", 10, "c/1", false},
+		{"b", "", 10, "b b/1 b/2 b/3", false},
+		{"d", "", 10, "", false},
+	} {
+		objs, truncated := f.list(tc.prefix, tc.after, tc.limit)
+		if got := strings.Join(keys(objs), " "); got != tc.want || truncated != tc.truncated {
+			t.Errorf("list(%q, after %q, %d) = %q truncated %v, want %q %v", tc.prefix, tc.after, tc.limit, got, truncated, tc.want, tc.truncated)
+		}
+	}
+}
