@@ -311,15 +311,8 @@ func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []ev
 		}
 		return victims, allowSoft, 0, nil
 	}
-	from := req.Prefix
-	if req.Key != "" {
-		from = req.Key
-	}
-	objs := s.fsm.completeFrom(from, func(k string) (keep, more bool) {
-		if !strings.HasPrefix(k, req.Prefix) || (req.Key != "" && k != req.Key) {
-			return false, false
-		}
-		return true, true
+	objs := s.fsm.completeObjects(func(k string) bool {
+		return (req.Key == "" || k == req.Key) && strings.HasPrefix(k, req.Prefix)
 	})
 	segTier := map[string]pb.Tier{}
 	for _, v := range s.fsm.segmentViews() {

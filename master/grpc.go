@@ -28,6 +28,9 @@ const (
 	// transfer engine's frames carry (engine.MaxSegmentName).
 	maxSegmentID = 255
 	defaultList  = 1000
+	// defaultListPage is a List page when the caller names no limit: each
+	// page is a pass over the table (see FSM.list), so pages are large.
+	defaultListPage = 10000
 	// LeaderTrailer names the trailer that carries the leader's address when
 	// a follower refuses a request.
 	LeaderTrailer = leaderconn.Trailer
@@ -642,7 +645,7 @@ func (m *masterService) List(ctx context.Context, req *pb.ListRequest) (*pb.List
 	}
 	limit := int(req.Limit)
 	if limit <= 0 || limit > MaxBatchKeys {
-		limit = defaultList
+		limit = defaultListPage
 	}
 	objs, truncated := m.s.fsm.list(req.Prefix, req.StartAfter, limit)
 	return &pb.ListResponse{Objects: objs, Truncated: truncated}, nil

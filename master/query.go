@@ -122,28 +122,67 @@ func (f *FSM) exists(keys []string) []bool {
 }
 
 // list returns up to limit objects with the prefix, in key order, after the
-// given key, and whether more follow.
+// given key, and whether more follow. It takes the table a shard at a time
+// under the read lock, keeping only the limit smallest keys that qualify
+// (a heap): a page costs a pass over the keys, never a sort of them, and
+// Apply waits for one shard at most. An object put or removed meanwhile
+// may be in the page or not.
 func (f *FSM) list(prefix, after string, limit int) ([]*pb.ObjectInfo, bool) {
-	f.mu.RLock()
-	defer f.mu.RUnlock()
-	start := prefix
-	if after >= start {
-		start = after + "\x00" // the first key after it
+	h := &keyHeap{}
+	for si := range tableShards {
+		f.mu.RLock()
+		f.objects.inShard(si, func(o *object) bool {
+			if k := o.key(); k > after && strings.HasPrefix(k, prefix) {
+				h.offer(k, limit+1)
+			}
+			return true
+		})
+		f.mu.RUnlock()
 	}
-	var out []*pb.ObjectInfo
-	truncated := false
-	f.objects.from(start, func(o *object) bool {
-		if !strings.HasPrefix(o.key(), prefix) {
-			return false
+	keys := h.keys
+	slices.Sort(keys)
+	truncated := len(keys) > limit
+	if truncated {
+		keys = keys[:limit]
+	}
+	return f.infos(keys), truncated
+}
+
+// keyHeap keeps the smallest keys offered, at most some number of them: a
+// max-heap, so the largest kept is the one a smaller key replaces.
+type keyHeap struct{ keys []string }
+
+func (h *keyHeap) offer(k string, most int) {
+	if len(h.keys) < most {
+		h.keys = append(h.keys, k)
+		for i := len(h.keys) - 1; i > 0; {
+			p := (i - 1) / 2
+			if h.keys[p] >= h.keys[i] {
+				break
+			}
+			h.keys[p], h.keys[i] = h.keys[i], h.keys[p]
+			i = p
 		}
-		if len(out) == limit {
-			truncated = true
-			return false
+		return
+	}
+	if k >= h.keys[0] {
+		return
+	}
+	h.keys[0] = k
+	for i := 0; ; {
+		l, r, big := 2*i+1, 2*i+2, i
+		if l < len(h.keys) && h.keys[l] > h.keys[big] {
+			big = l
 		}
-		out = append(out, f.info(o))
-		return true
-	})
-	return out, truncated
+		if r < len(h.keys) && h.keys[r] > h.keys[big] {
+			big = r
+		}
+		if big == i {
+			return
+		}
+		h.keys[i], h.keys[big] = h.keys[big], h.keys[i]
+		i = big
+	}
 }
 
 // page describes the first limit of keys in key order, and reports
@@ -312,81 +351,54 @@ func (f *FSM) touch(keys []string, now int64) {
 
 // completeObjects lists the complete objects that match, in key order.
 func (f *FSM) completeObjects(match func(key string) bool) []evictable {
-	return f.scan("", func(o *object) (bool, bool) { return match(o.key()), true })
-}
-
-// completeFrom lists in key order the complete objects from key from on
-// that match accepts, until match answers that no more follow.
-func (f *FSM) completeFrom(from string, match func(key string) (keep, more bool)) []evictable {
-	return f.scan(from, func(o *object) (bool, bool) { return match(o.key()) })
+	return f.scan(func(o *object) bool { return match(o.key()) })
 }
 
 // completeOn lists the complete objects with a replica on segment id, in
 // key order; it builds nothing for the others.
 func (f *FSM) completeOn(id string) []evictable {
-	return f.scan("", func(o *object) (bool, bool) {
-		return f.onSegment(o, id), true
+	return f.scan(func(o *object) bool {
+		return f.onSegment(o, id)
 	})
 }
 
-// scan lists in key order the complete objects from key from on that keep
-// accepts, until keep answers that no more follow. It walks the table a
-// chunk at a time, each under the read lock, so Apply (and so every put)
-// waits for one chunk at most, not for the table; an object added or
-// removed meanwhile may be listed or not. keep runs under the read lock.
-func (f *FSM) scan(from string, keep func(*object) (ok, more bool)) []evictable {
+// scan lists the complete objects keep accepts, in key order. It walks
+// the table a shard at a time, each under the read lock, so Apply (and so
+// every put) waits for one shard at most, not for the table, and sorts
+// after; an object added or removed meanwhile may be listed or not. keep
+// runs under the read lock.
+func (f *FSM) scan(keep func(*object) bool) []evictable {
 	var out []evictable
 	depths := map[string]int{}
-	for more := true; more; {
+	for si := range tableShards {
 		f.mu.RLock()
-		from, more = f.scanChunk(from, keep, depths, &out)
+		f.objects.inShard(si, func(o *object) bool {
+			if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || !keep(o) {
+				return true
+			}
+			e := evictable{
+				key: o.key(), size: o.size, created: o.created, hard: o.hard(), softPin: f.softPin(o), checksum: o.checksum,
+				putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[o.key()], tenant: f.tenantOf(o),
+				depth: f.depth(o, depths), used: o.used.Load(), lease: o.lease.Load(),
+			}
+			for _, r := range f.exts(o) {
+				if s := f.seg(r); s != nil {
+					e.segments = append(e.segments, s.id)
+					e.freed = max(e.freed, s.alloc.rounded(o.size))
+				}
+			}
+			out = append(out, e)
+			return true
+		})
 		f.mu.RUnlock()
 	}
+	slices.SortFunc(out, func(a, b evictable) int { return cmp.Compare(a.key, b.key) })
 	return out
 }
 
-// scanChunk is scan's work under the lock: it appends to out what keep
-// accepts of up to scanChunkLen objects from the key from on, and returns
-// where the next chunk starts, if the scan goes on. f.mu must be held.
-func (f *FSM) scanChunk(from string, keep func(*object) (ok, more bool), depths map[string]int, out *[]evictable) (next string, more bool) {
-	n := 0
-	f.objects.from(from, func(o *object) bool {
-		k := o.key()
-		if n == scanChunkLen {
-			next, more = k, true
-			return false
-		}
-		n++
-		if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
-			return true
-		}
-		ok, goOn := keep(o)
-		if !goOn {
-			return false
-		}
-		if !ok {
-			return true
-		}
-		e := evictable{
-			key: k, size: o.size, created: o.created, hard: o.hard(), softPin: f.softPin(o), checksum: o.checksum,
-			putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[k], tenant: f.tenantOf(o),
-			depth: f.depth(o, depths), used: o.used.Load(), lease: o.lease.Load(),
-		}
-		for _, r := range f.exts(o) {
-			if s := f.seg(r); s != nil {
-				e.segments = append(e.segments, s.id)
-				e.freed = max(e.freed, s.alloc.rounded(o.size))
-			}
-		}
-		*out = append(*out, e)
-		return true
-	})
-	return next, more
-}
-
-// scanChunkLen is how many objects scan looks at under one hold of the
+// infoChunk is how many objects infos describes under one hold of the
 // read lock: about a millisecond of work.
-const scanChunkLen = 1024
+const infoChunk = 1024
 
 // depth counts o's ancestors in the table, following parent keys up to
 // the first one missing; memo keeps the depths found below the roots, so a
@@ -430,11 +442,11 @@ func (f *FSM) depth(o *object, memo map[string]int) int {
 }
 
 // infos describes the named objects that exist.
-// It holds the read lock for a chunk of keys at a time, as scan does.
+// It holds the read lock for a chunk of keys at a time.
 func (f *FSM) infos(keys []string) []*pb.ObjectInfo {
 	var out []*pb.ObjectInfo
 	for len(keys) > 0 {
-		chunk := keys[:min(len(keys), scanChunkLen)]
+		chunk := keys[:min(len(keys), infoChunk)]
 		keys = keys[len(chunk):]
 		f.mu.RLock()
 		for _, k := range chunk {

@@ -3,8 +3,7 @@ package master
 import (
 	"hash/maphash"
 	"iter"
-
-	"github.com/google/btree"
+	"slices"
 )
 
 // objectTable indexes the objects by key. A Go map of millions of keys
@@ -16,16 +15,12 @@ import (
 // never the whole table under the FSM's lock. The byte of hash skips most
 // probes without touching the object.
 //
-// Iteration order of all follows the hash seed, random per process like a
-// map's: Apply must not depend on it. The table also keeps its objects in
-// key order, in a B-tree of pointers (about 12 bytes an object more), so
-// that pages of keys and scans that want order cost their own length and
-// not a sort of the table.
+// Iteration order follows the hash seed, random per process like a map's:
+// Apply must not depend on it.
 type objectTable struct {
-	seed    maphash.Seed
-	n       int
-	shards  [tableShards]tableShard
-	ordered *btree.BTreeG[*object]
+	seed   maphash.Seed
+	n      int
+	shards [tableShards]tableShard
 }
 
 const tableShards = 256
@@ -36,14 +31,7 @@ type tableShard struct {
 	n     int
 }
 
-func newObjectTable() *objectTable {
-	return &objectTable{seed: maphash.MakeSeed(), ordered: btree.NewG(orderedDegree, keyLess)}
-}
-
-// orderedDegree is the B-tree's: wide nodes, few pointers per object.
-const orderedDegree = 64
-
-func keyLess(a, b *object) bool { return a.key() < b.key() }
+func newObjectTable() *objectTable { return &objectTable{seed: maphash.MakeSeed()} }
 
 func (t *objectTable) hash(key string) (s *tableShard, tag uint8, h uint64) {
 	h = maphash.String(t.seed, key)
@@ -81,7 +69,6 @@ func (t *objectTable) put(o *object) {
 		}
 		if s.tags[i] == tag && s.slots[i].key() == o.key() {
 			s.slots[i] = o
-			t.ordered.ReplaceOrInsert(o)
 			return
 		}
 	}
@@ -96,7 +83,6 @@ func (t *objectTable) put(o *object) {
 	s.tags[i], s.slots[i] = tag, o
 	s.n++
 	t.n++
-	t.ordered.ReplaceOrInsert(o)
 }
 
 func (t *objectTable) grow(s *tableShard) {
@@ -137,7 +123,6 @@ func (t *objectTable) remove(key string) {
 	}
 	s.n--
 	t.n--
-	t.ordered.Delete(s.slots[i])
 	for j := i; ; {
 		s.tags[i], s.slots[i] = 0, nil
 		for {
@@ -173,18 +158,24 @@ func (t *objectTable) all() iter.Seq2[string, *object] {
 	}
 }
 
+// inShard yields the objects of one of the tableShards shards, as long as
+// yield returns true: a walk of the table can take one shard under a lock
+// and let go of it between shards. The table must not change meanwhile.
+func (t *objectTable) inShard(i int, yield func(*object) bool) {
+	s := &t.shards[i]
+	for j, tag := range s.tags {
+		if tag != 0 && !yield(s.slots[j]) {
+			return
+		}
+	}
+}
+
 // sortedKeys lists the keys in order, for iterations Apply depends on.
 func (t *objectTable) sortedKeys() []string {
 	keys := make([]string, 0, t.n)
-	t.ordered.Ascend(func(o *object) bool {
-		keys = append(keys, o.key())
-		return true
-	})
+	for k := range t.all() {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
 	return keys
-}
-
-// from yields the objects whose keys are at least key, in key order, as
-// long as yield returns true. The table must not change meanwhile.
-func (t *objectTable) from(key string, yield func(*object) bool) {
-	t.ordered.AscendGreaterOrEqual(allocObject(key, ""), yield)
 }

@@ -55,12 +55,18 @@ func TestObjectTableMatchesMap(t *testing.T) {
 	if keys, wantKeys := tab.sortedKeys(), slices.Sorted(maps.Keys(want)); !slices.Equal(keys, wantKeys) {
 		t.Fatalf("sortedKeys: %d keys, want the %d of the map in order", len(keys), len(wantKeys))
 	}
-	var from []*object
-	tab.from("kv/5", func(o *object) bool { from = append(from, o); return len(from) < 3 })
-	for i, o := range from {
-		if i > 0 && from[i-1].key() >= o.key() || o.key() < "kv/5" || o != want[o.key()] {
-			t.Fatalf("from(kv/5) yielded %q after %v", o.key(), from[:i])
-		}
+	n := 0
+	for si := range tableShards {
+		tab.inShard(si, func(o *object) bool {
+			if want[o.key()] != o {
+				t.Fatalf("shard %d yielded %q, not in the map", si, o.key())
+			}
+			n++
+			return true
+		})
+	}
+	if n != len(want) {
+		t.Fatalf("the shards yielded %d objects, want %d", n, len(want))
 	}
 	for k := range want {
 		tab.remove(k)

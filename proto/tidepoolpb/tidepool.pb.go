@@ -1127,7 +1127,7 @@ func (x *ExistsResponse) GetExists() []bool {
 type ListRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Prefix string                 `protobuf:"bytes,1,opt,name=prefix,proto3" json:"prefix,omitempty"`
-	// At most this many objects; 0 means the server's default (1000).
+	// At most this many objects; 0 means the server's default (10000).
 	Limit uint32 `protobuf:"varint,2,opt,name=limit,proto3" json:"limit,omitempty"`
 	// Return keys strictly after this one (the last key of the previous page).
 	StartAfter    string `protobuf:"bytes,3,opt,name=start_after,json=startAfter,proto3" json:"start_after,omitempty"`
