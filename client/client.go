@@ -56,6 +56,8 @@ type Client struct {
 	ownEngine bool
 	log       *slog.Logger
 	descs     *descCache   // nil: no lookup cache
+	removed   *removals    // this client's removals, against descs
+	born      time.Time    // when New made it: its cached blocks' time origin
 	shared    bool         // Config.SharedBuffers
 	lease     atomic.Int64 // the master's lease TTL in ns, as last answered
 	// listedKeys: the master did not read a lookup's packed keys (it
@@ -87,13 +89,14 @@ func New(cfg Config) (*Client, error) {
 		masters.Close()
 		return nil, fmt.Errorf("client: %w: %d replicas", ErrInvalidArgument, cfg.Replicas)
 	}
-	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger, replicas: uint32(cfg.Replicas), tier: tier, tenant: cfg.Tenant, shared: cfg.SharedBuffers}
+	c := &Client{masters: masters, eng: cfg.Engine, log: cfg.Logger, replicas: uint32(cfg.Replicas), tier: tier, tenant: cfg.Tenant, shared: cfg.SharedBuffers, born: time.Now()}
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
 	c.lease.Store(int64(10 * time.Second))
 	c.putTimeout.Store(int64(30 * time.Second))
 	c.grants = newGrantPool()
+	c.removed = newRemovals()
 	c.ends = newEndQueue()
 	if cfg.LookupCache >= 0 {
 		n := cfg.LookupCache
@@ -320,6 +323,26 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 				placed[i] = grant{id: r.PutId, replicas: r.Replicas, reservations: r.Reservations, deadline: asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)}
 			}
 		}
+	}
+
+	// A placed put publishes a new incarnation of its key: what the cache
+	// holds for the key is an older one, which another client removed.
+	// Dropped once the master has answered, whatever it answered (a put
+	// that failed may still have been published). Not stamped as a removal
+	// is (see removals): a stamp outdates the other keys of its stripes
+	// too, and puts are many. So a lookup in flight since before the other
+	// client's removal may still cache the old one: only the master can
+	// order the two clients (issue 11, item 6b).
+	if len(placed) > 0 && c.descs != nil {
+		defer func() {
+			for i := range placed {
+				// GetTTL first: a look that counts as no use, and a key
+				// put is rarely cached (its lookups missed it).
+				if _, ok := c.descs.GetTTL(keys[i]); ok {
+					c.descs.Del(keys[i])
+				}
+			}
+		}()
 	}
 
 	// Write every replica of every placed put in one engine batch.

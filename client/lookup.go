@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
+	"math"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/dgraph-io/ristretto/v2"
@@ -19,7 +22,14 @@ type Block struct {
 	Key      string
 	Size     uint64
 	Checksum uint32
-	leaseEnd time.Time
+	// Of a block a lookup answered: the stripe of its key and the removal
+	// clock its lookup read before asking the master (see removals), and
+	// when its lease ends, in nanoseconds since its client was made
+	// (Client.born: the monotonic clock; a time.Time would be 16 bytes
+	// more to copy for every block of every lookup).
+	stripe   uint32
+	seen     uint64
+	leaseEnd int64
 	// Where the copies are, fastest tier first: the first inline, the
 	// rest (few blocks have them) apart. A lookup of a chain of thousands
 	// of blocks so allocates nothing per block, and a block, cached or
@@ -93,24 +103,38 @@ func (m Match) Keys() []string {
 // master round trip. Blocks a recent lookup leased are answered from the
 // client's descriptor cache while at least half their lease is left, so
 // repeated lookups of a hot prefix ask the master only for the rest.
+//
+// A lookup that starts after this client called Remove of a key never
+// answers the key from a descriptor cached before Remove returned (nor
+// from one that a lookup in flight meanwhile caches). Another client's
+// remove and re-put of a cached key shows only once half the cached lease
+// is over: until then the block reads as the incarnation it was leased as
+// (whole, checksummed and leased, but not the current one), as the master
+// tells a client of neither. This client's own put of such a key drops
+// the cached one.
 func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 	if err := validChain(chain); err != nil {
 		return Match{}, err
 	}
 	m := Match{Blocks: make([]Block, 0, len(chain))}
-	now := time.Now()
+	end := int64(math.MaxInt64) // the earliest lease end matched
+	now, half := int64(time.Since(c.born)), int64(c.leaseTTL()/2)
 	for _, k := range chain {
 		b, ok := c.descs.Get(k)
-		if !ok || b.leaseEnd.Sub(now) < c.leaseTTL()/2 {
+		if !ok || b.leaseEnd-now < half || !c.removed.current(&b) {
 			break
 		}
-		m.add(b)
+		m.Blocks = append(m.Blocks, b)
+		end = min(end, b.leaseEnd)
 	}
 	if m.Len() == len(chain) {
-		return m, nil
+		return c.leased(m, end), nil
 	}
 	rest := chain[m.Len():]
 	var asked time.Time
+	// Read before asking: a removal this client makes after it shows in
+	// the clock, and so outdates what this answer caches.
+	clock := c.removed.now()
 	resp, err := c.lookup(ctx, rest, false, &asked)
 	if err != nil {
 		return Match{}, err
@@ -122,9 +146,13 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 	c.setLeaseTTL(ttl)
 	leaseEnd := asked.Add(ttl) // measured from our side: conservative
 	ttl = time.Until(leaseEnd) // ristretto reads 0 as forever: only a positive one caches
+	lease := int64(leaseEnd.Sub(c.born))
+	if resp.Matched > 0 {
+		end = min(end, lease)
+	}
 	at := 0
 	for i := range int(resp.Matched) {
-		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: leaseEnd}
+		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: lease}
 		for j := at; j < at+int(resp.ReplicaCounts[i]); j++ {
 			l := location{resp.Segments[resp.ReplicaSegments[j]], resp.ReplicaOffsets[j]}
 			if j == at {
@@ -134,16 +162,19 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 			}
 		}
 		at += int(resp.ReplicaCounts[i])
-		m.add(b)
+		m.Blocks = append(m.Blocks, b)
 		if c.descs != nil && ttl > 0 {
-			// Its own copy of the key: the caller's may be a view of a
-			// larger buffer (the agent's packed request) that the cache
-			// would otherwise keep.
-			b.Key = strings.Clone(b.Key)
-			c.descs.SetWithTTL(b.Key, b, 1, ttl)
+			// One a removal has overtaken already would be a miss anyway.
+			if b.stripe, b.seen = c.removed.stripe(b.Key), clock; c.removed.current(&b) {
+				// Its own copy of the key: the caller's may be a view of
+				// a larger buffer (the agent's packed request) that the
+				// cache would otherwise keep.
+				b.Key = strings.Clone(b.Key)
+				c.descs.SetWithTTL(b.Key, b, 1, ttl)
+			}
 		}
 	}
-	return m, nil
+	return c.leased(m, end), nil
 }
 
 // lookup sends one Lookup of keys, their time of asking in *asked if not
@@ -189,11 +220,13 @@ func (c *Client) lookup(ctx context.Context, keys []string, countOnly bool, aske
 // maxPooledKeyBytes bounds the packed keys a pooled lookup request keeps.
 const maxPooledKeyBytes = 1 << 20
 
-func (m *Match) add(b Block) {
-	if len(m.Blocks) == 0 || b.leaseEnd.Before(m.LeaseEnd) {
-		m.LeaseEnd = b.leaseEnd
+// leased sets the lease end of a match of some blocks: end, in
+// nanoseconds since the client was made.
+func (c *Client) leased(m Match, end int64) Match {
+	if m.Len() > 0 {
+		m.LeaseEnd = c.born.Add(time.Duration(end))
 	}
-	m.Blocks = append(m.Blocks, b)
+	return m
 }
 
 // BatchExists counts the leading keys of chain that are present, without
@@ -287,4 +320,58 @@ func newDescCache(blocks int) (*descCache, error) {
 	return ristretto.NewCache(&ristretto.Config[string, Block]{
 		NumCounters: int64(10 * blocks), MaxCost: int64(blocks), BufferItems: 64,
 	})
+}
+
+// removals orders a client's lookups against its own removals, so that
+// its descriptor cache never answers a key from a lookup that a removal
+// of the key may have overtaken: one the master answered before the
+// removal, whose answer reaches the cache at any time after.
+//
+// A removal ticks a clock and stamps its keys' stripes with the tick,
+// before it asks the master and again once the master has answered; a
+// lookup reads the clock before it asks the master and stamps what it
+// caches with that reading; a cached block is current while its stripe
+// was stamped no later than that. A block is checked on every hit, as
+// deleting it would not do: ristretto's Del deletes at once, but a Set
+// still queued then lands after it, and stays until the Del's own turn in
+// the queue (seen in TestReview11LookupsOnRemovingClient). Stripes share
+// stamps: a removal outdates the other cached keys of its stripes too (a
+// miss each). A hit costs an atomic load, no lock and no hash.
+type removals struct {
+	seed   maphash.Seed
+	clock  atomic.Uint64
+	stamps [removalStripes]atomic.Uint64 // per stripe: the tick of its last removal
+}
+
+// removalStripes is how many stripes keys are hashed to (a power of 2).
+const removalStripes = 1 << 12
+
+func newRemovals() *removals { return &removals{seed: maphash.MakeSeed()} }
+
+// now is the clock, read before asking the master.
+func (r *removals) now() uint64 { return r.clock.Load() }
+
+func (r *removals) stripe(key string) uint32 {
+	return uint32(maphash.String(r.seed, key) & (removalStripes - 1))
+}
+
+// current reports whether no key of b's stripe was removed since b's
+// lookup read the clock.
+func (r *removals) current(b *Block) bool {
+	return r.stamps[b.stripe&(removalStripes-1)].Load() <= b.seen
+}
+
+// removing outdates what the descriptor cache holds for keys and what the
+// lookups in flight will cache for them: for every lookup that starts
+// after it returns.
+func (c *Client) removing(keys []string) {
+	if c.descs == nil {
+		return
+	}
+	t := c.removed.clock.Add(1) // later than any reading taken before
+	for _, k := range keys {
+		s := &c.removed.stamps[c.removed.stripe(k)]
+		for old := s.Load(); old < t && !s.CompareAndSwap(old, t); old = s.Load() {
+		}
+	}
 }

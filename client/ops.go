@@ -118,9 +118,16 @@ func (c *Client) Describe(ctx context.Context, keys []string) ([]Block, []error)
 func (c *Client) BatchRemove(ctx context.Context, keys []string) []error {
 	// A lookup must not answer from a descriptor this client cached for a
 	// key it removes (its lease keeps the bytes, but the key is gone).
-	for _, k := range keys {
-		c.descs.Del(k)
-	}
+	// Outdated now, the keys miss in lookups from here on; outdated again
+	// once the master has answered, so do the descriptors of lookups it
+	// answered before the removal, which may reach the cache at any time.
+	c.removing(keys)
+	defer func() {
+		c.removing(keys)
+		for _, k := range keys {
+			c.descs.Del(k) // outdated already: only frees the entries
+		}
+	}()
 	errs := make([]error, len(keys))
 	var query []string
 	var idx []int

@@ -52,7 +52,7 @@ func review4Client(t *testing.T, m *review4Master) *Client {
 
 // fakeMasterClient serves m as the master (with the real master's message
 // limit) on loopback and returns a client of it.
-func fakeMasterClient(t *testing.T, m pb.MasterServer) *Client {
+func fakeMasterClient(t testing.TB, m pb.MasterServer) *Client {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
