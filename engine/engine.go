@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -33,15 +34,28 @@ type Config struct {
 	RailBandwidth float64
 	// TenantInflight caps the bytes in flight per tenant and peer; 0: no cap.
 	TenantInflight int64
+	// MaxServerConns caps the connections peers hold to this engine's
+	// listeners: at the cap the longest idle one is closed for a new one,
+	// or the new one is refused if none is idle. Default 4096.
+	MaxServerConns int
+	// IdleTimeout closes a server connection that has waited this long
+	// for its next request (clients redial). Default 2 minutes.
+	IdleTimeout time.Duration
+	// StallTimeout fails a request whose peer sends nothing for this long
+	// once the request has started. Default 5 seconds.
+	StallTimeout time.Duration
 	// NoShm turns off the same-host transports that reach a peer's segment through /proc: shm
 	// (shared memory) and file (FileBacked segments). Ops to other engines then go over the rails.
 	NoShm bool
 }
 
 const (
-	defaultConnsPerPeer = 4
-	defaultMaxInflight  = 1024
-	defaultDialTimeout  = 5 * time.Second
+	defaultConnsPerPeer   = 4
+	defaultMaxInflight    = 1024
+	defaultDialTimeout    = 5 * time.Second
+	defaultMaxServerConns = 4096
+	defaultIdleTimeout    = 2 * time.Minute
+	defaultStallTimeout   = 5 * time.Second
 )
 
 func (c Config) withDefaults() Config {
@@ -53,6 +67,15 @@ func (c Config) withDefaults() Config {
 	}
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = defaultDialTimeout
+	}
+	if c.MaxServerConns <= 0 {
+		c.MaxServerConns = defaultMaxServerConns
+	}
+	if c.IdleTimeout <= 0 {
+		c.IdleTimeout = defaultIdleTimeout
+	}
+	if c.StallTimeout <= 0 {
+		c.StallTimeout = defaultStallTimeout
 	}
 	if c.RailBandwidth <= 0 {
 		c.RailBandwidth = 1.25e9
@@ -79,8 +102,12 @@ type Engine struct {
 	file  *fileTransport
 	near  []Transport // local, shm, file: those that are on
 
-	slots   chan struct{} // one per task in flight
-	scratch sync.Pool     // *[]byte of scratchSize, for segments that are not Mapped
+	slots chan struct{} // one per task in flight
+	// scratch holds the staging buffers (scratchSize) for segments that are
+	// not Mapped; at most maxScratch are ever made, so stalled peers cannot
+	// make the server allocate without bound.
+	scratch     chan *[]byte
+	scratchMade atomic.Int32
 
 	// ctx is canceled with cause ErrClosed by Close, which fails every task still in flight.
 	ctx    context.Context
@@ -95,13 +122,24 @@ type Engine struct {
 		sync.Mutex
 		closed    bool
 		listeners map[net.Listener]struct{}
-		conns     map[net.Conn]struct{}
+		conns     map[net.Conn]*connIdle
 	}
 }
 
+// connIdle is a server connection's state for the cap: when it began to
+// wait for its next request (unix nanos), 0 while it serves one, or
+// connGone once the cap closed it.
+type connIdle struct{ since atomic.Int64 }
+
+const connGone = -1
+
 // scratchSize is the staging buffer for segments without Mapped: payloads move through it in
-// pieces, so a large request never needs a buffer of its own size.
-const scratchSize = 1 << 20
+// pieces, so a large request never needs a buffer of its own size. maxScratch bounds how many
+// exist (16 MiB).
+const (
+	scratchSize = 1 << 20
+	maxScratch  = 16
+)
 
 // New returns an engine. It starts no goroutines until Serve or Batch.Submit.
 func New(cfg Config) *Engine {
@@ -140,10 +178,10 @@ func New(cfg Config) *Engine {
 			e.log.Warn("engine: rail metrics not registered", "err", err)
 		}
 	}
-	e.scratch.New = func() any { b := make([]byte, scratchSize); return &b }
+	e.scratch = make(chan *[]byte, maxScratch)
 	e.ctx, e.cancel = context.WithCancelCause(context.Background())
 	e.mu.listeners = make(map[net.Listener]struct{})
-	e.mu.conns = make(map[net.Conn]struct{})
+	e.mu.conns = make(map[net.Conn]*connIdle)
 	return e
 }
 
@@ -204,25 +242,76 @@ func (e *Engine) Serve(ln net.Listener) error {
 			continue
 		}
 		backoff = 0
-		if !e.trackConn(nc) {
+		idle, err := e.trackConn(nc)
+		if err != nil {
 			nc.Close()
-			return nil
+			if errors.Is(err, ErrClosed) {
+				return nil
+			}
+			continue
 		}
-		go e.serveConn(nc)
+		go e.serveConn(nc, idle)
 	}
 }
 
-// trackConn registers a server connection so Close can close it; false once closed.
-func (e *Engine) trackConn(nc net.Conn) bool {
+// trackConn registers a server connection so Close can close it, within
+// MaxServerConns: at the cap it closes the connection idle longest, and
+// refuses nc if none is. It fails with ErrClosed once the engine is.
+func (e *Engine) trackConn(nc net.Conn) (*connIdle, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.mu.closed {
-		return false
+		return nil, ErrClosed
 	}
-	e.mu.conns[nc] = struct{}{}
+	if len(e.mu.conns) >= e.cfg.MaxServerConns {
+		var oldest net.Conn
+		var since int64
+		for c, idle := range e.mu.conns {
+			if s := idle.since.Load(); s > 0 && (oldest == nil || s < since) {
+				oldest, since = c, s
+			}
+		}
+		// The connection may have started a request meanwhile: then it
+		// keeps serving and nc is refused.
+		if oldest == nil || !e.mu.conns[oldest].since.CompareAndSwap(since, connGone) {
+			e.met.droppedConn("refused")
+			return nil, fmt.Errorf("engine: %d server connections, none idle", len(e.mu.conns))
+		}
+		delete(e.mu.conns, oldest)
+		oldest.Close()
+		e.met.droppedConn("evicted")
+	}
+	idle := &connIdle{}
+	e.mu.conns[nc] = idle
 	e.wg.Add(1)
-	return true
+	return idle, nil
 }
+
+// getScratch returns a staging buffer, waiting up to wait for one if
+// maxScratch are in use; false if none came.
+func (e *Engine) getScratch(wait time.Duration) (*[]byte, bool) {
+	select {
+	case b := <-e.scratch:
+		return b, true
+	default:
+	}
+	if e.scratchMade.Add(1) <= maxScratch {
+		b := make([]byte, scratchSize)
+		return &b, true
+	}
+	e.scratchMade.Add(-1)
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case b := <-e.scratch:
+		return b, true
+	case <-t.C:
+	case <-e.ctx.Done():
+	}
+	return nil, false
+}
+
+func (e *Engine) putScratch(b *[]byte) { e.scratch <- b } // never blocks: at most maxScratch exist
 
 func (e *Engine) untrackConn(nc net.Conn) {
 	e.mu.Lock()

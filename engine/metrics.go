@@ -16,6 +16,7 @@ type metrics struct {
 	served    *prometheus.CounterVec   // op: read or written by peers in our segments (server side)
 	latency   *prometheus.HistogramVec // op: Submit to terminal state
 	malformed prometheus.Counter
+	dropped   *prometheus.CounterVec // reason: server connections closed by a bound
 
 	classBytes    *prometheus.CounterVec   // class: bytes of slices that finished
 	classRequests *prometheus.CounterVec   // class, result: requests through the scheduler
@@ -50,6 +51,10 @@ func newMetrics(reg prometheus.Registerer, log *slog.Logger) *metrics {
 			Name: "tidepool_engine_malformed_frames_total",
 			Help: "Requests the server could not parse; each dropped its connection.",
 		})),
+		dropped: register(reg, log, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tidepool_engine_server_conns_dropped_total",
+			Help: "Server connections closed by a bound, by reason: idle (past the idle timeout), evicted (the longest idle, for a new one at the cap), refused (at the cap, none idle), stalled (a request's peer sent nothing within the stall timeout), busy (no staging buffer freed in time).",
+		}, []string{"reason"})),
 		classBytes: register(reg, log, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tidepool_engine_class_bytes_total",
 			Help: "Bytes moved over rails, by QoS class.",
@@ -176,4 +181,11 @@ func (m *metrics) malformedFrame() {
 		return
 	}
 	m.malformed.Inc()
+}
+
+func (m *metrics) droppedConn(reason string) {
+	if m == nil {
+		return
+	}
+	m.dropped.WithLabelValues(reason).Inc()
 }

@@ -10,35 +10,60 @@ import (
 )
 
 // serveConn answers one peer connection's requests, one at a time, until the peer hangs up, sends
-// garbage, or Close closes the connection.
-func (e *Engine) serveConn(nc net.Conn) {
+// garbage, stalls, idles past IdleTimeout, or Close (or the connection cap) closes the connection.
+func (e *Engine) serveConn(nc net.Conn, idle *connIdle) {
 	defer e.wg.Done()
 	defer e.untrackConn(nc)
 	tuneConn(nc)
-	s := serverConn{e: e, nc: nc, br: bufio.NewReaderSize(nc, connReadBuf)}
+	s := serverConn{e: e, nc: nc, in: deadlineReader{nc: nc}}
+	s.br = bufio.NewReaderSize(&s.in, connReadBuf)
 	for {
-		// An idle connection may wait forever for its next request, but once
-		// a request starts it must keep moving: a peer that stalls half-way
-		// would otherwise hold this goroutine and connection for good.
-		if _, err := s.br.Peek(1); err != nil {
+		// Waiting for the next request is idling; once a request starts it
+		// must keep moving: a peer that stalls half-way would otherwise
+		// hold this goroutine, the connection and perhaps a staging buffer.
+		now := time.Now()
+		s.in.set(now.Add(e.cfg.IdleTimeout), e.cfg.IdleTimeout)
+		since := now.UnixNano()
+		idle.since.Store(since)
+		_, err := s.br.Peek(1)
+		if !idle.since.CompareAndSwap(since, 0) {
+			return // the cap closed it for a newer connection
+		}
+		if err != nil {
+			if isTimeout(err) {
+				e.met.droppedConn("idle")
+			}
 			return
 		}
-		_ = nc.SetDeadline(time.Now().Add(requestGrace))
+		now = time.Now()
+		s.in.set(now.Add(requestGrace), e.cfg.StallTimeout)
 		h, err := readRequest(s.br, &s.hdr)
 		if err != nil {
 			if errors.Is(err, ErrProtocol) {
 				e.met.malformedFrame()
 				e.log.Debug("engine: dropping connection after malformed request", "peer", nc.RemoteAddr(), "err", err)
+			} else if isTimeout(err) {
+				e.met.droppedConn("stalled")
 			}
 			return
 		}
-		_ = nc.SetDeadline(time.Now().Add(requestGrace + time.Duration(h.n)*time.Second/minPeerRate))
+		until := now.Add(requestGrace + time.Duration(h.n)*time.Second/minPeerRate)
+		s.in.set(until, e.cfg.StallTimeout)
+		_ = nc.SetWriteDeadline(until)
 		if err := s.serve(h); err != nil {
+			if isTimeout(err) {
+				e.met.droppedConn("stalled")
+			}
 			e.log.Debug("engine: connection dropped", "peer", nc.RemoteAddr(), "err", err)
 			return
 		}
-		_ = nc.SetDeadline(time.Time{})
+		_ = nc.SetWriteDeadline(time.Time{})
 	}
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }
 
 // A request must finish within requestGrace plus its length at minPeerRate
@@ -48,9 +73,30 @@ const (
 	minPeerRate  = 1 << 20
 )
 
+// deadlineReader reads from a connection with a deadline before every
+// read: the sooner of the phase's end and stall from now, so a peer that
+// stops sending is noticed within stall, however long its request may take.
+type deadlineReader struct {
+	nc    net.Conn
+	until time.Time
+	stall time.Duration
+}
+
+func (r *deadlineReader) set(until time.Time, stall time.Duration) { r.until, r.stall = until, stall }
+
+func (r *deadlineReader) Read(p []byte) (int, error) {
+	d := time.Now().Add(r.stall)
+	if r.until.Before(d) {
+		d = r.until
+	}
+	_ = r.nc.SetReadDeadline(d)
+	return r.nc.Read(p)
+}
+
 type serverConn struct {
 	e    *Engine
 	nc   net.Conn
+	in   deadlineReader
 	br   *bufio.Reader
 	hdr  [reqMax]byte
 	resp [respLen + maxErrMsg]byte
@@ -122,8 +168,12 @@ func (s *serverConn) read(seg Segment, off, n int64) error {
 		_, err := s.nc.Write(hdr)
 		return err
 	}
-	bp := s.e.scratch.Get().(*[]byte)
-	defer s.e.scratch.Put(bp)
+	bp, ok := s.e.getScratch(s.e.cfg.StallTimeout)
+	if !ok {
+		s.e.met.droppedConn("busy")
+		return s.sendError(fmt.Errorf("%w: no staging buffer free for %q", ErrUnavailable, seg.Name()))
+	}
+	defer s.e.putScratch(bp)
 	for done := int64(0); done < n; {
 		chunk := (*bp)[:min(n-done, int64(len(*bp)))]
 		if _, err := seg.ReadAt(chunk, off+done); err != nil {
@@ -154,8 +204,20 @@ func (s *serverConn) write(seg Segment, off, n int64) error {
 		s.e.met.serve(opWrite, n)
 		return s.sendOK()
 	}
-	bp := s.e.scratch.Get().(*[]byte)
-	defer s.e.scratch.Put(bp)
+	if n == 0 {
+		return s.sendOK()
+	}
+	// A staging buffer only once the payload comes: a peer that sends a
+	// header and stops holds none.
+	if _, err := s.br.Peek(1); err != nil {
+		return err
+	}
+	bp, ok := s.e.getScratch(s.e.cfg.StallTimeout)
+	if !ok {
+		s.e.met.droppedConn("busy")
+		return fmt.Errorf("%w: no staging buffer free for a write to %q", ErrUnavailable, seg.Name())
+	}
+	defer s.e.putScratch(bp)
 	for done := int64(0); done < n; {
 		chunk := (*bp)[:min(n-done, int64(len(*bp)))]
 		if _, err := io.ReadFull(s.br, chunk); err != nil {

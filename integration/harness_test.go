@@ -31,6 +31,9 @@ import (
 var binPath string
 
 func TestMain(m *testing.M) {
+	if addr := os.Getenv(holdConnsEnv); addr != "" {
+		os.Exit(holdConns(addr)) // a child a test started to hold connections
+	}
 	os.Exit(runMain(m))
 }
 

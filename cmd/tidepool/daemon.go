@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/net/netutil"
 
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master"
@@ -66,6 +67,9 @@ func parseDaemon(e *env, fs *flag.FlagSet, args []string, httpDefault string) (*
 	return &daemon{http: *httpAddr, log: log, reg: reg}, nil
 }
 
+// maxHTTPConns bounds the connections of a daemon's HTTP server.
+const maxHTTPConns = 256
+
 // serveHTTP serves /metrics, /healthz, /readyz and /debug/pprof/ until ctx ends.
 // ready reports whether the daemon can do its work.
 // rails, if not nil, is served as JSON at /debug/rails for `tidepool admin rails`.
@@ -100,11 +104,16 @@ func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails 
 		}
 		fmt.Fprintln(w, "ready")
 	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	// Every connection has a deadline: a header within 5 s, a request within
+	// 10 s, an answer within 2 minutes (a CPU profile takes 30 s), and a
+	// keep-alive connection closes after a minute idle. At most
+	// maxHTTPConns are open; more wait to be accepted.
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
+		WriteTimeout: 2 * time.Minute, IdleTimeout: time.Minute}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := srv.Serve(netutil.LimitListener(ln, maxHTTPConns)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.Error("http server", "err", err)
 		}
 	}()
