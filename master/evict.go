@@ -40,7 +40,7 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 			leased[o.key] = true
 		}
 	}
-	slices.SortStableFunc(objs, func(a, b evictable) int {
+	sortEvictables(objs, func(a, b *evictable) int {
 		// When recency ties (a chain put or read in one batch), deeper
 		// blocks go first, so no block goes before its descendants and
 		// what stays is a matchable prefix; at one depth, leaves first.
