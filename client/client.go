@@ -368,7 +368,11 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	end := &pb.BatchPutEndRequest{}
 	var endIdx []int
 	shapes := map[shape]int{}
-	for i, ts := range tasks {
+	for _, i := range idx { // in the caller's order: a chain's blocks parent first
+		ts, ok := tasks[i]
+		if !ok {
+			continue
+		}
 		for _, t := range ts {
 			if err := t.Err(); err != nil && errs[i] == nil {
 				errs[i] = fmt.Errorf("%w: write %q: %w", ErrUnavailable, keys[i], err)

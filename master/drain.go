@@ -40,36 +40,45 @@ type nodeState struct {
 }
 
 // nodeStates describes the nodes that match, in id order.
+// The nodes come under the read lock; their objects in one walk of the
+// table (see FSM.walk).
 func (f *FSM) nodeStates(match func(*node) bool) []nodeState {
 	f.mu.RLock()
-	defer f.mu.RUnlock()
 	var out []nodeState
+	bySeg := map[string]int{} // segment id -> index in out
 	for _, id := range sortedKeys(f.nodes) {
 		n := f.nodes[id]
 		if !match(n) {
 			continue
 		}
 		ns := nodeState{id: id, epoch: n.epoch, segments: slices.Clone(n.segments), down: n.down, draining: n.draining, drained: n.drained}
-		for _, o := range f.objects.all() {
-			for _, r := range f.exts(o) {
-				if slices.Contains(n.segments, f.segID(r)) {
-					ns.objects++
-					ns.bytes += o.size
-				}
-			}
-			for _, c := range f.copies(o) {
-				if slices.Contains(n.segments, c.Target.Segment) {
-					ns.incoming++
-				}
-			}
-		}
 		for _, p := range f.pending {
 			if slices.Contains(n.segments, p.Extent.Segment) {
 				ns.pendingUntil = max(ns.pendingUntil, p.AfterUnixNano)
 			}
 		}
+		for _, sid := range n.segments {
+			bySeg[sid] = len(out)
+		}
 		out = append(out, ns)
 	}
+	f.mu.RUnlock()
+	if len(out) == 0 {
+		return out
+	}
+	f.walk(func(o *object) {
+		for _, r := range f.exts(o) {
+			if i, ok := bySeg[f.segID(r)]; ok {
+				out[i].objects++
+				out[i].bytes += o.size
+			}
+		}
+		for _, c := range f.copies(o) {
+			if i, ok := bySeg[c.Target.Segment]; ok {
+				out[i].incoming++
+			}
+		}
+	}, nil)
 	return out
 }
 

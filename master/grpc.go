@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"time"
 
 	"google.golang.org/grpc"
@@ -27,7 +28,10 @@ const (
 	// maxSegmentID is the longest segment id (node/name@epoch) the
 	// transfer engine's frames carry (engine.MaxSegmentName).
 	maxSegmentID = 255
-	defaultList  = 1000
+	// maxEndpoint bounds a store's endpoint: its rails' addresses joined
+	// by commas.
+	maxEndpoint = 4096
+	defaultList = 1000
 	// defaultListPage is a List page when the caller names no limit: each
 	// page is a pass over the table (see FSM.list), so pages are large.
 	defaultListPage = 10000
@@ -135,8 +139,8 @@ func validRegister(req *pb.RegisterRequest) error {
 	if len(req.Segments) > MaxSegmentsPerNode {
 		return fmt.Errorf("%w: %d segments (at most %d per node)", ErrInvalidRequest, len(req.Segments), MaxSegmentsPerNode)
 	}
-	if len(req.Endpoint) > maxSegmentID {
-		return fmt.Errorf("%w: endpoint of %d bytes", ErrInvalidRequest, len(req.Endpoint))
+	if len(req.Endpoint) > maxEndpoint {
+		return fmt.Errorf("%w: endpoint of %d bytes (at most %d)", ErrInvalidRequest, len(req.Endpoint), maxEndpoint)
 	}
 	names := map[string]bool{}
 	for _, sp := range req.Segments {
@@ -419,20 +423,15 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 	errs := make([]error, len(req.Items))
 	cmd := &pb.PublishCmd{}
 	var idx []int     // errs index of each command item
-	var mine []uint64 // put ids this leader placed, ended by the command
+	var mine []uint64 // per command item: the put id if this leader placed it, else 0
 	var legacy []int  // puts started by a PutStartCmd (the log of an older master)
 	var unplaced []uint32
 	now := m.s.cfg.Now().UnixNano()
-	loops := m.s.fsm.loopingParents(len(req.Items), func(i int) (string, string) { return req.Items[i].Key, req.Items[i].Parent })
 	t := m.s.puts
 	t.mu.Lock()
 	for i, it := range req.Items {
 		if err := validKey(it.Key); err != nil {
 			errs[i] = err
-			continue
-		}
-		if loops[i] {
-			errs[i] = parentLoopError(it.Key, it.Parent)
 			continue
 		}
 		id := it.PutId
@@ -471,9 +470,32 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			pi.Replicas = append(pi.Replicas, &pb.Extent{Segment: r.Segment, Offset: r.Offset, Length: it.Size})
 		}
 		cmd.Items = append(cmd.Items, pi)
+		mine = append(mine, 0)
 		idx = append(idx, i)
 	}
 	t.mu.Unlock()
+	// The parents as they will be published (a placed put's are its
+	// start's): those that would close a loop are refused, and their puts
+	// end here.
+	loops := m.s.fsm.loopingParents(len(cmd.Items), func(j int) (string, string) { return cmd.Items[j].Key, cmd.Items[j].Parent })
+	if slices.Contains(loops, true) {
+		var keep []*pb.PublishItem
+		var keepIdx []int
+		var keepMine []uint64
+		t.mu.Lock()
+		for j, it := range cmd.Items {
+			if !loops[j] {
+				keep, keepIdx, keepMine = append(keep, it), append(keepIdx, idx[j]), append(keepMine, mine[j])
+				continue
+			}
+			errs[idx[j]] = parentLoopError(it.Key, it.Parent)
+			if mine[j] != 0 {
+				t.done(mine[j])
+			}
+		}
+		t.mu.Unlock()
+		cmd.Items, idx, mine = keep, keepIdx, keepMine
+	}
 	if len(cmd.Items) > 0 {
 		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_Publish{Publish: cmd}})
 		if err != nil {
@@ -484,7 +506,9 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		}
 		t.mu.Lock()
 		for _, id := range mine {
-			t.done(id)
+			if id != 0 {
+				t.done(id)
+			}
 		}
 		t.mu.Unlock()
 	}

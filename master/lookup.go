@@ -151,16 +151,23 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 // childrenOf lists up to limit complete objects whose parent is key.
 func (f *FSM) childrenOf(key string, limit int) ([]*pb.ObjectInfo, bool) {
 	f.mu.RLock()
-	defer f.mu.RUnlock()
-	var keys []string
-	if f.children[key] > 0 {
-		for k, o := range f.objects.all() {
-			if o.parent() == key && o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
-				keys = append(keys, k)
-			}
-		}
+	n := f.children[key]
+	f.mu.RUnlock()
+	if n == 0 {
+		return nil, false
 	}
-	return f.page(keys, limit)
+	var keys, shard []string
+	f.walk(func(o *object) {
+		if o.parent() == key && o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
+			shard = append(shard, o.key())
+		}
+	}, func() { keys, shard = append(keys, shard...), shard[:0] })
+	slices.Sort(keys)
+	truncated := len(keys) > limit
+	if truncated {
+		keys = keys[:limit]
+	}
+	return f.infos(keys), truncated
 }
 
 // noteLookup counts a lookup's matched blocks served from SSD alone

@@ -134,58 +134,87 @@ func (o *object) parent() string {
 	return unsafe.String((*byte)(unsafe.Add(unsafe.Pointer(o), objectHeader+uintptr(o.keyLen))), int(o.parentLen))
 }
 
-// maxChainWalk bounds the walk up a chain's parent links; a chain longer
-// than this (a million tokens in blocks of 16) counts as a loop.
+// maxChainWalk bounds the walks up a chain's parent links (those of one
+// batch of puts together); a put whose walk does not end within it (a
+// chain of a million tokens in blocks of 16) counts as a loop.
 const maxChainWalk = 1 << 16
 
-// parentLoop reports whether naming parent as the parent of key would close
-// a loop of parent links: parent is key, or key is an ancestor of parent.
-// Only a key that objects already name as their parent can be an ancestor,
-// so a new block of a chain walks nothing; a block put again under its
-// children walks up its parent's chain. f.mu must be held.
-func (f *FSM) parentLoop(key, parent string) bool {
-	switch {
-	case parent == "":
-		return false
-	case parent == key:
-		return true
-	case f.children[key] == 0:
-		return false
-	}
-	for k, n := parent, 0; n < maxChainWalk; n++ {
-		o := f.objects.get(k)
-		if o == nil || o.parent() == "" {
-			return false
-		}
-		if k = o.parent(); k == key {
-			return true
-		}
-	}
-	return true
-}
-
-// loopingParents reports, for each item of a batch of puts, whether its
-// parent would close a loop of parent links.
+// loopingParents reports, for each item of a batch of puts in order,
+// whether its parent would close a loop of parent links: the parent is the
+// item itself, or descends from it through the table's links and those of
+// the batch's earlier items (an item refused adds none). Only a key that
+// some link already names as a parent can be an ancestor, so the blocks of
+// a chain put in order walk nothing.
 func (f *FSM) loopingParents(n int, item func(int) (key, parent string)) []bool {
 	out := make([]bool, n)
+	var local map[string]string // key -> parent of the batch's accepted items
+	var named map[string]int    // parents those name
+	parentOf := func(k string) (string, bool) {
+		if p, ok := local[k]; ok {
+			return p, true
+		}
+		if o := f.objects.get(k); o != nil {
+			return o.parent(), true
+		}
+		return "", false
+	}
+	// The walks of one batch share maxChainWalk steps, all under the read
+	// lock; puts in chain order spend none.
+	budget := maxChainWalk
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	for i := range out {
-		if k, p := item(i); p != "" {
-			out[i] = f.parentLoop(k, p)
+		k, p := item(i)
+		if p == "" {
+			if local != nil {
+				local[k] = ""
+			}
+			continue
 		}
+		switch {
+		case p == k:
+			out[i] = true
+		case f.children[k] > 0 || named[k] > 0:
+			out[i] = true // unless the walk ends within the batch's budget
+			// slow trails at half speed: meeting it means a loop above
+			// that k is not on (concurrent puts can make one), not k's.
+			for cur, slow := p, p; budget > 0; budget-- {
+				steps := maxChainWalk - budget
+				next, ok := parentOf(cur)
+				if !ok || next == "" {
+					out[i] = false
+					break
+				}
+				if next == k {
+					break
+				}
+				if cur = next; steps%2 == 1 {
+					slow, _ = parentOf(slow)
+				}
+				if cur == slow {
+					out[i] = false
+					break
+				}
+			}
+		}
+		if out[i] {
+			continue
+		}
+		if local == nil {
+			local, named = map[string]string{}, map[string]int{}
+		}
+		local[k] = p
+		named[p]++
 	}
 	return out
 }
 
-// newObject is a complete object of the put described, in the table. A
-// parent that would close a loop of parent links is left out (the
-// services refuse such puts; this keeps entries of older masters, and
-// their snapshots, from making one).
+// newObject is a complete object of the put described, in the table. It
+// keeps the parent link as the log has it, whatever the order objects come
+// in (a snapshot restores them in key order): the services refuse puts
+// that would close a loop of links, and what reads the links (depth) is
+// safe against one that concurrent puts, or an older master, made.
 func (f *FSM) newObject(key string, size uint64, checksum uint32, putID uint64, created int64, parent, tenant string, exts []extent) *object {
-	if f.parentLoop(key, parent) {
-		parent = ""
-	}
 	o := allocObject(key, parent)
 	o.size, o.checksum, o.putID, o.created = size, checksum, putID, created
 	o.setState(pb.ObjectState_OBJECT_STATE_COMPLETE)

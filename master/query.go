@@ -128,24 +128,32 @@ func (f *FSM) exists(keys []string) []bool {
 // Apply waits for one shard at most. An object put or removed meanwhile
 // may be in the page or not.
 func (f *FSM) list(prefix, after string, limit int) ([]*pb.ObjectInfo, bool) {
-	h := &keyHeap{}
-	for si := range tableShards {
-		f.mu.RLock()
-		f.objects.inShard(si, func(o *object) bool {
-			if k := o.key(); k > after && strings.HasPrefix(k, prefix) {
-				h.offer(k, limit+1)
-			}
-			return true
-		})
-		f.mu.RUnlock()
+	for {
+		h := &keyHeap{}
+		for si := range tableShards {
+			f.mu.RLock()
+			f.objects.inShard(si, func(o *object) bool {
+				if k := o.key(); k > after && strings.HasPrefix(k, prefix) {
+					h.offer(k, limit+1)
+				}
+				return true
+			})
+			f.mu.RUnlock()
+		}
+		keys := h.keys
+		slices.Sort(keys)
+		truncated := len(keys) > limit
+		if truncated {
+			keys = keys[:limit]
+		}
+		// Keys removed since the pass leave the page short; a page left
+		// empty but truncated would give the caller no key to go on
+		// after, so the pass goes on from the last key it found.
+		if out := f.infos(keys); len(out) > 0 || !truncated {
+			return out, truncated
+		}
+		after = keys[len(keys)-1]
 	}
-	keys := h.keys
-	slices.Sort(keys)
-	truncated := len(keys) > limit
-	if truncated {
-		keys = keys[:limit]
-	}
-	return f.infos(keys), truncated
 }
 
 // keyHeap keeps the smallest keys offered, at most some number of them: a
@@ -183,21 +191,6 @@ func (h *keyHeap) offer(k string, most int) {
 		h.keys[i], h.keys[big] = h.keys[big], h.keys[i]
 		i = big
 	}
-}
-
-// page describes the first limit of keys in key order, and reports
-// whether more follow; f.mu must be held.
-func (f *FSM) page(keys []string, limit int) ([]*pb.ObjectInfo, bool) {
-	slices.Sort(keys)
-	truncated := len(keys) > limit
-	if truncated {
-		keys = keys[:limit]
-	}
-	out := make([]*pb.ObjectInfo, len(keys))
-	for i, k := range keys {
-		out[i] = f.info(f.objects.get(k))
-	}
-	return out, truncated
 }
 
 // segmentView is a snapshot of one segment for placement and status.
@@ -253,17 +246,36 @@ func (f *FSM) putState(key string, now int64) pb.ObjectState {
 
 // objectStats counts objects and the bytes of complete ones.
 func (f *FSM) objectStats() (processing, complete int, completeBytes uint64) {
-	f.mu.RLock()
-	defer f.mu.RUnlock()
-	for _, o := range f.objects.all() {
+	f.walk(func(o *object) {
 		if o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			complete++
 			completeBytes += o.size
 		} else {
 			processing++
 		}
-	}
+	}, nil)
 	return processing, complete, completeBytes
+}
+
+// walk calls visit for every object, a shard of the table at a time under
+// the read lock: Apply, and so every put, waits for one shard at most, not
+// for the table. An object added or removed meanwhile may be visited or
+// not; visit runs under the read lock, and shardDone (if not nil) after
+// each shard, without it: what visit gathers into a buffer of one shard
+// goes to a result that grows with the table there, so no growth of that
+// (a copy of all gathered so far) holds the lock.
+func (f *FSM) walk(visit func(*object), shardDone func()) {
+	for si := range tableShards {
+		f.mu.RLock()
+		f.objects.inShard(si, func(o *object) bool {
+			visit(o)
+			return true
+		})
+		f.mu.RUnlock()
+		if shardDone != nil {
+			shardDone()
+		}
+	}
 }
 
 // expiredPuts lists PROCESSING objects whose deadline is before now.
@@ -362,36 +374,28 @@ func (f *FSM) completeOn(id string) []evictable {
 	})
 }
 
-// scan lists the complete objects keep accepts, in key order. It walks
-// the table a shard at a time, each under the read lock, so Apply (and so
-// every put) waits for one shard at most, not for the table, and sorts
-// after; an object added or removed meanwhile may be listed or not. keep
-// runs under the read lock.
+// scan lists the complete objects keep accepts, in key order: it walks
+// the table (see walk), then sorts. keep runs under the read lock.
 func (f *FSM) scan(keep func(*object) bool) []evictable {
-	var out []evictable
+	var out, shard []evictable
 	depths := map[string]int{}
-	for si := range tableShards {
-		f.mu.RLock()
-		f.objects.inShard(si, func(o *object) bool {
-			if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || !keep(o) {
-				return true
+	f.walk(func(o *object) {
+		if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || !keep(o) {
+			return
+		}
+		e := evictable{
+			key: o.key(), size: o.size, created: o.created, hard: o.hard(), softPin: f.softPin(o), checksum: o.checksum,
+			putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[o.key()], tenant: f.tenantOf(o),
+			depth: f.depth(o, depths), used: o.used.Load(), lease: o.lease.Load(),
+		}
+		for _, r := range f.exts(o) {
+			if s := f.seg(r); s != nil {
+				e.segments = append(e.segments, s.id)
+				e.freed = max(e.freed, s.alloc.rounded(o.size))
 			}
-			e := evictable{
-				key: o.key(), size: o.size, created: o.created, hard: o.hard(), softPin: f.softPin(o), checksum: o.checksum,
-				putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[o.key()], tenant: f.tenantOf(o),
-				depth: f.depth(o, depths), used: o.used.Load(), lease: o.lease.Load(),
-			}
-			for _, r := range f.exts(o) {
-				if s := f.seg(r); s != nil {
-					e.segments = append(e.segments, s.id)
-					e.freed = max(e.freed, s.alloc.rounded(o.size))
-				}
-			}
-			out = append(out, e)
-			return true
-		})
-		f.mu.RUnlock()
-	}
+		}
+		shard = append(shard, e)
+	}, func() { out, shard = append(out, shard...), shard[:0] })
 	sortEvictables(out, func(a, b *evictable) int { return cmp.Compare(a.key, b.key) })
 	return out
 }
@@ -418,18 +422,20 @@ const infoChunk = 1024
 
 // depth counts o's ancestors in the table, following parent keys up to
 // the first one missing; memo keeps the depths found below the roots, so a
-// scan of the table walks each chain once. The table has no parent loops
-// (newObject refuses them); a walk longer than maxChainWalk stops there
-// all the same. f.mu must be held.
+// scan of the table walks each chain once. A loop of links (the services
+// refuse them, but two concurrent puts can make one) ends the walk as a
+// missing parent would, and so does a walk of maxChainWalk links. f.mu
+// must be held.
 func (f *FSM) depth(o *object, memo map[string]int) int {
 	if o.parent() == "" {
 		return 0
 	}
-	if d, ok := memo[o.key()]; ok {
+	if d, ok := memo[o.key()]; ok && d != onPath {
 		return d
 	}
 	var buf [32]*object
 	path := append(buf[:0], o)
+	memo[o.key()] = onPath
 	base := -1 // depth of the ancestor the walk stopped at; -1: none
 	for len(path) < maxChainWalk {
 		k := path[len(path)-1].parent()
@@ -437,7 +443,9 @@ func (f *FSM) depth(o *object, memo map[string]int) int {
 			break
 		}
 		if d, ok := memo[k]; ok {
-			base = d
+			if d != onPath {
+				base = d
+			}
 			break
 		}
 		p := f.objects.get(k)
@@ -445,9 +453,11 @@ func (f *FSM) depth(o *object, memo map[string]int) int {
 			break
 		}
 		path = append(path, p)
+		memo[k] = onPath
 	}
 	if path[len(path)-1].parent() == "" {
 		// The walk ended at a root, which memo leaves out.
+		delete(memo, path[len(path)-1].key())
 		path, base = path[:len(path)-1], 0
 	}
 	for i := len(path) - 1; i >= 0; i-- {
@@ -456,6 +466,9 @@ func (f *FSM) depth(o *object, memo map[string]int) int {
 	}
 	return base
 }
+
+// onPath marks in depth's memo a key on the walk in progress.
+const onPath = -1
 
 // infos describes the named objects that exist.
 // It holds the read lock for a chunk of keys at a time.
@@ -492,19 +505,16 @@ func (f *FSM) segmentObjects(id, name, after string, limit int) ([]*pb.AdoptedOb
 		hard                bool
 		softPin             int64
 	}
-	var all []kept
-	f.mu.RLock()
-	for k, o := range f.objects.all() {
-		if k <= after || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
-			continue
-		}
-		for _, r := range f.exts(o) {
-			if f.segID(r) == id {
-				all = append(all, kept{k, o.parent(), f.tenantOf(o), r.offset(), o.size, o.checksum, o.hard(), f.softPin(o)})
+	var all, shard []kept
+	f.walk(func(o *object) {
+		if k := o.key(); k > after && o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
+			for _, r := range f.exts(o) {
+				if f.segID(r) == id {
+					shard = append(shard, kept{k, o.parent(), f.tenantOf(o), r.offset(), o.size, o.checksum, o.hard(), f.softPin(o)})
+				}
 			}
 		}
-	}
-	f.mu.RUnlock()
+	}, func() { all, shard = append(all, shard...), shard[:0] })
 	byKey := func(a, b kept) int { return strings.Compare(a.key, b.key) }
 	more := len(all) > limit
 	if more { // only the page's objects need sorting

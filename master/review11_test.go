@@ -3,6 +3,7 @@ package master
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -36,7 +37,7 @@ func TestValidRegister(t *testing.T) {
 		{"duplicate segment", &pb.RegisterRequest{Node: "a", Endpoint: "h:1", Segments: []*pb.SegmentSpec{seg("c"), seg("c")}}, false},
 		{"too many segments", &pb.RegisterRequest{Node: "a", Endpoint: "h:1", Segments: many}, false},
 		{"unknown tier", &pb.RegisterRequest{Node: "a", Endpoint: "h:1", Segments: []*pb.SegmentSpec{{Name: "c", Tier: 7, Capacity: 1 << 20}}}, false},
-		{"long endpoint", &pb.RegisterRequest{Node: "a", Endpoint: strings.Repeat("h", 300), Segments: []*pb.SegmentSpec{seg("c")}}, false},
+		{"long endpoint", &pb.RegisterRequest{Node: "a", Endpoint: strings.Repeat("h", 5000), Segments: []*pb.SegmentSpec{seg("c")}}, false},
 	} {
 		err := validRegister(tc.req)
 		if tc.ok != (err == nil) || (err != nil && !errors.Is(err, ErrInvalidRequest)) {
@@ -62,31 +63,50 @@ func TestRegisterRefusesTakenSegmentID(t *testing.T) {
 	}
 }
 
-// TestParentLoops: an object never names itself or a descendant as its
-// parent, and depths follow chains without walking loops.
+// TestParentLoops: a put naming itself, or a parent that descends from
+// it (through the table or the batch's earlier items), is refused; depths
+// follow chains, and a loop that concurrent puts made ends the walk.
 func TestParentLoops(t *testing.T) {
 	f := NewFSM()
 	add := func(key, parent string) *object { return f.newObject(key, 1, 0, 0, 0, parent, "", nil) }
-	if !f.parentLoop("x", "x") {
-		t.Fatal("an object naming itself is no loop")
+	loops := func(pairs ...string) []bool {
+		return f.loopingParents(len(pairs)/2, func(i int) (string, string) { return pairs[2*i], pairs[2*i+1] })
 	}
 	add("a", "b") // b is not there yet
 	add("c", "a")
-	if got := add("b", "c").parent(); got != "" {
-		t.Fatalf("b under c (whose grandparent is b) kept parent %q", got)
+	for _, tc := range []struct {
+		name  string
+		pairs []string
+		want  []bool
+	}{
+		{"itself", []string{"x", "x"}, []bool{true}},
+		{"b under its grandchild", []string{"b", "c"}, []bool{true}},
+		{"b under a stranger", []string{"b", "z"}, []bool{false}},
+		{"a new leaf", []string{"d", "c"}, []bool{false}},
+		{"a loop within the batch", []string{"p", "q", "q", "p"}, []bool{false, true}},
+		{"a chain in order", []string{"k1", "", "k2", "k1", "k3", "k2"}, []bool{false, false, false}},
+		{"a refused item adds no link", []string{"s", "s", "t", "s"}, []bool{true, false}},
+	} {
+		if got := loops(tc.pairs...); !slices.Equal(got, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
 	}
-	if !f.parentLoop("b", "a") || f.parentLoop("b", "z") || f.parentLoop("d", "c") {
-		t.Fatal("parentLoop misjudges a chain")
-	}
-	if got := add("s", "s").parent(); got != "" {
-		t.Fatalf("self-parented object kept parent %q", got)
-	}
-	// Depths: b (now a root) <- a <- c; orphan under a missing key.
+	// A loop made anyway (as two concurrent puts can): b under c closes
+	// a <- c <- b <- a. Depths end there; the rest follow their chains.
+	add("b", "c")
 	add("orphan", "missing")
+	add("r", "")
+	add("r1", "r")
+	add("r2", "r1")
 	memo := map[string]int{}
-	for key, want := range map[string]int{"b": 0, "a": 1, "c": 2, "orphan": 0, "s": 0} {
+	for key, want := range map[string]int{"r": 0, "r2": 2, "r1": 1, "orphan": 0} {
 		if got := f.depth(f.objects.get(key), memo); got != want {
 			t.Errorf("depth(%s) = %d, want %d", key, got, want)
+		}
+	}
+	for _, k := range []string{"a", "b", "c"} {
+		if d := f.depth(f.objects.get(k), memo); d < 0 || d > 3 {
+			t.Errorf("depth(%s) in a loop = %d", k, d)
 		}
 	}
 }
@@ -122,5 +142,21 @@ func TestListPages(t *testing.T) {
 		if got := strings.Join(keys(objs), " "); got != tc.want || truncated != tc.truncated {
 			t.Errorf("list(%q, after %q, %d) = %q truncated %v, want %q %v", tc.prefix, tc.after, tc.limit, got, truncated, tc.want, tc.truncated)
 		}
+	}
+}
+
+// TestLoopAboveIsNoLoopOfTheKey: a loop of links that concurrent puts
+// made above a chain does not get a put under that chain refused.
+func TestLoopAboveIsNoLoopOfTheKey(t *testing.T) {
+	f := NewFSM()
+	f.newObject("x", 1, 0, 0, 0, "y", "", nil)
+	f.newObject("y", 1, 0, 0, 0, "x", "", nil) // the loop x <- y <- x
+	f.newObject("c", 1, 0, 0, 0, "x", "", nil)
+	f.newObject("child", 1, 0, 0, 0, "k", "", nil) // so k's put walks
+	if got := f.loopingParents(1, func(int) (string, string) { return "k", "c" }); got[0] {
+		t.Fatal("a put of k under c, below a loop k is not on, was judged a loop")
+	}
+	if got := f.loopingParents(1, func(int) (string, string) { return "k", "child" }); !got[0] {
+		t.Fatal("k under its own child was not judged a loop")
 	}
 }
