@@ -16,8 +16,14 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/engine"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
 // holdConnsEnv names, in a child of the test binary, the engine address it
@@ -167,5 +173,108 @@ func TestStalledWritesAndIdleConnectionsBounded(t *testing.T) {
 	}
 	if err := errors.Join(c.BatchRemove(ctx, []string{"ok/before/0"})...); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// openSessionsEnv names, in a child of the test binary, the agent socket
+// it opens sessions on, as many as the agent lets it (at most
+// OPEN_MAX); it prints how many, and the code of the refusal, then waits
+// until killed or its stdin closes.
+const openSessionsEnv = "TIDEPOOL_TEST_OPEN_SESSIONS"
+
+func openSessions(sock string) int {
+	most, _ := strconv.Atoi(os.Getenv("OPEN_MAX"))
+	cc, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	ag := pb.NewAgentClient(cc)
+	n, refused := 0, codes.OK
+	for ; n < most; n++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err := ag.Open(ctx, &pb.OpenRequest{Client: "hog", ShmBytes: 1 << 20})
+		cancel()
+		if err != nil {
+			refused = status.Code(err)
+			break
+		}
+	}
+	fmt.Println(n, refused)
+	_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
+	return 0
+}
+
+// sessionHog is a child process holding agent sessions.
+type sessionHog struct {
+	cmd     *exec.Cmd
+	opened  int
+	refused string
+}
+
+func startSessionHog(t *testing.T, sock string, most int) *sessionHog {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), openSessionsEnv+"="+sock, "OPEN_MAX="+strconv.Itoa(most))
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stdin.Close(); _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	line, err := bufio.NewReader(out).ReadString('\n')
+	h := &sessionHog{cmd: cmd}
+	if _, serr := fmt.Sscan(line, &h.opened, &h.refused); err != nil || serr != nil {
+		t.Fatalf("session hog: %q, %v %v", line, err, serr)
+	}
+	return h
+}
+
+// TestSessionsEndWithTheirProcess: sessions were not tied to the process
+// that opened them; one that opened 256 and exited locked every other
+// process out for --session-idle (10 minutes). Now one process holds at
+// most --max-sessions-per-process, and its sessions end within a second
+// of its death.
+func TestSessionsEndWithTheirProcess(t *testing.T) {
+	ctx := t.Context()
+	u := startUp(t, ctx, t.TempDir(), "--dram", "64MiB", "--ssd", "0")
+	sock := t.TempDir() + "/agent.sock"
+	agentHTTP := freeAddr(t)
+	startDaemon(t, ctx, "agent", func() ([]string, string) {
+		return []string{"agent", "--socket", sock, "--masters", u.grpc, "--http", agentHTTP, "--max-sessions", "40",
+			"--max-sessions-per-process", "32", "--max-session-bytes", "1MiB"}, agentHTTP
+	})
+	hog := startSessionHog(t, sock, 100)
+	if hog.opened != 32 || hog.refused != "ResourceExhausted" {
+		t.Fatalf("one process opened %d sessions (refused: %s), want 32 and then ResourceExhausted", hog.opened, hog.refused)
+	}
+	other := startSessionHog(t, sock, 100)
+	if other.opened != 8 || other.refused != "ResourceExhausted" {
+		t.Fatalf("a second process opened %d of the 8 left (refused: %s)", other.opened, other.refused)
+	}
+	if err := hog.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_ = hog.cmd.Wait()
+	killed := time.Now()
+	waitFor(t, 5*time.Second, func() error {
+		n, err := counter(agentHTTP, "tidepool_agent_sessions_orphaned_total")
+		if err == nil && n < 32 {
+			err = fmt.Errorf("%v of 32 sessions ended", n)
+		}
+		return err
+	})
+	if took := time.Since(killed); took > time.Second {
+		t.Errorf("the dead process's sessions ended %v after it, want within a second", took)
+	}
+	if third := startSessionHog(t, sock, 10); third.opened != 10 {
+		t.Fatalf("after the hog died another process opened %d of 10 sessions (refused: %s)", third.opened, third.refused)
 	}
 }

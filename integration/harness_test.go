@@ -34,6 +34,9 @@ func TestMain(m *testing.M) {
 	if addr := os.Getenv(holdConnsEnv); addr != "" {
 		os.Exit(holdConns(addr)) // a child a test started to hold connections
 	}
+	if sock := os.Getenv(openSessionsEnv); sock != "" {
+		os.Exit(openSessions(sock)) // a child a test started to hold agent sessions
+	}
 	os.Exit(runMain(m))
 }
 

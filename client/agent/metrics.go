@@ -23,6 +23,7 @@ type counters struct {
 	errors     atomic.Uint64 // failed requests and items, misses excepted
 	opened     atomic.Uint64 // sessions opened
 	expired    atomic.Uint64 // sessions ended idle
+	orphaned   atomic.Uint64 // sessions ended because their process exited
 }
 
 func (s *Server) statsResponse() *pb.AgentStatsResponse {
@@ -68,6 +69,7 @@ func newCollector(s *Server) *collector {
 			counter("errors_total", "Failed requests and failed items of batches; a missing key is not counted.", &c.errors),
 			counter("sessions_opened_total", "Sessions opened.", &c.opened),
 			counter("sessions_expired_total", "Sessions ended because they were idle too long.", &c.expired),
+			counter("sessions_orphaned_total", "Sessions ended because the process that opened them exited.", &c.orphaned),
 		},
 		sessions: prometheus.NewDesc("tidepool_agent_sessions", "Open sessions.", nil, nil),
 		bytes:    prometheus.NewDesc("tidepool_agent_session_bytes", "Bytes of the open sessions' shared-memory regions.", nil, nil),

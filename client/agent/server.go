@@ -24,6 +24,11 @@ const (
 	DefaultLeasedBlocks = 1 << 16
 	// DefaultMaxSessions is how many sessions may be open at once.
 	DefaultMaxSessions = 256
+	// DefaultMaxSessionsPerProcess is how many one process may hold.
+	DefaultMaxSessionsPerProcess = 32
+	// ownerCheck is how often the agent looks whether the processes that
+	// hold sessions still run: a session ends within it of its process.
+	ownerCheck = 250 * time.Millisecond
 	// MaxBatchKeys is the most keys one request may name (the master's
 	// limit for one batch).
 	MaxBatchKeys = 16384
@@ -48,6 +53,9 @@ type Config struct {
 	// MaxSessions caps the sessions open at once; 0 means
 	// DefaultMaxSessions.
 	MaxSessions int
+	// MaxSessionsPerProcess caps those one process holds (known by its
+	// pid on the unix socket); 0 means DefaultMaxSessionsPerProcess.
+	MaxSessionsPerProcess int
 	// LeasedBlocks is how many blocks leased by lookups the agent keeps for
 	// the gets that follow; 0 means DefaultLeasedBlocks, negative none.
 	LeasedBlocks int
@@ -98,6 +106,12 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxSessionBytes > 1<<50 { // more than any host maps; keeps int conversions safe
 		return nil, fmt.Errorf("agent: max session bytes %d is implausible", cfg.MaxSessionBytes)
 	}
+	if cfg.MaxSessionsPerProcess == 0 {
+		cfg.MaxSessionsPerProcess = DefaultMaxSessionsPerProcess
+	}
+	if cfg.MaxSessionsPerProcess < 0 {
+		return nil, fmt.Errorf("agent: negative max sessions per process %d", cfg.MaxSessionsPerProcess)
+	}
 	if cfg.LeasedBlocks == 0 {
 		cfg.LeasedBlocks = DefaultLeasedBlocks
 	}
@@ -111,7 +125,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	// WaitForHandlers: Close must not unmap a region or return while a
 	// handler still runs.
-	s.grpc = grpc.NewServer(grpc.WaitForHandlers(true), grpc.MaxRecvMsgSize(maxMessage), grpc.MaxSendMsgSize(maxMessage))
+	s.grpc = grpc.NewServer(grpc.Creds(peerCreds{}), grpc.WaitForHandlers(true), grpc.MaxRecvMsgSize(maxMessage), grpc.MaxSendMsgSize(maxMessage))
 	pb.RegisterAgentServer(s.grpc, &service{s: s})
 	if cfg.Registerer != nil {
 		met := newCollector(s)
@@ -166,13 +180,48 @@ func (s *Server) reap() {
 	every := min(max(s.cfg.SessionIdle/4, time.Millisecond), 10*time.Second)
 	t := time.NewTicker(every)
 	defer t.Stop()
+	owners := time.NewTicker(ownerCheck)
+	defer owners.Stop()
 	for {
 		select {
 		case <-s.stop:
 			return
 		case now := <-t.C:
 			s.reapIdle(now)
+		case <-owners.C:
+			s.reapOrphans()
 		}
+	}
+}
+
+// reapOrphans ends the sessions whose process has exited.
+func (s *Server) reapOrphans() {
+	s.mu.Lock()
+	owners := map[process]bool{}
+	for _, ss := range s.mu.sessions {
+		if ss.owner.known() {
+			owners[ss.owner] = true
+		}
+	}
+	s.mu.Unlock()
+	for p := range owners {
+		owners[p] = p.alive() // outside the lock: a read of /proc each
+	}
+	var gone []*session
+	s.mu.Lock()
+	for id, ss := range s.mu.sessions {
+		if alive, checked := owners[ss.owner]; checked && !alive && ss.active.Load() == 0 {
+			delete(s.mu.sessions, id)
+			gone = append(gone, ss)
+		}
+	}
+	s.mu.Unlock()
+	for _, ss := range gone {
+		s.stats.orphaned.Add(1)
+		if err := ss.end(); err != nil {
+			s.log.Warn("end session of an exited process", "session", ss.id, "client", ss.client, "err", err)
+		}
+		s.log.Info("session ended: its process exited", "session", ss.id, "client", ss.client, "pid", ss.owner)
 	}
 }
 

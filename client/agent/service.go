@@ -64,7 +64,7 @@ func (a *service) Open(ctx context.Context, req *pb.OpenRequest) (*pb.OpenRespon
 	if len(name) > 256 {
 		name = name[:256]
 	}
-	ss, err := s.open(name, req.ShmBytes)
+	ss, err := s.open(name, req.ShmBytes, ownerOf(ctx))
 	if err != nil {
 		return nil, s.fail(err)
 	}

@@ -36,7 +36,8 @@ const (
 // own that the process attached.
 type session struct {
 	id     uint64
-	client string // as the process named itself, for logs
+	client string  // as the process named itself, for logs
+	owner  process // the process that opened it, if the socket told
 	size   uint64
 	path   string // /proc/<pid>/fd/<fd>: what the process maps
 	fd     int
@@ -253,7 +254,7 @@ func mapMemfd(path string, size uint64) (*region, error) {
 }
 
 // open creates a session with a region of size bytes.
-func (s *Server) open(name string, size uint64) (*session, error) {
+func (s *Server) open(name string, size uint64, owner process) (*session, error) {
 	if size == 0 || size > s.cfg.MaxSessionBytes {
 		return nil, fmt.Errorf("%w: shm_bytes %d: want 1 to %d", client.ErrInvalidArgument, size, s.cfg.MaxSessionBytes)
 	}
@@ -278,7 +279,7 @@ func (s *Server) open(name string, size uint64) (*session, error) {
 	}
 	// Huge pages cut TLB misses on multi-MiB KV blocks; best effort.
 	_ = unix.Madvise(mem, unix.MADV_HUGEPAGE)
-	ss := &session{client: name, size: size, fd: fd, mem: mem, path: fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), fd)}
+	ss := &session{client: name, owner: owner, size: size, fd: fd, mem: mem, path: fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), fd)}
 	ss.touch()
 
 	s.mu.Lock()
@@ -289,6 +290,18 @@ func (s *Server) open(name string, size uint64) (*session, error) {
 	if len(s.mu.sessions) >= s.cfg.MaxSessions {
 		s.mu.Unlock()
 		return nil, errors.Join(fmt.Errorf("%w (%d open)", ErrTooManySessions, s.cfg.MaxSessions), ss.end())
+	}
+	if owner.known() {
+		n := 0
+		for _, o := range s.mu.sessions {
+			if o.owner == owner {
+				n++
+			}
+		}
+		if n >= s.cfg.MaxSessionsPerProcess {
+			s.mu.Unlock()
+			return nil, errors.Join(fmt.Errorf("%w (%d open by process %v)", ErrTooManySessions, n, owner), ss.end())
+		}
 	}
 	// Random ids: a process that outlived an agent restart must not reach
 	// the region of a session opened since.

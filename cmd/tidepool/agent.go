@@ -29,6 +29,7 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	idle := fs.Duration("session-idle", agent.DefaultSessionIdle, "end a session after this long without a request naming it")
 	maxBytes := fs.String("max-session-bytes", "4GiB", "largest shared-memory region one session may open")
 	maxSessions := fs.Int("max-sessions", agent.DefaultMaxSessions, "sessions open at once; Open beyond it answers RESOURCE_EXHAUSTED")
+	perProcess := fs.Int("max-sessions-per-process", agent.DefaultMaxSessionsPerProcess, "sessions one process may hold; a process's sessions end within a quarter second of its exit")
 	segment := fs.String("segment", "0", "DRAM this agent contributes to the pool as a store node of its own, as a Mooncake client's global_segment_size does (0: none)")
 	segListen := fs.String("segment-listen", "127.0.0.1:0", "with --segment: the store's transfer engine address (port 0: any free port)")
 	segAdvertise := fs.String("segment-advertise", "", "with --segment: the engine address peers dial (default: the address listened on)")
@@ -44,8 +45,8 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	if *idle <= 0 {
 		return fmt.Errorf("%w: --session-idle must be positive", errUsage)
 	}
-	if *maxSessions <= 0 {
-		return fmt.Errorf("%w: --max-sessions must be positive", errUsage)
+	if *maxSessions <= 0 || *perProcess <= 0 {
+		return fmt.Errorf("%w: --max-sessions and --max-sessions-per-process must be positive", errUsage)
 	}
 	limit, err := tiers.ParseSize(*maxBytes)
 	if err != nil || limit <= 0 {
@@ -89,7 +90,7 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 		return node.Close()
 	}
 	srv, err := agent.New(agent.Config{
-		Client: c, Masters: cfg.Masters, SessionIdle: *idle, MaxSessionBytes: uint64(limit), MaxSessions: *maxSessions,
+		Client: c, Masters: cfg.Masters, SessionIdle: *idle, MaxSessionBytes: uint64(limit), MaxSessions: *maxSessions, MaxSessionsPerProcess: *perProcess,
 		Logger: log.With("component", "agent"), Registerer: d.reg,
 	})
 	if err != nil {
