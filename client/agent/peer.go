@@ -50,7 +50,7 @@ func (peerCreds) Info() credentials.ProtocolInfo {
 	return credentials.ProtocolInfo{SecurityProtocol: "insecure"}
 }
 func (peerCreds) Clone() credentials.TransportCredentials { return peerCreds{} }
-func (peerCreds) OverrideServerName(string) error        { return nil }
+func (peerCreds) OverrideServerName(string) error         { return nil }
 
 // process names a process across pid reuse: its pid and its start time
 // (clock ticks after boot, /proc/PID/stat). The zero process is unknown.
