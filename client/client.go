@@ -336,11 +336,10 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	if len(placed) > 0 && c.descs != nil {
 		defer func() {
 			for i := range placed {
-				// GetTTL first: a look that counts as no use, and a key
-				// put is rarely cached (its lookups missed it).
-				if _, ok := c.descs.GetTTL(keys[i]); ok {
-					c.descs.Del(keys[i])
-				}
+				// Always: a lookup's Set of the key may still be queued in
+				// the cache's buffer, and only a Del queued behind it
+				// drops what it stores.
+				c.descs.Del(keys[i])
 			}
 		}()
 	}

@@ -104,9 +104,9 @@ func (m Match) Keys() []string {
 // client's descriptor cache while at least half their lease is left, so
 // repeated lookups of a hot prefix ask the master only for the rest.
 //
-// A lookup that starts after this client called Remove of a key never
-// answers the key from a descriptor cached before Remove returned (nor
-// from one that a lookup in flight meanwhile caches). Another client's
+// A lookup that starts after this client's Remove of a key has returned
+// never answers the key from a descriptor cached before (nor from one that
+// a lookup in flight meanwhile caches). Another client's
 // remove and re-put of a cached key shows only once half the cached lease
 // is over: until then the block reads as the incarnation it was leased as
 // (whole, checksummed and leased, but not the current one), as the master

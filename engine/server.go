@@ -160,9 +160,7 @@ func mapped(seg Segment, off, n int64) ([]byte, bool) {
 func (s *serverConn) read(seg Segment, off, n int64) error {
 	hdr := appendResponse(s.resp[:0], respHeader{status: statusOK, n: uint64(n)})
 	if b, ok := mapped(seg, off, n); ok {
-		bufs := net.Buffers{hdr, b}
-		_, err := bufs.WriteTo(s.nc)
-		return err
+		return s.send(hdr, b)
 	}
 	if n == 0 {
 		_, err := s.nc.Write(hdr)
@@ -182,11 +180,11 @@ func (s *serverConn) read(seg Segment, off, n int64) error {
 			}
 			return err
 		}
-		out := net.Buffers{chunk}
+		var head []byte
 		if done == 0 {
-			out = net.Buffers{hdr, chunk}
+			head = hdr
 		}
-		if _, err := out.WriteTo(s.nc); err != nil {
+		if err := s.send(head, chunk); err != nil {
 			return err
 		}
 		done += int64(len(chunk))
@@ -247,6 +245,32 @@ func (s *serverConn) describe(seg Segment) error {
 	_, err = s.nc.Write(appendDescribeResponse(s.resp[:0], info))
 	return err
 }
+
+// send writes head then body (one writev a piece), sendPiece bytes of body
+// at a time, each piece within StallTimeout (and the request's deadline):
+// a peer that stops reading its answer is dropped as one that stops
+// sending a request is.
+func (s *serverConn) send(head, body []byte) error {
+	for first := true; first || len(body) > 0; first = false {
+		piece := body[:min(len(body), sendPiece)]
+		body = body[len(piece):]
+		d := time.Now().Add(s.e.cfg.StallTimeout)
+		if s.in.until.Before(d) {
+			d = s.in.until
+		}
+		_ = s.nc.SetWriteDeadline(d)
+		bufs := net.Buffers{head, piece}
+		head = nil
+		if _, err := bufs.WriteTo(s.nc); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// sendPiece is how much of an answer one write deadline covers: at the
+// 1 MiB/s the deadlines allow, well within StallTimeout.
+const sendPiece = 1 << 20
 
 func (s *serverConn) sendOK() error {
 	_, err := s.nc.Write(appendResponse(s.resp[:0], respHeader{status: statusOK}))

@@ -22,9 +22,12 @@
 // Regions are unmapped by Detach or when the session ends, once no request
 // uses them.
 //
-// Sessions end with Close, when the Server closes, or after SessionIdle
-// without a request that names them (BatchGet, BatchPut, Stats, Close;
-// Stats of the session serves as a heartbeat). Session ids are random, so a
+// Sessions end with Close, when the Server closes, when the process that
+// opened them exits (the agent knows it by its pid on the unix socket; a
+// session another process uses ends with its opener all the same), or
+// after SessionIdle without a request that names them (BatchGet, BatchPut,
+// Stats, Close; Stats of the session serves as a heartbeat). One process
+// holds at most MaxSessionsPerProcess. Session ids are random, so a
 // process that outlives an agent restart gets NotFound, never another
 // process's region. A session's region is unmapped only once no request
 // is using it; the caller's own mapping stays valid after the session

@@ -2,11 +2,14 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"os"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/credentials"
@@ -63,32 +66,55 @@ func (p process) known() bool { return p.pid > 0 }
 
 func (p process) String() string { return strconv.Itoa(p.pid) }
 
-// processOf is pid's process now; unknown if it is gone.
+// processOf is pid's process now; unknown if it is gone or unreadable.
 func processOf(pid int) process {
+	p, _ := readProcess(pid)
+	return p
+}
+
+// readProcess reads pid's process from /proc/PID/stat. A process that has
+// exited but is not yet waited for (a zombie) is gone too: err is then
+// errGone, as it is when there is no such pid.
+func readProcess(pid int) (process, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return process{}
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ESRCH) {
+		return process{}, errGone
 	}
-	// Field 2 is the command in parentheses, and may hold both; the start
-	// time is field 22, the 20th after it.
+	if err != nil {
+		return process{}, err
+	}
+	// Field 2 is the command in parentheses, and may hold both; then come
+	// the state (field 3) and, 20th after the command, the start time.
 	i := strings.LastIndexByte(string(b), ')')
 	if i < 0 {
-		return process{}
+		return process{}, fmt.Errorf("agent: /proc/%d/stat: no command field", pid)
 	}
 	f := strings.Fields(string(b[i+1:]))
 	if len(f) < 20 {
-		return process{}
+		return process{}, fmt.Errorf("agent: /proc/%d/stat: %d fields", pid, len(f))
+	}
+	if f[0] == "Z" || f[0] == "X" {
+		return process{}, errGone
 	}
 	start, err := strconv.ParseUint(f[19], 10, 64)
 	if err != nil {
-		return process{}
+		return process{}, fmt.Errorf("agent: /proc/%d/stat: start time %q", pid, f[19])
 	}
-	return process{pid, start}
+	return process{pid, start}, nil
 }
 
+var errGone = errors.New("process gone")
+
 // alive reports whether p still runs (and is p, not a later process that
-// got its pid).
-func (p process) alive() bool { return processOf(p.pid) == p }
+// got its pid). What cannot be told (no descriptor free to read /proc)
+// counts as alive: a session must not end for the agent's own trouble.
+func (p process) alive() bool {
+	q, err := readProcess(p.pid)
+	if err != nil {
+		return !errors.Is(err, errGone)
+	}
+	return q == p
+}
 
 // ownerOf is the process at the other end of ctx's connection, if known.
 func ownerOf(ctx context.Context) process {

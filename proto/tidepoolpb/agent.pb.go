@@ -86,7 +86,8 @@ type OpenResponse struct {
 	// agent's memfd); the region is shm_bytes long.
 	ShmPath  string `protobuf:"bytes,2,opt,name=shm_path,json=shmPath,proto3" json:"shm_path,omitempty"`
 	ShmBytes uint64 `protobuf:"varint,3,opt,name=shm_bytes,json=shmBytes,proto3" json:"shm_bytes,omitempty"`
-	// The session ends after this long without a request.
+	// The session ends after this long without a request, or when the
+	// process that opened it exits.
 	IdleTimeoutMs uint64 `protobuf:"varint,4,opt,name=idle_timeout_ms,json=idleTimeoutMs,proto3" json:"idle_timeout_ms,omitempty"`
 	// The masters the agent uses: a process may ask them directly what
 	// moves no bytes (Exists), saving the hop through the agent.
