@@ -65,29 +65,42 @@ func holdConns(addr string) int {
 	return 0
 }
 
+// startChild starts this test binary as a child with env added (TestMain
+// turns it into the helper env names), and returns it with the first line
+// it prints. Cleanup closes its stdin (the helpers exit then), kills it
+// and waits.
+func startChild(t *testing.T, env ...string) (*exec.Cmd, string) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), env...)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stdin.Close(); _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil {
+		t.Fatalf("child %v: %v", env, err)
+	}
+	return cmd, strings.TrimSpace(line)
+}
+
 // startHolders starts procs children that hold n connections each to addr
 // (stalled writes to seg if not empty) and waits until they have them.
 func startHolders(t *testing.T, procs, n int, addr, seg string, segSize uint64) {
 	t.Helper()
 	for range procs {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), holdConnsEnv+"="+addr, "HOLD_N="+strconv.Itoa(n), "HOLD_SEGMENT="+seg, "HOLD_SIZE="+strconv.FormatUint(segSize, 10))
-		stdin, err := cmd.StdinPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		out, err := cmd.StdoutPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		cmd.Stderr = os.Stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { stdin.Close(); _ = cmd.Wait() })
-		line, err := bufio.NewReader(out).ReadString('\n')
-		if err != nil || strings.TrimSpace(line) != "held" {
-			t.Fatalf("connection holder: %q, %v", line, err)
+		_, line := startChild(t, holdConnsEnv+"="+addr, "HOLD_N="+strconv.Itoa(n), "HOLD_SEGMENT="+seg, "HOLD_SIZE="+strconv.FormatUint(segSize, 10))
+		if line != "held" {
+			t.Fatalf("connection holder: %q", line)
 		}
 	}
 }
@@ -214,25 +227,10 @@ type sessionHog struct {
 
 func startSessionHog(t *testing.T, sock string, most int) *sessionHog {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), openSessionsEnv+"="+sock, "OPEN_MAX="+strconv.Itoa(most))
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { stdin.Close(); _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	line, err := bufio.NewReader(out).ReadString('\n')
+	cmd, line := startChild(t, openSessionsEnv+"="+sock, "OPEN_MAX="+strconv.Itoa(most))
 	h := &sessionHog{cmd: cmd}
-	if _, serr := fmt.Sscan(line, &h.opened, &h.refused); err != nil || serr != nil {
-		t.Fatalf("session hog: %q, %v %v", line, err, serr)
+	if _, err := fmt.Sscan(line, &h.opened, &h.refused); err != nil {
+		t.Fatalf("session hog: %q, %v", line, err)
 	}
 	return h
 }

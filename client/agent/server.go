@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -207,41 +208,34 @@ func (s *Server) reapOrphans() {
 	for p := range owners {
 		owners[p] = p.alive() // outside the lock: a read of /proc each
 	}
+	s.endWhere(&s.stats.orphaned, "its process exited", func(ss *session) bool {
+		alive, checked := owners[ss.owner]
+		return checked && !alive
+	})
+}
+
+func (s *Server) reapIdle(now time.Time) {
+	s.endWhere(&s.stats.expired, "idle", func(ss *session) bool { return now.Sub(ss.lastUsed()) > s.cfg.SessionIdle })
+}
+
+// endWhere ends the sessions not in use that match, counting them.
+func (s *Server) endWhere(count *atomic.Uint64, why string, match func(*session) bool) {
 	var gone []*session
 	s.mu.Lock()
 	for id, ss := range s.mu.sessions {
-		if alive, checked := owners[ss.owner]; checked && !alive && ss.active.Load() == 0 {
+		// active is raised under s.mu, so a session in use is never taken.
+		if ss.active.Load() == 0 && match(ss) {
 			delete(s.mu.sessions, id)
 			gone = append(gone, ss)
 		}
 	}
 	s.mu.Unlock()
 	for _, ss := range gone {
-		s.stats.orphaned.Add(1)
+		count.Add(1)
 		if err := ss.end(); err != nil {
-			s.log.Warn("end session of an exited process", "session", ss.id, "client", ss.client, "err", err)
+			s.log.Warn("end session", "session", ss.id, "client", ss.client, "why", why, "err", err)
 		}
-		s.log.Info("session ended: its process exited", "session", ss.id, "client", ss.client, "pid", ss.owner)
-	}
-}
-
-func (s *Server) reapIdle(now time.Time) {
-	var idle []*session
-	s.mu.Lock()
-	for id, ss := range s.mu.sessions {
-		// active is raised under s.mu, so a session in use is never taken.
-		if ss.active.Load() == 0 && now.Sub(ss.lastUsed()) > s.cfg.SessionIdle {
-			delete(s.mu.sessions, id)
-			idle = append(idle, ss)
-		}
-	}
-	s.mu.Unlock()
-	for _, ss := range idle {
-		s.stats.expired.Add(1)
-		if err := ss.end(); err != nil {
-			s.log.Warn("end idle session", "session", ss.id, "client", ss.client, "err", err)
-		}
-		s.log.Info("session ended: idle", "session", ss.id, "client", ss.client, "idle", s.cfg.SessionIdle)
+		s.log.Info("session ended: "+why, "session", ss.id, "client", ss.client, "pid", ss.owner)
 	}
 }
 
