@@ -147,8 +147,25 @@ const maxChainWalk = 1 << 16
 // a chain put in order walk nothing.
 func (f *FSM) loopingParents(n int, item func(int) (key, parent string)) []bool {
 	out := make([]bool, n)
+	// While the accepted items form one chain in order (each the parent of
+	// the next), what they name is the first's parent and their own keys:
+	// no map needed. A repeated key adds no link (its put fails as in
+	// progress, or publishes nothing), so only the first's parent matters.
+	chain, accepted := true, 0
+	var first, last string
 	var local map[string]string // key -> parent of the batch's accepted items
 	var named map[string]int    // parents those name
+	toMaps := func(upto int) {
+		chain = false
+		local, named = make(map[string]string, n), make(map[string]int, n)
+		for j := range upto {
+			if !out[j] {
+				kj, pj := item(j)
+				local[kj] = pj
+				named[pj]++
+			}
+		}
+	}
 	parentOf := func(k string) (string, bool) {
 		if p, ok := local[k]; ok {
 			return p, true
@@ -165,16 +182,21 @@ func (f *FSM) loopingParents(n int, item func(int) (key, parent string)) []bool 
 	defer f.mu.RUnlock()
 	for i := range out {
 		k, p := item(i)
-		if p == "" {
-			if local != nil {
-				local[k] = ""
-			}
-			continue
+		if chain && accepted > 0 && p != last {
+			toMaps(i)
+		}
+		isNamed := named[k] > 0
+		if chain {
+			isNamed = accepted > 0 && k == first
 		}
 		switch {
+		case p == "":
 		case p == k:
 			out[i] = true
-		case f.children[k] > 0 || named[k] > 0:
+		case f.children[k] > 0 || isNamed:
+			if chain {
+				toMaps(i) // the walk follows the batch's links too
+			}
 			out[i] = true // unless the walk ends within the batch's budget
 			// slow trails at half speed: meeting it means a loop above
 			// that k is not on (concurrent puts can make one), not k's.
@@ -200,8 +222,13 @@ func (f *FSM) loopingParents(n int, item func(int) (key, parent string)) []bool 
 		if out[i] {
 			continue
 		}
-		if local == nil {
-			local, named = map[string]string{}, map[string]int{}
+		if chain {
+			if accepted == 0 {
+				first = p
+			}
+			last = k
+			accepted++
+			continue
 		}
 		local[k] = p
 		named[p]++
