@@ -346,12 +346,7 @@ func TestReview10CloseWithFramedCallsInFlight(t *testing.T) {
 			}
 		}()
 	}
-	waitFor(t, 10*time.Second, "Unpin under way", func() error {
-		if s.raft.AppliedIndex() < before+20 {
-			return fmt.Errorf("applied %d", s.raft.AppliedIndex()-before)
-		}
-		return nil
-	})
+	waitUnpinUnderWay(t, s, before)
 	start := time.Now()
 	atClose := s.raft.AppliedIndex()
 	closed := make(chan error, 1)

@@ -206,12 +206,7 @@ func TestReview9CloseWaitsForCanceledUnpin(t *testing.T) {
 		_, err := pb.NewAdminClient(m.conn).Unpin(ctx, &pb.KeysRequest{Keys: keys})
 		rpcDone <- err
 	}()
-	waitFor(t, 10*time.Second, "Unpin under way", func() error {
-		if s.raft.AppliedIndex() < before+20 {
-			return fmt.Errorf("applied %d", s.raft.AppliedIndex()-before)
-		}
-		return nil
-	})
+	waitUnpinUnderWay(t, s, before)
 	start := time.Now()
 	atClose := s.raft.AppliedIndex()
 	closed := make(chan struct{})
@@ -232,4 +227,16 @@ func TestReview9CloseWaitsForCanceledUnpin(t *testing.T) {
 	if after > 10 {
 		t.Errorf("a canceled Unpin went on for %d more raft rounds after Close began, and Close waited %v for them", after, time.Since(start).Round(time.Millisecond))
 	}
+}
+
+// waitUnpinUnderWay waits until an Unpin begun at applied index before has
+// applied 20 of its entries.
+func waitUnpinUnderWay(t *testing.T, s *Server, before uint64) {
+	t.Helper()
+	waitFor(t, 10*time.Second, "Unpin under way", func() error {
+		if s.raft.AppliedIndex() < before+20 {
+			return fmt.Errorf("applied %d", s.raft.AppliedIndex()-before)
+		}
+		return nil
+	})
 }
