@@ -15,6 +15,10 @@ import (
 type Target struct {
 	Endpoint string
 	Segment  string
+	// Ticket is the master's permission for the transfer, sent with each request to the peer,
+	// whose Guard checks it (see Config.Guard). Tasks merge into one request only if their
+	// tickets are equal, so a ticket covering consecutive objects keeps their reads together.
+	Ticket string
 }
 
 func (t Target) String() string { return t.Endpoint + "/" + t.Segment }
@@ -138,6 +142,8 @@ func (t *Task) validate() error {
 	switch op := &t.op; {
 	case op.Target.Endpoint == "":
 		return fmt.Errorf("%w: empty endpoint", ErrInvalid)
+	case len(op.Target.Ticket) > MaxTicket:
+		return fmt.Errorf("%w: ticket of %d bytes, at most %d", ErrInvalid, len(op.Target.Ticket), MaxTicket)
 	case op.Target.Segment == "" || len(op.Target.Segment) > MaxSegmentName:
 		return fmt.Errorf("%w: segment name must be 1..%d bytes", ErrInvalid, MaxSegmentName)
 	case op.Offset < 0 || int64(len(op.Buf)) > (1<<63-1)-op.Offset:

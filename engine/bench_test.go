@@ -16,7 +16,7 @@ func benchTCP(b *testing.B, kind OpKind) {
 		b.Run(fmt.Sprintf("%dKiB", size>>10), func(b *testing.B) {
 			p := startPeer(b, Config{}, NewMemSegment("dram", make([]byte, size)))
 			c := newClient(b, Config{})
-			tgt := Target{p.addr, "dram"}
+			tgt := Target{Endpoint: p.addr, Segment: "dram"}
 			buf := make([]byte, size)
 			ctx := context.Background()
 			b.SetBytes(int64(size))

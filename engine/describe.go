@@ -175,7 +175,7 @@ func (t *tcpTransport) describe(ctx context.Context, addr, segment string) (shmI
 
 // describe sends one describe request and reads its answer. keep as for exchange.
 func (c *tcpConn) describe(addr, segment string) (_ shmInfo, keep bool, _ error) {
-	hdr := appendRequest(c.hdr[:0], opDescribe, segment, 0, 0)
+	hdr := appendRequest(c.hdr[:0], opDescribe, segment, 0, 0, "")
 	if _, err := c.nc.Write(hdr); err != nil {
 		return shmInfo{}, false, fmt.Errorf("%w: send to %s: %w", ErrUnavailable, addr, err)
 	}

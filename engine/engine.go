@@ -44,9 +44,21 @@ type Config struct {
 	// StallTimeout fails a request whose peer sends nothing for this long
 	// once the request has started. Default 5 seconds.
 	StallTimeout time.Duration
+	// Guard, if set, decides which peer requests this engine's server carries out: the store's
+	// ticket check. nil = every well-formed request (tests, benchmarks). Same-process and
+	// same-host transfers (local, shm, file) do not pass through it.
+	Guard Guard
 	// NoShm turns off the same-host transports that reach a peer's segment through /proc: shm
 	// (shared memory) and file (FileBacked segments). Ops to other engines then go over the rails.
 	NoShm bool
+}
+
+// Guard admits or refuses a peer's read or write before the server touches the segment.
+type Guard interface {
+	// Admit returns nil if the peer may move the n bytes at off of segment with ticket (the
+	// request's, empty if it carried none), and the time by which the transfer must end (zero
+	// for no limit beyond the server's own). A refusal should wrap ErrForbidden.
+	Admit(kind OpKind, segment string, off, n uint64, ticket []byte) (until time.Time, err error)
 }
 
 const (

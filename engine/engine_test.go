@@ -162,11 +162,11 @@ func TestSegmentNotFound(t *testing.T) {
 	}
 
 	// Unregister fences: a segment that was served is then not found.
-	if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("x"), Target{p.addr, "dram"}, 0, Options{}) }); err != nil {
+	if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("x"), Target{Endpoint: p.addr, Segment: "dram"}, 0, Options{}) }); err != nil {
 		t.Fatal(err)
 	}
 	p.Unregister("dram")
-	if _, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{p.addr, "dram"}, 0, Options{}) }); !errors.Is(err, ErrSegmentNotFound) {
+	if _, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{Endpoint: p.addr, Segment: "dram"}, 0, Options{}) }); !errors.Is(err, ErrSegmentNotFound) {
 		t.Fatalf("after Unregister: err %v", err)
 	}
 	if n := p.accepts.Load(); n != 1 {
@@ -231,14 +231,14 @@ func TestMalformedFrames(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	mem := NewMemSegment("dram", make([]byte, 1024))
 	p := startPeer(t, Config{Registerer: reg}, mem)
-	valid := appendRequest(nil, opRead, "dram", 0, 8)
+	valid := appendRequest(nil, opRead, "dram", 0, 8, "")
 	with := func(i int, v byte) []byte { b := bytes.Clone(valid); b[i] = v; return b }
 	garbage := [][]byte{
 		[]byte("GET / HTTP/1.1\r\n\r\n"),
-		with(2, 2),                     // version
+		with(2, 1),                     // version 1, which carried no ticket
 		with(3, 0x7f),                  // op
-		{0x54, 0x50, 1, 1, 0xff, 0xff}, // name length 65535
-		appendRequest(nil, opWrite, "dram", 0, MaxOpLen+1),
+		{0x54, 0x50, 2, 1, 0xff, 0xff}, // name length 65535
+		appendRequest(nil, opWrite, "dram", 0, MaxOpLen+1, ""),
 	}
 	for i, g := range garbage {
 		nc, err := net.Dial("tcp", p.addr)
@@ -259,7 +259,7 @@ func TestMalformedFrames(t *testing.T) {
 	c := newClient(t, Config{})
 	copy(mem.Bytes(), "tidepool")
 	dst := make([]byte, 8)
-	if _, err := run(t, c, func(b *Batch) *Task { return b.Read(dst, Target{p.addr, "dram"}, 0, Options{}) }); err != nil || string(dst) != "tidepool" {
+	if _, err := run(t, c, func(b *Batch) *Task { return b.Read(dst, Target{Endpoint: p.addr, Segment: "dram"}, 0, Options{}) }); err != nil || string(dst) != "tidepool" {
 		t.Fatalf("read %q, %v", dst, err)
 	}
 	if got := counterValue(t, reg, "tidepool_engine_malformed_frames_total", nil); got != float64(len(garbage)) {
@@ -271,7 +271,7 @@ func TestPeerDiesMidTransfer(t *testing.T) {
 	bh := newBlackhole(t)
 	c := newClient(t, Config{})
 	b := c.NewBatch()
-	task := b.Write(make([]byte, 2<<20), Target{bh.addr(), "seg"}, 0, Options{})
+	task := b.Write(make([]byte, 2<<20), Target{Endpoint: bh.addr(), Segment: "seg"}, 0, Options{})
 	if err := b.Submit(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -296,7 +296,7 @@ func TestPeerEngineClosedMidRead(t *testing.T) {
 	p := startPeer(t, Config{}, g)
 	c := newClient(t, Config{})
 	b := c.NewBatch()
-	task := b.Read(make([]byte, 4096), Target{p.addr, "slow"}, 0, Options{})
+	task := b.Read(make([]byte, 4096), Target{Endpoint: p.addr, Segment: "slow"}, 0, Options{})
 	if err := b.Submit(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -314,7 +314,7 @@ func TestPeerEngineClosedMidRead(t *testing.T) {
 	}
 
 	// A closed peer refuses new work the same way.
-	task, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{p.addr, "slow"}, 0, Options{}) })
+	task, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{Endpoint: p.addr, Segment: "slow"}, 0, Options{}) })
 	if task.State() != Failed || !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("after close: state %v, err %v", task.State(), err)
 	}
@@ -323,7 +323,7 @@ func TestPeerEngineClosedMidRead(t *testing.T) {
 func TestDeadline(t *testing.T) {
 	bh := newBlackhole(t)
 	c := newClient(t, Config{})
-	tgt := Target{bh.addr(), "seg"}
+	tgt := Target{Endpoint: bh.addr(), Segment: "seg"}
 
 	t.Run("option", func(t *testing.T) {
 		task, err := run(t, c, func(b *Batch) *Task {
@@ -359,7 +359,7 @@ func TestDeadline(t *testing.T) {
 func TestCancel(t *testing.T) {
 	bh := newBlackhole(t)
 	c := newClient(t, Config{MaxInflight: 1})
-	tgt := Target{bh.addr(), "seg"}
+	tgt := Target{Endpoint: bh.addr(), Segment: "seg"}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	b := c.NewBatch()
@@ -387,7 +387,7 @@ func TestCloseFailsTasksInFlight(t *testing.T) {
 	bh := newBlackhole(t)
 	c := New(Config{})
 	b := c.NewBatch()
-	task := b.Read(make([]byte, 10), Target{bh.addr(), "seg"}, 0, Options{})
+	task := b.Read(make([]byte, 10), Target{Endpoint: bh.addr(), Segment: "seg"}, 0, Options{})
 	if err := b.Submit(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -399,7 +399,7 @@ func TestCloseFailsTasksInFlight(t *testing.T) {
 		t.Fatalf("after Close: state %v, err %v", s, task.Err())
 	}
 	b = c.NewBatch()
-	task = b.Read(make([]byte, 10), Target{bh.addr(), "seg"}, 0, Options{})
+	task = b.Read(make([]byte, 10), Target{Endpoint: bh.addr(), Segment: "seg"}, 0, Options{})
 	if err := b.Submit(context.Background()); !errors.Is(err, ErrClosed) || task.State() != Failed {
 		t.Fatalf("Submit after Close = %v, task %v", err, task.State())
 	}
@@ -425,12 +425,12 @@ func TestBatchMisuse(t *testing.T) {
 	if err := b.Submit(ctx); !errors.Is(err, ErrInvalid) {
 		t.Errorf("second Submit = %v", err)
 	}
-	late := b.Read(nil, Target{"127.0.0.1:1", "s"}, 0, Options{})
+	late := b.Read(nil, Target{Endpoint: "127.0.0.1:1", Segment: "s"}, 0, Options{})
 	if late.State() != Failed || !errors.Is(late.Err(), ErrInvalid) {
 		t.Errorf("task added after Submit: %v, %v", late.State(), late.Err())
 	}
 
-	for _, tgt := range []Target{{"", "s"}, {"127.0.0.1:1", ""}, {"127.0.0.1:1", string(make([]byte, 256))}} {
+	for _, tgt := range []Target{{Segment: "s"}, {Endpoint: "127.0.0.1:1"}, {Endpoint: "127.0.0.1:1", Segment: string(make([]byte, 256))}, {Endpoint: "127.0.0.1:1", Segment: "s", Ticket: string(make([]byte, MaxTicket+1))}} {
 		task, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), tgt, 0, Options{}) })
 		if task.State() != Failed || !errors.Is(err, ErrInvalid) {
 			t.Errorf("target %q: state %v, err %v", tgt.Endpoint, task.State(), err)
@@ -446,7 +446,7 @@ func TestUnreachablePeer(t *testing.T) {
 	addr := ln.Addr().String()
 	ln.Close() // nothing listens there now
 	c := newClient(t, Config{})
-	task, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{addr, "s"}, 0, Options{}) })
+	task, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{Endpoint: addr, Segment: "s"}, 0, Options{}) })
 	if task.State() != Failed || !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("state %v, err %v", task.State(), err)
 	}
@@ -465,7 +465,7 @@ func TestStaleIdleConn(t *testing.T) {
 	served := make(chan error, 1)
 	go func() { served <- p1.Serve(ln) }()
 	c := newClient(t, Config{ConnsPerPeer: 1})
-	tgt := Target{addr, "dram"}
+	tgt := Target{Endpoint: addr, Segment: "dram"}
 	if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("a"), tgt, 0, Options{}) }); err != nil {
 		t.Fatal(err)
 	}
@@ -493,7 +493,7 @@ func TestMetrics(t *testing.T) {
 	// Peer and client share the registry, as a store and its in-process client would.
 	p := startPeer(t, Config{Registerer: reg}, NewMemSegment("dram", make([]byte, 1<<20)))
 	c := newClient(t, Config{Registerer: reg})
-	tgt := Target{p.addr, "dram"}
+	tgt := Target{Endpoint: p.addr, Segment: "dram"}
 	if _, err := run(t, c, func(b *Batch) *Task { return b.Write(make([]byte, 1000), tgt, 0, Options{}) }); err != nil {
 		t.Fatal(err)
 	}
@@ -591,7 +591,7 @@ func TestMergedReadsEndToEnd(t *testing.T) {
 	b := c.NewBatch()
 	var tasks []*Task
 	for i := range 8 {
-		tasks = append(tasks, b.Read(buf[i*4096:(i+1)*4096], Target{p.addr, "dram"}, int64(i*4096), Options{}))
+		tasks = append(tasks, b.Read(buf[i*4096:(i+1)*4096], Target{Endpoint: p.addr, Segment: "dram"}, int64(i*4096), Options{}))
 	}
 	if err := b.Submit(context.Background()); err != nil {
 		t.Fatal(err)

@@ -23,6 +23,9 @@ var (
 	// ErrInvalid: the caller asked for something that can never succeed (empty endpoint, segment
 	// name longer than 255 bytes, a batch reused after Submit).
 	ErrInvalid = errors.New("engine: invalid argument")
+	// ErrForbidden: the peer's Guard refused the request: no ticket, a forged or expired one, or
+	// one for other bytes or another operation. Asking again with the same ticket cannot help.
+	ErrForbidden = errors.New("engine: forbidden")
 	// ErrExists: a segment of that name is already registered.
 	ErrExists = errors.New("engine: segment already registered")
 	// ErrUnsupported: the transport cannot reach this segment (shm: the peer is on another host,

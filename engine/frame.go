@@ -14,12 +14,15 @@ import (
 // Request:
 //
 //	magic    2  0x54 0x50 ("TP")
-//	version  1  1
+//	version  1  2
 //	op       1  1 = read, 2 = write, 3 = describe
 //	namelen  2  length of the segment name, at most 255
 //	name     namelen bytes
 //	offset   8  byte offset in the segment
 //	length   8  bytes to move, at most MaxOpLen
+//	tlen     1  length of the ticket, at most MaxTicket
+//	ticket   tlen bytes: the master's permission for this transfer, opaque to the engine (the
+//	            server's Guard checks it; package ticket is the store's)
 //	payload  length bytes, writes only
 //
 // A describe request asks how to reach the segment from the same host (the shm and file
@@ -29,7 +32,8 @@ import (
 //
 //	magic    2  0x54 0x50
 //	status   1  0 ok, 1 not found, 2 out of range, 3 bad request, 4 internal,
-//	            5 unsupported (describe of a segment that cannot be shared)
+//	            5 unsupported (describe of a segment that cannot be shared),
+//	            6 forbidden (the Guard refused the request's ticket)
 //	length   8  ok: payload length (the request's length for reads, 0 for writes,
 //	            describeLen or describeMax for describes); otherwise: length of the error
 //	            message, at most 1 KiB
@@ -55,7 +59,8 @@ import (
 // discards a write's payload, so the connection stays usable.
 const (
 	frameMagic   uint16 = 0x5450
-	frameVersion byte   = 1
+	// frameVersion 2 added the ticket; a server refuses version 1 (a peer too old to carry one).
+	frameVersion byte = 2
 
 	opRead     byte = 1
 	opWrite    byte = 2
@@ -67,25 +72,29 @@ const (
 	statusBadRequest  byte = 3
 	statusInternal    byte = 4
 	statusUnsupported byte = 5
+	statusForbidden   byte = 6
 
 	// MaxOpLen caps the length of one wire operation, so a garbage length cannot make either side
 	// allocate or wait for gigabytes. Tasks larger than this are split before they reach the wire.
 	MaxOpLen = 1 << 30
+	// MaxTicket caps the ticket a request carries.
+	MaxTicket = 64
 	// maxErrMsg caps the error message in a response.
 	maxErrMsg = 1 << 10
 
 	reqFixed   = 6  // magic, version, op, namelen
-	reqTrailer = 16 // offset, length
-	reqMax     = reqFixed + MaxSegmentName + reqTrailer
+	reqTrailer = 17 // offset, length, ticket length
+	reqMax     = reqFixed + MaxSegmentName + reqTrailer + MaxTicket
 	respLen    = 11 // magic, status, length
 )
 
-// reqHeader is a decoded request header. name aliases the decode buffer.
+// reqHeader is a decoded request header. name and ticket alias the decode buffer.
 type reqHeader struct {
-	op   byte
-	name []byte
-	off  uint64
-	n    uint64
+	op     byte
+	name   []byte
+	off    uint64
+	n      uint64
+	ticket []byte
 }
 
 // respHeader is a decoded response header.
@@ -95,15 +104,17 @@ type respHeader struct {
 }
 
 // appendRequest encodes a request header onto dst. It does not validate: the caller checks the
-// name length, and encoding invalid headers is what the decode tests need. The name is a string so
-// the client encodes Target.Segment without converting it.
-func appendRequest(dst []byte, op byte, name string, off, n uint64) []byte {
+// name and ticket lengths, and encoding invalid headers is what the decode tests need. The name
+// and ticket are strings so the client encodes its Target without converting it.
+func appendRequest(dst []byte, op byte, name string, off, n uint64, ticket string) []byte {
 	dst = binary.BigEndian.AppendUint16(dst, frameMagic)
 	dst = append(dst, frameVersion, op)
 	dst = binary.BigEndian.AppendUint16(dst, uint16(len(name)))
 	dst = append(dst, name...)
 	dst = binary.BigEndian.AppendUint64(dst, off)
-	return binary.BigEndian.AppendUint64(dst, n)
+	dst = binary.BigEndian.AppendUint64(dst, n)
+	dst = append(dst, byte(len(ticket)))
+	return append(dst, ticket...)
 }
 
 // readRequest reads and validates one request header into buf (the name aliases it). It returns
@@ -134,6 +145,15 @@ func readRequest(r io.Reader, buf *[reqMax]byte) (reqHeader, error) {
 	h.name = rest[:nameLen]
 	h.off = binary.BigEndian.Uint64(rest[nameLen:])
 	h.n = binary.BigEndian.Uint64(rest[nameLen+8:])
+	if tlen := int(rest[nameLen+16]); tlen > 0 {
+		if tlen > MaxTicket {
+			return reqHeader{}, fmt.Errorf("%w: ticket of %d bytes", ErrProtocol, tlen)
+		}
+		h.ticket = buf[len(buf)-MaxTicket:][:tlen]
+		if _, err := io.ReadFull(r, h.ticket); err != nil {
+			return reqHeader{}, noEOF(err)
+		}
+	}
 	if h.n > MaxOpLen {
 		return reqHeader{}, fmt.Errorf("%w: length %d over cap %d", ErrProtocol, h.n, MaxOpLen)
 	}
@@ -161,7 +181,7 @@ func readResponse(r io.Reader, buf *[respLen]byte) (respHeader, error) {
 	}
 	h := respHeader{status: buf[2], n: binary.BigEndian.Uint64(buf[3:])}
 	switch {
-	case h.status > statusUnsupported:
+	case h.status > statusForbidden:
 		return respHeader{}, fmt.Errorf("%w: unknown status %d", ErrProtocol, h.status)
 	case h.status != statusOK && h.n > maxErrMsg:
 		return respHeader{}, fmt.Errorf("%w: error message of %d bytes", ErrProtocol, h.n)
@@ -182,6 +202,8 @@ func statusErr(status byte) error {
 		return ErrProtocol
 	case statusUnsupported:
 		return ErrUnsupported
+	case statusForbidden:
+		return ErrForbidden
 	default:
 		return ErrRemote
 	}
@@ -198,6 +220,8 @@ func errStatus(err error) byte {
 		return statusBadRequest
 	case errors.Is(err, ErrUnsupported):
 		return statusUnsupported
+	case errors.Is(err, ErrForbidden):
+		return statusForbidden
 	default:
 		return statusInternal
 	}

@@ -12,21 +12,22 @@ import (
 func TestRequestRoundTrip(t *testing.T) {
 	tests := []struct {
 		name string
-		op   byte
-		seg  string
-		off  uint64
-		n    uint64
+		op     byte
+		seg    string
+		off    uint64
+		n      uint64
+		ticket string
 	}{
-		{"read", opRead, "dram-0", 0, 1},
-		{"write", opWrite, "hbm", 1 << 40, MaxOpLen},
-		{"max name", opRead, strings.Repeat("x", MaxSegmentName), 7, 0},
-		{"describe", opDescribe, "dram-0", 0, 0},
-		{"empty name", opWrite, "", 0, 0}, // well formed; the server answers bad request
+		{"read", opRead, "dram-0", 0, 1, ""},
+		{"write", opWrite, "hbm", 1 << 40, MaxOpLen, strings.Repeat("t", 48)},
+		{"max name and ticket", opRead, strings.Repeat("x", MaxSegmentName), 7, 0, strings.Repeat("t", MaxTicket)},
+		{"describe", opDescribe, "dram-0", 0, 0, ""},
+		{"empty name", opWrite, "", 0, 0, ""}, // well formed; the server answers bad request
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			b := appendRequest(nil, tt.op, tt.seg, tt.off, tt.n)
-			if want := reqFixed + len(tt.seg) + reqTrailer; len(b) != want {
+			b := appendRequest(nil, tt.op, tt.seg, tt.off, tt.n, tt.ticket)
+			if want := reqFixed + len(tt.seg) + reqTrailer + len(tt.ticket); len(b) != want {
 				t.Fatalf("encoded %d bytes, want %d", len(b), want)
 			}
 			var buf [reqMax]byte
@@ -35,7 +36,7 @@ func TestRequestRoundTrip(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if h.op != tt.op || string(h.name) != tt.seg || h.off != tt.off || h.n != tt.n {
+			if h.op != tt.op || string(h.name) != tt.seg || h.off != tt.off || h.n != tt.n || string(h.ticket) != tt.ticket {
 				t.Errorf("decoded %+v, want op %d name %q off %d n %d", h, tt.op, tt.seg, tt.off, tt.n)
 			}
 			if r.Len() != 0 {
@@ -46,7 +47,7 @@ func TestRequestRoundTrip(t *testing.T) {
 }
 
 func TestReadRequestRejects(t *testing.T) {
-	valid := appendRequest(nil, opRead, "seg", 0, 10)
+	valid := appendRequest(nil, opRead, "seg", 0, 10, "")
 	with := func(i int, v byte) []byte { b := bytes.Clone(valid); b[i] = v; return b }
 	longName := binary.BigEndian.AppendUint16(with(3, opRead)[:4], MaxSegmentName+1)
 	longName = append(longName, make([]byte, 300+reqTrailer)...)
@@ -63,11 +64,13 @@ func TestReadRequestRejects(t *testing.T) {
 		{"bad version", with(2, 9), ErrProtocol},
 		{"op zero", with(3, 0), ErrProtocol},
 		{"op unknown", with(3, 4), ErrProtocol},
-		{"describe with length", appendRequest(nil, opDescribe, "seg", 0, 1), ErrProtocol},
-		{"describe with offset", appendRequest(nil, opDescribe, "seg", 1, 0), ErrProtocol},
+		{"describe with length", appendRequest(nil, opDescribe, "seg", 0, 1, ""), ErrProtocol},
+		{"describe with offset", appendRequest(nil, opDescribe, "seg", 1, 0, ""), ErrProtocol},
 		{"name too long", longName, ErrProtocol},
-		{"length over cap", appendRequest(nil, opWrite, "seg", 0, MaxOpLen+1), ErrProtocol},
-		{"length huge", appendRequest(nil, opRead, "seg", 0, 1<<63), ErrProtocol},
+		{"length over cap", appendRequest(nil, opWrite, "seg", 0, MaxOpLen+1, ""), ErrProtocol},
+		{"length huge", appendRequest(nil, opRead, "seg", 0, 1<<63, ""), ErrProtocol},
+		{"ticket too long", appendRequest(nil, opRead, "seg", 0, 1, strings.Repeat("t", MaxTicket+1)), ErrProtocol},
+		{"truncated ticket", appendRequest(nil, opRead, "seg", 0, 1, "ticket")[:reqFixed+3+reqTrailer+2], io.ErrUnexpectedEOF},
 		{"garbage", []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), ErrProtocol},
 	}
 	for _, tt := range tests {
@@ -103,7 +106,7 @@ func TestReadResponseRejects(t *testing.T) {
 		{"empty", nil, io.EOF},
 		{"truncated", ok[:respLen-1], io.ErrUnexpectedEOF},
 		{"bad magic", badMagic, ErrProtocol},
-		{"unknown status", appendResponse(nil, respHeader{statusUnsupported + 1, 0}), ErrProtocol},
+		{"unknown status", appendResponse(nil, respHeader{statusForbidden + 1, 0}), ErrProtocol},
 		{"error message too long", appendResponse(nil, respHeader{statusNotFound, maxErrMsg + 1}), ErrProtocol},
 		{"payload over cap", appendResponse(nil, respHeader{statusOK, MaxOpLen + 1}), ErrProtocol},
 	}

@@ -16,6 +16,7 @@ type metrics struct {
 	served    *prometheus.CounterVec   // op: read or written by peers in our segments (server side)
 	latency   *prometheus.HistogramVec // op: Submit to terminal state
 	malformed prometheus.Counter
+	refusals  *prometheus.CounterVec // op: requests the Guard refused
 	dropped   *prometheus.CounterVec // reason: server connections closed by a bound
 
 	classBytes    *prometheus.CounterVec   // class: bytes of slices that finished
@@ -51,6 +52,10 @@ func newMetrics(reg prometheus.Registerer, log *slog.Logger) *metrics {
 			Name: "tidepool_engine_malformed_frames_total",
 			Help: "Requests the server could not parse; each dropped its connection.",
 		})),
+		refusals: register(reg, log, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "tidepool_engine_refused_requests_total",
+			Help: "Peer requests the server's guard refused (no valid ticket for their bytes), by op.",
+		}, []string{"op"})),
 		dropped: register(reg, log, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tidepool_engine_server_conns_dropped_total",
 			Help: "Server connections closed by a bound, by reason: idle (past the idle timeout), evicted (the longest idle, for a new one at the cap), refused (at the cap, none idle), stalled (a request's peer sent nothing within the stall timeout), busy (no staging buffer freed in time).",
@@ -181,6 +186,13 @@ func (m *metrics) malformedFrame() {
 		return
 	}
 	m.malformed.Inc()
+}
+
+func (m *metrics) refused(kind OpKind) {
+	if m == nil {
+		return
+	}
+	m.refusals.WithLabelValues(kind.String()).Inc()
 }
 
 func (m *metrics) droppedConn(reason string) {

@@ -195,7 +195,7 @@ func railFault(err error) bool {
 		return false
 	}
 	for _, neutral := range []error{
-		ErrSegmentNotFound, ErrOutOfRange, ErrRemote, ErrInvalid, ErrClosed, ErrTimedOut,
+		ErrSegmentNotFound, ErrOutOfRange, ErrRemote, ErrInvalid, ErrClosed, ErrTimedOut, ErrForbidden,
 		context.Canceled, context.DeadlineExceeded,
 	} {
 		if errors.Is(err, neutral) {

@@ -41,7 +41,7 @@ func TestServerClosesIdleConnections(t *testing.T) {
 
 	c := newClient(t, Config{NoShm: true})
 	for i := range 3 {
-		if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("abc"), Target{p.addr, "seg"}, 0, Options{}) }); err != nil {
+		if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("abc"), Target{Endpoint: p.addr, Segment: "seg"}, 0, Options{}) }); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 		waitFor(t, "the server to close the pooled connection", func() bool {
@@ -62,7 +62,7 @@ func TestServerDropsStalledWrite(t *testing.T) {
 	var conns []net.Conn
 	for range maxScratch + 8 { // more than there are buffers
 		nc := dialRaw(t, p.addr)
-		hdr := appendRequest(nil, opWrite, "staged", 0, 64<<20)
+		hdr := appendRequest(nil, opWrite, "staged", 0, 64<<20, "")
 		if _, err := nc.Write(append(hdr, make([]byte, 1<<20-1)...)); err != nil {
 			t.Fatal(err)
 		}
@@ -84,7 +84,7 @@ func TestServerDropsStalledWrite(t *testing.T) {
 	// And the server still serves a well-behaved write.
 	c := newClient(t, Config{NoShm: true})
 	want := bytes.Repeat([]byte{7}, 3<<20)
-	if _, err := run(t, c, func(b *Batch) *Task { return b.Write(want, Target{p.addr, "staged"}, 0, Options{}) }); err != nil {
+	if _, err := run(t, c, func(b *Batch) *Task { return b.Write(want, Target{Endpoint: p.addr, Segment: "staged"}, 0, Options{}) }); err != nil {
 		t.Fatal(err)
 	}
 	got := make([]byte, len(want))
@@ -105,7 +105,7 @@ func TestServerConnectionCap(t *testing.T) {
 	waitFor(t, "the idle connections to be accepted", func() bool { return p.accepts.Load() == 8 })
 	c := newClient(t, Config{NoShm: true})
 	for i := range 4 {
-		if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("abc"), Target{p.addr, "seg"}, int64(i), Options{}) }); err != nil {
+		if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("abc"), Target{Endpoint: p.addr, Segment: "seg"}, int64(i), Options{}) }); err != nil {
 			t.Fatalf("write %d at the cap: %v", i, err)
 		}
 	}
@@ -124,7 +124,7 @@ func TestServerKeepsServingMidRequestAtCap(t *testing.T) {
 	p := startPeer(t, Config{MaxServerConns: 1}, g)
 	c := newClient(t, Config{NoShm: true})
 	b := c.NewBatch()
-	task := b.Read(make([]byte, 4096), Target{p.addr, "slow"}, 0, Options{})
+	task := b.Read(make([]byte, 4096), Target{Endpoint: p.addr, Segment: "slow"}, 0, Options{})
 	if err := b.Submit(context.Background()); err != nil {
 		t.Fatal(err)
 	}

@@ -28,7 +28,7 @@ func review11cNonReaders(t *testing.T, addr, seg string, n int, length uint64) [
 	var conns []net.Conn
 	for range n {
 		nc := dialRaw(t, addr)
-		if _, err := nc.Write(appendRequest(nil, opRead, seg, 0, length)); err != nil {
+		if _, err := nc.Write(appendRequest(nil, opRead, seg, 0, length, "")); err != nil {
 			t.Fatal(err)
 		}
 		conns = append(conns, nc)
@@ -54,7 +54,7 @@ func TestReview11cNonReadingPeersHoldStagingBuffers(t *testing.T) {
 	time.Sleep(5 * stall) // none of them has read a byte since
 	c := newClient(t, Config{NoShm: true})
 	task, err := run(t, c, func(b *Batch) *Task {
-		return b.Read(make([]byte, 4096), Target{p.addr, "ssd"}, 0, Options{Deadline: time.Now().Add(3 * time.Second)})
+		return b.Read(make([]byte, 4096), Target{Endpoint: p.addr, Segment: "ssd"}, 0, Options{Deadline: time.Now().Add(3 * time.Second)})
 	})
 	if err != nil || task.State() != Done {
 		t.Fatalf("a read of the staged segment, %v after %d peers stopped reading their answers: %v %v (buffers free: %d of %d)",
@@ -76,7 +76,7 @@ func TestReview11cNonReadingPeersLockOutConnections(t *testing.T) {
 	time.Sleep(5 * stall)
 	c := newClient(t, Config{NoShm: true})
 	task, err := run(t, c, func(b *Batch) *Task {
-		return b.Read(make([]byte, 4096), Target{p.addr, "dram"}, 0, Options{Deadline: time.Now().Add(3 * time.Second)})
+		return b.Read(make([]byte, 4096), Target{Endpoint: p.addr, Segment: "dram"}, 0, Options{Deadline: time.Now().Add(3 * time.Second)})
 	})
 	if err != nil || task.State() != Done {
 		t.Fatalf("a read, %v after 4 peers (MaxServerConns) stopped reading their answers: %v %v (accepted %d)",

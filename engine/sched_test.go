@@ -251,7 +251,7 @@ func TestSchedSprayUsesAllRails(t *testing.T) {
 	f := newFakeRails()
 	f.addSeg("seg", 4<<20)
 	e := newFakeClient(t, f, Config{})
-	tgt := Target{fakeEndpoint(4), "seg"}
+	tgt := Target{Endpoint: fakeEndpoint(4), Segment: "seg"}
 	writeRead(t, e, f, tgt, 0, 4<<20, 1)
 
 	log := f.opLog()
@@ -297,7 +297,7 @@ func TestSchedTCPRails(t *testing.T) {
 	}
 	c := newClient(t, Config{NoShm: true})
 	endpoint := strings.Join(addrs, ",")
-	writeRead(t, c, nil, Target{endpoint, "dram"}, 0, 4<<20, 2)
+	writeRead(t, c, nil, Target{Endpoint: endpoint, Segment: "dram"}, 0, 4<<20, 2)
 
 	accepted := []int64{p.accepts.Load()}
 	for _, cl := range listeners[1:] {
@@ -329,7 +329,7 @@ func TestEngineRails(t *testing.T) {
 		t.Fatalf("Rails() before any transfer = %+v", got)
 	}
 	for _, ep := range []string{"p1", "p0b,p0a"} {
-		if _, err := run(t, e, func(b *Batch) *Task { return b.Write(make([]byte, 256<<10), Target{ep, "seg"}, 0, Options{}) }); err != nil {
+		if _, err := run(t, e, func(b *Batch) *Task { return b.Write(make([]byte, 256<<10), Target{Endpoint: ep, Segment: "seg"}, 0, Options{}) }); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -354,7 +354,7 @@ func TestRailFailover(t *testing.T) {
 	f.addSeg("seg", 4<<20)
 	f.setRailErr("r2", ErrUnavailable)
 	e := newFakeClient(t, f, Config{Registerer: reg})
-	tgt := Target{fakeEndpoint(4), "seg"}
+	tgt := Target{Endpoint: fakeEndpoint(4), Segment: "seg"}
 
 	// The first write alone puts a full set of slots on r2 and fails them all: 3 pause it.
 	writeRead(t, e, f, tgt, 0, 4<<20, 3)
@@ -392,7 +392,7 @@ func TestRailFailoverOneHealthy(t *testing.T) {
 				f.setRailErr(r, ErrUnavailable)
 			}
 			e := newFakeClient(t, f, Config{RoundRobin: rr})
-			tgt := Target{fakeEndpoint(4), "seg"}
+			tgt := Target{Endpoint: fakeEndpoint(4), Segment: "seg"}
 			for i := range 3 {
 				writeRead(t, e, f, tgt, 0, 4<<20, uint64(20+i))
 			}
@@ -417,7 +417,7 @@ func TestRailFailoverAllDown(t *testing.T) {
 				f.setRailErr(fmt.Sprintf("r%d", i), ErrUnavailable)
 			}
 			e := newFakeClient(t, f, Config{RoundRobin: rr})
-			tgt := Target{fakeEndpoint(4), "seg"}
+			tgt := Target{Endpoint: fakeEndpoint(4), Segment: "seg"}
 			for i := range 2 {
 				start := time.Now()
 				opsBefore := len(f.opLog())
@@ -460,7 +460,7 @@ func TestSchedPeerErrorsNotRetried(t *testing.T) {
 			f.addSeg("seg", 1<<20)
 			e := newFakeClient(t, f, Config{Registerer: reg})
 			task, err := run(t, e, func(b *Batch) *Task {
-				return b.Read(make([]byte, 1<<20), Target{fakeEndpoint(4), tc.seg}, tc.off, Options{})
+				return b.Read(make([]byte, 1<<20), Target{Endpoint: fakeEndpoint(4), Segment: tc.seg}, tc.off, Options{})
 			})
 			if task.State() != Failed || !errors.Is(err, tc.want) {
 				t.Fatalf("state %v, err %v; want failed, %v", task.State(), err, tc.want)
@@ -488,7 +488,7 @@ func TestRoundRobinEven(t *testing.T) {
 	f.addSeg("seg", 4<<20)
 	f.delay["r0"] = 2 * time.Millisecond // a slow rail still gets its turn
 	e := newFakeClient(t, f, Config{RoundRobin: true})
-	writeRead(t, e, f, Target{fakeEndpoint(4), "seg"}, 0, 4<<20, 30)
+	writeRead(t, e, f, Target{Endpoint: fakeEndpoint(4), Segment: "seg"}, 0, 4<<20, 30)
 	for i := range 4 {
 		// 64 slices each way, dealt in turn.
 		if n := f.opsOn(fmt.Sprintf("r%d", i)); n != 2*maxSlices/4 {
@@ -502,7 +502,7 @@ func TestRoundRobinFailover(t *testing.T) {
 	f.addSeg("seg", 4<<20)
 	f.setRailErr("r3", ErrUnavailable)
 	e := newFakeClient(t, f, Config{RoundRobin: true})
-	tgt := Target{fakeEndpoint(4), "seg"}
+	tgt := Target{Endpoint: fakeEndpoint(4), Segment: "seg"}
 	writeRead(t, e, f, tgt, 0, 4<<20, 40)
 	if s := railInfo(t, e, "r3").State; s != railPaused {
 		t.Fatalf("failing rail is %s, want paused", s)
@@ -541,7 +541,7 @@ func TestQoSSchedHighFirst(t *testing.T) {
 	gate := f.gate("s")
 	// One rail with one slot: slices go out one at a time, in the scheduler's order.
 	e := newFakeClient(t, f, Config{ConnsPerPeer: 1})
-	tgt := Target{"r0", "s"}
+	tgt := Target{Endpoint: "r0", Segment: "s"}
 	p := e.peer(e.tr, tgt)
 
 	low := submit(t, context.Background(), e, func(b *Batch) *Task {
@@ -615,12 +615,12 @@ func lowCapRun(t *testing.T, rr bool) bool {
 
 	start := time.Now()
 	med := submit(t, context.Background(), e, func(b *Batch) *Task {
-		return b.Read(make([]byte, sliceBase), Target{ep, "m"}, 0, Options{Priority: Medium})
+		return b.Read(make([]byte, sliceBase), Target{Endpoint: ep, Segment: "m"}, 0, Options{Priority: Medium})
 	})
 	waitFor(t, "the medium slice in flight", func() bool { return f.inflightOf("m") > 0 })
 	medSeen := time.Now()
 	low := submit(t, context.Background(), e, func(b *Batch) *Task {
-		return b.Read(make([]byte, 8*sliceBase), Target{ep, "l"}, 0, Options{Priority: Low})
+		return b.Read(make([]byte, 8*sliceBase), Target{Endpoint: ep, Segment: "l"}, 0, Options{Priority: Low})
 	})
 	waitFor(t, "the low request scheduled", func() bool {
 		s := snapshot(p)
@@ -670,7 +670,7 @@ func TestSchedCancelQueued(t *testing.T) {
 	f.gate("s") // never opened: ops leave only when canceled
 
 	e := newFakeClient(t, f, Config{ConnsPerPeer: 2}) // 2 rails x 2 slots
-	tgt := Target{fakeEndpoint(2), "s"}
+	tgt := Target{Endpoint: fakeEndpoint(2), Segment: "s"}
 	p := e.peer(e.tr, tgt)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -706,7 +706,7 @@ func TestSchedDeadlineFailFast(t *testing.T) {
 	f.addSeg("s", 4<<20)
 	// 4 rails at 1 MB/s: 4 MiB needs about a second.
 	e := newFakeClient(t, f, Config{RailBandwidth: 1e6})
-	tgt := Target{fakeEndpoint(4), "s"}
+	tgt := Target{Endpoint: fakeEndpoint(4), Segment: "s"}
 	start := time.Now()
 	task, err := run(t, e, func(b *Batch) *Task {
 		return b.Read(make([]byte, 4<<20), tgt, 0, Options{Deadline: time.Now().Add(10 * time.Millisecond)})
@@ -740,14 +740,14 @@ func TestTenantSchedCap(t *testing.T) {
 	p := e.peer(e.tr, Target{Endpoint: ep})
 
 	a := submit(t, context.Background(), e, func(b *Batch) *Task {
-		return b.Read(make([]byte, 1<<20), Target{ep, "a"}, 0, Options{Tenant: "a"})
+		return b.Read(make([]byte, 1<<20), Target{Endpoint: ep, Segment: "a"}, 0, Options{Tenant: "a"})
 	})
 	waitFor(t, "tenant a at its cap", func() bool {
 		return f.inflightOf("a") == limit && snapshot(p).queued == 16-2
 	})
 	// Tenant b is not held up by a's backlog.
 	src := randomBytes(rand.New(rand.NewPCG(5, 5)), 512<<10)
-	if _, err := run(t, e, func(b *Batch) *Task { return b.Write(src, Target{ep, "b"}, 0, Options{Tenant: "b"}) }); err != nil {
+	if _, err := run(t, e, func(b *Batch) *Task { return b.Write(src, Target{Endpoint: ep, Segment: "b"}, 0, Options{Tenant: "b"}) }); err != nil {
 		t.Fatalf("tenant b: %v", err)
 	}
 	if !bytes.Equal(f.segBytes("b")[:len(src)], src) {

@@ -48,9 +48,7 @@ func (e *Engine) serveConn(nc net.Conn, idle *connIdle) {
 			return
 		}
 		until := now.Add(requestGrace + time.Duration(h.n)*time.Second/minPeerRate)
-		s.in.set(until, e.cfg.StallTimeout)
-		_ = nc.SetWriteDeadline(until)
-		if err := s.serve(h); err != nil {
+		if err := s.serve(h, until); err != nil {
 			if isTimeout(err) {
 				e.met.droppedConn("stalled")
 			}
@@ -102,9 +100,27 @@ type serverConn struct {
 	resp [respLen + maxErrMsg]byte
 }
 
-// serve answers one request. It returns an error only when the connection is no longer usable.
-func (s *serverConn) serve(h reqHeader) error {
+// serve answers one request, which must be done by until. It returns an error only when the
+// connection is no longer usable.
+func (s *serverConn) serve(h reqHeader, until time.Time) error {
 	seg, err := s.lookup(h)
+	if err == nil && h.op != opDescribe && s.e.cfg.Guard != nil {
+		kind := OpRead
+		if h.op == opWrite {
+			kind = OpWrite
+		}
+		var by time.Time
+		// A late writer's bytes must not land after its ticket ends: the
+		// space may be another put's by then.
+		if by, err = s.e.cfg.Guard.Admit(kind, seg.Name(), h.off, h.n, h.ticket); err == nil && !by.IsZero() && by.Before(until) {
+			until = by
+		}
+		if err != nil {
+			s.e.met.refused(kind)
+		}
+	}
+	s.in.set(until, s.e.cfg.StallTimeout)
+	_ = s.nc.SetWriteDeadline(until)
 	if err != nil {
 		// The frame is well formed, so the connection survives: skip the payload, then say why.
 		if h.op == opWrite {

@@ -212,7 +212,7 @@ func (c *tcpConn) exchange(op *Op) (keep bool, err error) {
 	if op.Kind == OpWrite {
 		wop = opWrite
 	}
-	hdr := appendRequest(c.hdr[:0], wop, op.Target.Segment, uint64(op.Offset), uint64(len(op.Buf)))
+	hdr := appendRequest(c.hdr[:0], wop, op.Target.Segment, uint64(op.Offset), uint64(len(op.Buf)), op.Target.Ticket)
 	if wop == opWrite && len(op.Buf) > 0 {
 		bufs := net.Buffers{hdr, op.Buf} // one writev for header and payload
 		_, err = bufs.WriteTo(c.nc)

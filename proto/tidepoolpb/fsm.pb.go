@@ -1856,7 +1856,8 @@ type RegisterCmd struct {
 	Adopt    []*AdoptedObject       `protobuf:"bytes,4,rep,name=adopt,proto3" json:"adopt,omitempty"`
 	// More kept objects follow in AdoptCmds; the node is not placed on
 	// until the last.
-	AdoptMore     bool `protobuf:"varint,5,opt,name=adopt_more,json=adoptMore,proto3" json:"adopt_more,omitempty"`
+	AdoptMore     bool   `protobuf:"varint,5,opt,name=adopt_more,json=adoptMore,proto3" json:"adopt_more,omitempty"`
+	TicketKey     []byte `protobuf:"bytes,6,opt,name=ticket_key,json=ticketKey,proto3" json:"ticket_key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1924,6 +1925,13 @@ func (x *RegisterCmd) GetAdoptMore() bool {
 		return x.AdoptMore
 	}
 	return false
+}
+
+func (x *RegisterCmd) GetTicketKey() []byte {
+	if x != nil {
+		return x.TicketKey
+	}
+	return nil
 }
 
 type AdoptCmd struct {
@@ -2323,7 +2331,9 @@ type Node struct {
 	// It was drained and taken out; its process stays out until restarted.
 	Drained bool `protobuf:"varint,7,opt,name=drained,proto3" json:"drained,omitempty"`
 	// It registered with more kept objects to adopt: placement skips it.
-	Adopting      bool `protobuf:"varint,8,opt,name=adopting,proto3" json:"adopting,omitempty"`
+	Adopting bool `protobuf:"varint,8,opt,name=adopting,proto3" json:"adopting,omitempty"`
+	// The key of this epoch's tickets (see RegisterRequest).
+	TicketKey     []byte `protobuf:"bytes,9,opt,name=ticket_key,json=ticketKey,proto3" json:"ticket_key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2412,6 +2422,13 @@ func (x *Node) GetAdopting() bool {
 		return x.Adopting
 	}
 	return false
+}
+
+func (x *Node) GetTicketKey() []byte {
+	if x != nil {
+		return x.TicketKey
+	}
+	return nil
 }
 
 type PendingFree struct {
@@ -2684,14 +2701,16 @@ const file_fsm_proto_rawDesc = "" +
 	"\aput_ids\x18\x03 \x03(\x04R\x06putIds\"P\n" +
 	"\tRemoveCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
-	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"\xc4\x01\n" +
+	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"\xe3\x01\n" +
 	"\vRegisterCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
 	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x120\n" +
 	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\x12\x1d\n" +
 	"\n" +
-	"adopt_more\x18\x05 \x01(\bR\tadoptMore\"~\n" +
+	"adopt_more\x18\x05 \x01(\bR\tadoptMore\x12\x1d\n" +
+	"\n" +
+	"ticket_key\x18\x06 \x01(\fR\tticketKey\"~\n" +
 	"\bAdoptCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x124\n" +
@@ -2723,7 +2742,7 @@ const file_fsm_proto_rawDesc = "" +
 	" \x01(\x03R\x14softPinUntilUnixNano\x120\n" +
 	"\x06copies\x18\v \x03(\v2\x18.tidepool.v1.PendingCopyR\x06copies\x12\x16\n" +
 	"\x06parent\x18\f \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\r \x01(\tR\x06tenant\"\xe4\x01\n" +
+	"\x06tenant\x18\r \x01(\tR\x06tenant\"\x83\x02\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x12\x14\n" +
@@ -2732,7 +2751,9 @@ const file_fsm_proto_rawDesc = "" +
 	"\x04down\x18\x05 \x01(\bR\x04down\x12\x1a\n" +
 	"\bdraining\x18\x06 \x01(\bR\bdraining\x12\x18\n" +
 	"\adrained\x18\a \x01(\bR\adrained\x12\x1a\n" +
-	"\badopting\x18\b \x01(\bR\badopting\"{\n" +
+	"\badopting\x18\b \x01(\bR\badopting\x12\x1d\n" +
+	"\n" +
+	"ticket_key\x18\t \x01(\fR\tticketKey\"{\n" +
 	"\vPendingFree\x12+\n" +
 	"\x06extent\x18\x01 \x01(\v2\x13.tidepool.v1.ExtentR\x06extent\x12&\n" +
 	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\x12\x17\n" +

@@ -189,10 +189,16 @@ type Replica struct {
 	Segment string                 `protobuf:"bytes,1,opt,name=segment,proto3" json:"segment,omitempty"`
 	Node    string                 `protobuf:"bytes,2,opt,name=node,proto3" json:"node,omitempty"`
 	// host:port of the store's transfer engine.
-	Endpoint      string `protobuf:"bytes,3,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
-	Offset        uint64 `protobuf:"varint,4,opt,name=offset,proto3" json:"offset,omitempty"`
-	Length        uint64 `protobuf:"varint,5,opt,name=length,proto3" json:"length,omitempty"`
-	Tier          Tier   `protobuf:"varint,6,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	Endpoint string `protobuf:"bytes,3,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
+	Offset   uint64 `protobuf:"varint,4,opt,name=offset,proto3" json:"offset,omitempty"`
+	Length   uint64 `protobuf:"varint,5,opt,name=length,proto3" json:"length,omitempty"`
+	Tier     Tier   `protobuf:"varint,6,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	// The store's permission for this transfer (package ticket): a read
+	// until the lease ends, or the write of a put or copy until its
+	// deadline. Sent with each engine request; a store refuses requests
+	// without one covering their bytes. Empty from a store that asks for
+	// none.
+	Ticket        []byte `protobuf:"bytes,7,opt,name=ticket,proto3" json:"ticket,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -267,6 +273,13 @@ func (x *Replica) GetTier() Tier {
 		return x.Tier
 	}
 	return Tier_TIER_UNSPECIFIED
+}
+
+func (x *Replica) GetTicket() []byte {
+	if x != nil {
+		return x.Ticket
+	}
+	return nil
 }
 
 type PutStartRequest struct {
@@ -1883,9 +1896,16 @@ type LookupResponse struct {
 	ReplicaOffsets  []uint64 `protobuf:"varint,7,rep,packed,name=replica_offsets,json=replicaOffsets,proto3" json:"replica_offsets,omitempty"`
 	// The matched blocks are leased for this long from when the master
 	// answered; a read that ends later must be discarded.
-	LeaseTtlMs    uint64 `protobuf:"varint,8,opt,name=lease_ttl_ms,json=leaseTtlMs,proto3" json:"lease_ttl_ms,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LeaseTtlMs uint64 `protobuf:"varint,8,opt,name=lease_ttl_ms,json=leaseTtlMs,proto3" json:"lease_ttl_ms,omitempty"`
+	// Read tickets, ticket.Size bytes each, one after the other: one per run
+	// of replicas that follow each other in a segment, so reads of
+	// consecutive blocks can travel as one request. Empty for segments whose
+	// store checks none.
+	Tickets []byte `protobuf:"bytes,9,opt,name=tickets,proto3" json:"tickets,omitempty"`
+	// Per replica, as replica_segments: the index of its ticket.
+	ReplicaTickets []uint32 `protobuf:"varint,10,rep,packed,name=replica_tickets,json=replicaTickets,proto3" json:"replica_tickets,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *LookupResponse) Reset() {
@@ -1972,6 +1992,20 @@ func (x *LookupResponse) GetLeaseTtlMs() uint64 {
 		return x.LeaseTtlMs
 	}
 	return 0
+}
+
+func (x *LookupResponse) GetTickets() []byte {
+	if x != nil {
+		return x.Tickets
+	}
+	return nil
+}
+
+func (x *LookupResponse) GetReplicaTickets() []uint32 {
+	if x != nil {
+		return x.ReplicaTickets
+	}
+	return nil
 }
 
 type ChildrenRequest struct {
@@ -2211,7 +2245,12 @@ type RegisterRequest struct {
 	Adopt []*AdoptedObject `protobuf:"bytes,4,rep,name=adopt,proto3" json:"adopt,omitempty"`
 	// More pages follow, through Adopt. Placement skips the node until the
 	// last one, so no put is placed over a kept object.
-	AdoptMore     bool `protobuf:"varint,5,opt,name=adopt_more,json=adoptMore,proto3" json:"adopt_more,omitempty"`
+	AdoptMore bool `protobuf:"varint,5,opt,name=adopt_more,json=adoptMore,proto3" json:"adopt_more,omitempty"`
+	// The node's ticket key (ticket.NodeKeySize bytes), fresh for each
+	// process: the master signs the tickets of the node's segments with it,
+	// and the store refuses engine requests without one. Empty: the store
+	// checks no tickets (a test double).
+	TicketKey     []byte `protobuf:"bytes,6,opt,name=ticket_key,json=ticketKey,proto3" json:"ticket_key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2279,6 +2318,13 @@ func (x *RegisterRequest) GetAdoptMore() bool {
 		return x.AdoptMore
 	}
 	return false
+}
+
+func (x *RegisterRequest) GetTicketKey() []byte {
+	if x != nil {
+		return x.TicketKey
+	}
+	return nil
 }
 
 // AdoptRequest carries a further page of a registering node's kept
@@ -3239,14 +3285,15 @@ const file_tidepool_proto_rawDesc = "" +
 	"\n" +
 	"ItemStatus\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\xaa\x01\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\"\xc2\x01\n" +
 	"\aReplica\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x03 \x01(\tR\bendpoint\x12\x16\n" +
 	"\x06offset\x18\x04 \x01(\x04R\x06offset\x12\x16\n" +
 	"\x06length\x18\x05 \x01(\x04R\x06length\x12%\n" +
-	"\x04tier\x18\x06 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\"\xc6\x01\n" +
+	"\x04tier\x18\x06 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x16\n" +
+	"\x06ticket\x18\a \x01(\fR\x06ticket\"\xc6\x01\n" +
 	"\x0fPutStartRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -3370,7 +3417,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vpacked_keys\x18\x03 \x01(\fR\n" +
 	"packedKeys\x12\x1f\n" +
 	"\vkey_lengths\x18\x04 \x03(\rR\n" +
-	"keyLengths\"\xad\x02\n" +
+	"keyLengths\"\xf0\x02\n" +
 	"\x0eLookupResponse\x12\x18\n" +
 	"\amatched\x18\x01 \x01(\rR\amatched\x120\n" +
 	"\bsegments\x18\x02 \x03(\v2\x14.tidepool.v1.ReplicaR\bsegments\x12\x14\n" +
@@ -3380,7 +3427,10 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x10replica_segments\x18\x06 \x03(\rR\x0freplicaSegments\x12'\n" +
 	"\x0freplica_offsets\x18\a \x03(\x04R\x0ereplicaOffsets\x12 \n" +
 	"\flease_ttl_ms\x18\b \x01(\x04R\n" +
-	"leaseTtlMs\"9\n" +
+	"leaseTtlMs\x12\x18\n" +
+	"\atickets\x18\t \x01(\fR\atickets\x12'\n" +
+	"\x0freplica_tickets\x18\n" +
+	" \x03(\rR\x0ereplicaTickets\"9\n" +
 	"\x0fChildrenRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05limit\x18\x02 \x01(\rR\x05limit\"d\n" +
@@ -3398,14 +3448,16 @@ const file_tidepool_proto_rawDesc = "" +
 	"hardPinned\x126\n" +
 	"\x18soft_pin_until_unix_nano\x18\a \x01(\x03R\x14softPinUntilUnixNano\x12\x16\n" +
 	"\x06parent\x18\b \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\t \x01(\tR\x06tenant\"\xc8\x01\n" +
+	"\x06tenant\x18\t \x01(\tR\x06tenant\"\xe7\x01\n" +
 	"\x0fRegisterRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
 	"\bsegments\x18\x03 \x03(\v2\x18.tidepool.v1.SegmentSpecR\bsegments\x120\n" +
 	"\x05adopt\x18\x04 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\x05adopt\x12\x1d\n" +
 	"\n" +
-	"adopt_more\x18\x05 \x01(\bR\tadoptMore\"\x82\x01\n" +
+	"adopt_more\x18\x05 \x01(\bR\tadoptMore\x12\x1d\n" +
+	"\n" +
+	"ticket_key\x18\x06 \x01(\fR\tticketKey\"\x82\x01\n" +
 	"\fAdoptRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x124\n" +
