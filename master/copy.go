@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+	"github.com/tidepool-kv/tidepool/ticket"
 )
 
 // Copies move an object's bytes between segments without a client: a
@@ -227,13 +228,20 @@ func (f *FSM) copyTask(key string, c *pb.PendingCopy, deadline time.Time) (*pb.C
 	if i < 0 { // dropped since the copy started (found corrupt)
 		return nil, "", false
 	}
-	reps := f.describe(o.size, []extent{f.exts(o)[i], f.extentOn(c.Target.Segment, c.Target.Offset)})
+	reps := f.describe(o.size, []extent{f.exts(o)[i], f.extentOn(c.Target.Segment, c.Target.Offset)}, access{})
 	if len(reps) != 2 {
 		return nil, "", false
 	}
 	source, target := reps[0], reps[1]
 	if source.Segment != c.Source { // describe orders by tier
 		source, target = target, source
+	}
+	// The copying store reads the source and writes the target through
+	// their engines, so each needs its ticket until the copy's deadline.
+	until := deadline.UnixNano()
+	source.Ticket = src.ticket(access{op: ticket.Read, expiry: until}, source.Offset, o.size)
+	if dst := f.segments[target.Segment]; dst != nil {
+		target.Ticket = dst.ticket(access{op: ticket.Write, id: c.Id, expiry: until}, target.Offset, o.size)
 	}
 	return &pb.CopyTask{Id: c.Id, Key: key, Size: o.size, Checksum: o.checksum, Source: source, Target: target}, src.node, true
 }

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+	"github.com/tidepool-kv/tidepool/ticket"
 )
 
 // FSM is the master's replicated state machine: the object table, the
@@ -44,6 +45,9 @@ type node struct {
 	adopting bool // more kept objects to adopt: not placed on yet
 	specs    []*pb.SegmentSpec
 	segments []string // ids of the current epoch's segments
+	// ticketKey is the epoch's key for its segments' tickets; nil: its
+	// store checks none.
+	ticketKey []byte
 }
 
 type segment struct {
@@ -57,6 +61,7 @@ type segment struct {
 	alloc    *allocator
 	objects  int
 	resv     []*reservation // sorted by id
+	key      *ticket.Key    // signs the segment's tickets; nil: its store checks none
 }
 
 // NewFSM returns an empty state machine.
@@ -576,6 +581,7 @@ func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 	n.adopting = c.AdoptMore
 	n.endpoint = c.Endpoint
 	n.specs = c.Segments
+	n.ticketKey = c.TicketKey
 	f.addSegments(n)
 	adopted := 0
 	for _, a := range c.Adopt {
@@ -663,6 +669,10 @@ func (f *FSM) addSegments(n *node) {
 			endpoint: n.endpoint, epoch: n.epoch,
 			alloc: newAllocator(spec.Capacity, alignment(spec.Tier)),
 		}
+		if n.ticketKey != nil {
+			// Register checked the key's length, the one way this fails.
+			s.key, _ = ticket.SegmentKey(n.ticketKey, id)
+		}
 		if old := f.segments[id]; old != nil {
 			s.idx = old.idx // extents name it by index, as they did the one it replaces
 		} else {
@@ -722,7 +732,7 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	for _, id := range sortedKeys(f.nodes) {
 		n := f.nodes[id]
 		snap.Nodes = append(snap.Nodes, &pb.Node{Id: n.id, Endpoint: n.endpoint, Epoch: n.epoch, Segments: n.specs,
-			Down: n.down, Draining: n.draining, Drained: n.drained, Adopting: n.adopting})
+			Down: n.down, Draining: n.draining, Drained: n.drained, Adopting: n.adopting, TicketKey: n.ticketKey})
 	}
 	for _, id := range sortedKeys(f.segments) {
 		for _, r := range f.segments[id].resv {
@@ -764,7 +774,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		f.members[m.Id] = m.Address
 	}
 	for _, pn := range snap.Nodes {
-		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down, draining: pn.Draining, drained: pn.Drained, adopting: pn.Adopting}
+		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down, draining: pn.Draining, drained: pn.Drained, adopting: pn.Adopting, ticketKey: pn.TicketKey}
 		f.nodes[n.id] = n
 		if !n.down {
 			f.addSegments(n)

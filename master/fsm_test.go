@@ -975,7 +975,7 @@ func TestFSMResultNotAliased(t *testing.T) {
 	}
 	d.f.mu.RLock()
 	defer d.f.mu.RUnlock()
-	if got := d.f.describePlaced(r.Replicas); len(got) != 0 {
+	if got := d.f.describePlaced(r.Replicas, access{}); len(got) != 0 {
 		t.Fatalf("describe of a dropped segment: %v", got)
 	}
 }

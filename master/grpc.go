@@ -16,6 +16,7 @@ import (
 
 	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+	"github.com/tidepool-kv/tidepool/ticket"
 )
 
 // Limits on requests; anything larger is InvalidArgument.
@@ -138,6 +139,9 @@ func validRegister(req *pb.RegisterRequest) error {
 	}
 	if len(req.Segments) > MaxSegmentsPerNode {
 		return fmt.Errorf("%w: %d segments (at most %d per node)", ErrInvalidRequest, len(req.Segments), MaxSegmentsPerNode)
+	}
+	if n := len(req.TicketKey); n != 0 && n != ticket.NodeKeySize {
+		return fmt.Errorf("%w: ticket key of %d bytes (want %d, or none)", ErrInvalidRequest, n, ticket.NodeKeySize)
 	}
 	if len(req.Endpoint) > maxEndpoint {
 		return fmt.Errorf("%w: endpoint of %d bytes (at most %d)", ErrInvalidRequest, len(req.Endpoint), maxEndpoint)
@@ -331,7 +335,7 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 	var reps []*pb.Replica
 	if err == nil {
 		m.s.fsm.mu.RLock()
-		reps = m.s.fsm.describePlaced(exts)
+		reps = m.s.fsm.describePlaced(exts, access{op: ticket.Write, id: p.id, expiry: p.deadline.UnixNano()})
 		m.s.fsm.mu.RUnlock()
 		if len(reps) < len(exts) {
 			// A segment went away since it was placed in; its space goes
@@ -643,7 +647,8 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 	}
 	objs := m.s.fsm.complete(req.Keys)
 	refused := m.s.lease(req.Keys, objs)
-	res := m.s.fsm.replicas(req.Keys, objs, m.s.cfg.Now().UnixNano())
+	now := m.s.cfg.Now()
+	res := m.s.fsm.replicas(req.Keys, objs, now.UnixNano(), access{op: ticket.Read, expiry: now.Add(m.s.cfg.LeaseTTL).UnixNano()})
 	for i, k := range req.Keys {
 		if refused[k] {
 			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
@@ -710,6 +715,7 @@ func (r *registryService) Register(ctx context.Context, req *pb.RegisterRequest)
 	}
 	out, err := r.s.apply(ctx, &pb.Command{Op: &pb.Command_Register{Register: &pb.RegisterCmd{
 		Node: req.Node, Endpoint: req.Endpoint, Segments: req.Segments, Adopt: req.Adopt, AdoptMore: req.AdoptMore,
+		TicketKey: req.TicketKey,
 	}}})
 	if err != nil {
 		return nil, err

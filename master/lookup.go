@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+	"github.com/tidepool-kv/tidepool/ticket"
 )
 
 // Lookup answers an engine's first question, "how many blocks of this
@@ -38,7 +39,8 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 		n := slices.IndexFunc(keys, func(k string) bool { return refused[k] })
 		keys, objs = keys[:n], objs[:n]
 	}
-	resp := m.s.fsm.lookup(objs, m.s.cfg.Now().UnixNano())
+	now := m.s.cfg.Now()
+	resp := m.s.fsm.lookup(objs, now.UnixNano(), now.Add(m.s.cfg.LeaseTTL).UnixNano())
 	resp.LeaseTtlMs = uint64(m.s.cfg.LeaseTTL.Milliseconds())
 	m.s.noteLookup(keys[:resp.Matched], resp)
 	return resp, nil
@@ -77,9 +79,10 @@ func (f *FSM) prefix(keys []string) []*object {
 }
 
 // lookup describes the leading objects that are still complete and in the
-// table, column by column, recording the read at now (unix nanos) for
-// recency; it stops at the first that is not or has no live replica.
-func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
+// table, column by column, with read tickets until expiry, recording the
+// read at now (unix nanos) for recency; it stops at the first that is not
+// or has no live replica.
+func (f *FSM) lookup(objs []*object, now, expiry int64) *pb.LookupResponse {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	resp := &pb.LookupResponse{
@@ -96,7 +99,18 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 		i    uint32
 		rank int
 		ok   bool
+		s    *segment
 	}
+	// One ticket per run of replicas that follow each other in a segment
+	// (a gap under the tier's alignment is the previous block's padding):
+	// a chain put in one batch costs a ticket per segment, and its blocks'
+	// reads can still travel as one request.
+	type run struct {
+		s        *segment
+		off, end uint64
+	}
+	var runs []run
+	var open []int // per index of resp.Segments: its latest run, -1 if none
 	refs := map[uint32]segRef{}
 	last := segRef{seg: ^uint32(0)}
 	ref := func(e extent) segRef {
@@ -107,8 +121,9 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 		if !seen {
 			r.seg = e.seg
 			if s := f.seg(e); s != nil {
-				r.i, r.rank, r.ok = uint32(len(resp.Segments)), readRank(s.tier), true
+				r.i, r.rank, r.ok, r.s = uint32(len(resp.Segments)), readRank(s.tier), true, s
 				resp.Segments = append(resp.Segments, &pb.Replica{Segment: s.id, Node: s.node, Endpoint: s.endpoint, Tier: s.tier})
+				open = append(open, -1)
 			}
 			refs[e.seg] = r
 		}
@@ -134,6 +149,19 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 				resp.ReplicaSegments = append(resp.ReplicaSegments, rs[j].i)
 				resp.ReplicaOffsets = append(resp.ReplicaOffsets, r.offset())
 				count++
+				s, off := rs[j].s, r.offset()
+				if s.key == nil {
+					resp.ReplicaTickets = append(resp.ReplicaTickets, pb.NoTicket)
+					continue
+				}
+				k := open[rs[j].i]
+				if k < 0 || off < runs[k].end || off-runs[k].end >= alignment(s.tier) {
+					k = len(runs)
+					runs = append(runs, run{s: s, off: off})
+					open[rs[j].i] = k
+				}
+				runs[k].end = off + o.size
+				resp.ReplicaTickets = append(resp.ReplicaTickets, uint32(k))
 			}
 		}
 		if count == 0 {
@@ -144,6 +172,14 @@ func (f *FSM) lookup(objs []*object, now int64) *pb.LookupResponse {
 		resp.Checksums = append(resp.Checksums, o.checksum)
 		resp.ReplicaCounts = append(resp.ReplicaCounts, count)
 		resp.Matched++
+	}
+	if len(runs) == 0 {
+		resp.ReplicaTickets = nil // no store checks tickets
+		return resp
+	}
+	resp.Tickets = make([]byte, 0, len(runs)*ticket.Size)
+	for _, r := range runs {
+		resp.Tickets, _ = r.s.key.Append(resp.Tickets, ticket.Ticket{Op: ticket.Read, Off: r.off, Len: r.end - r.off, Expiry: expiry})
 	}
 	return resp
 }

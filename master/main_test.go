@@ -16,5 +16,5 @@ func TestMain(m *testing.M) {
 
 // replicasOf describes the complete objects of keys, as GetReplicas does.
 func (f *FSM) replicasOf(keys []string) []*pb.ObjectReplicas {
-	return f.replicas(keys, f.complete(keys), 0)
+	return f.replicas(keys, f.complete(keys), 0, access{})
 }

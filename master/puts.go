@@ -9,6 +9,7 @@ import (
 	"time"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+	"github.com/tidepool-kv/tidepool/ticket"
 )
 
 // The put path costs one raft entry per put batch, its Publish. The leader
@@ -590,10 +591,17 @@ func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int
 	for i, g := range got {
 		exts[i] = &pb.Extent{Segment: g.r.segment, Offset: g.off, Length: it.Size}
 	}
-	s.fsm.mu.RLock()
-	reps := s.fsm.describePlaced(exts)
-	s.fsm.mu.RUnlock()
 	deadline := s.cfg.Now().Add(s.cfg.PutTimeout)
+	s.fsm.mu.RLock()
+	reps := s.fsm.describePlaced(exts, access{})
+	// One ticket per replica covers the whole run, so the run's puts may
+	// travel together; each put's id is in its PutEnd, not its ticket.
+	for _, r := range reps {
+		if seg := s.fsm.segments[r.Segment]; seg != nil {
+			r.Ticket = seg.ticket(access{op: ticket.Write, expiry: deadline.UnixNano()}, r.Offset, uint64(count)*n)
+		}
+	}
+	s.fsm.mu.RUnlock()
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if len(reps) < len(exts) {

@@ -7,14 +7,15 @@ import (
 	"time"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+	"github.com/tidepool-kv/tidepool/ticket"
 )
 
 // Read-only views of the FSM for the services. They take the read lock and
 // return copies, so callers never race with Apply.
 
-// replicas describes keys' replicas, recording the read at now (unix nanos)
-// for recency.
-func (f *FSM) replicas(keys []string, objs []*object, now int64) []*pb.ObjectReplicas {
+// replicas describes keys' replicas with tickets for a, recording the read
+// at now (unix nanos) for recency.
+func (f *FSM) replicas(keys []string, objs []*object, now int64, a access) []*pb.ObjectReplicas {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	out := make([]*pb.ObjectReplicas, len(keys))
@@ -25,7 +26,7 @@ func (f *FSM) replicas(keys []string, objs []*object, now int64) []*pb.ObjectRep
 			continue
 		}
 		o.used.Store(now)
-		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.size, f.exts(o))}
+		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.size, f.exts(o), a)}
 	}
 	return out
 }
@@ -71,23 +72,44 @@ func (f *FSM) leasedAt(keys []string, now int64) map[string]bool {
 	return out
 }
 
-// describe turns extents of size bytes into replica descriptors, fastest
-// tier first (readers try them in order); f.mu must be held.
-func (f *FSM) describe(size uint64, exts []extent) []*pb.Replica {
+// access is what a descriptor's ticket allows: op (none if 0) on its
+// extent until expiry (unix nanos), for the put or copy id.
+type access struct {
+	op     ticket.Op
+	id     uint64
+	expiry int64
+}
+
+// ticket signs a for the n bytes at off of s: nil if a allows nothing or
+// s's store checks no tickets.
+func (s *segment) ticket(a access, off, n uint64) []byte {
+	if a.op == 0 || s.key == nil {
+		return nil
+	}
+	// Ids count raft entries and puts: never past the 2^56 a ticket holds.
+	b, _ := s.key.Sign(ticket.Ticket{Op: a.op, ID: a.id, Off: off, Len: n, Expiry: a.expiry})
+	return b
+}
+
+// describe turns extents of size bytes into replica descriptors with
+// tickets for a, fastest tier first (readers try them in order); f.mu must
+// be held.
+func (f *FSM) describe(size uint64, exts []extent, a access) []*pb.Replica {
 	out := make([]*pb.Replica, 0, len(exts))
 	for _, e := range exts {
 		s := f.seg(e)
 		if s == nil {
 			continue
 		}
-		out = append(out, &pb.Replica{Segment: s.id, Node: s.node, Endpoint: s.endpoint, Offset: e.offset(), Length: size, Tier: s.tier})
+		out = append(out, &pb.Replica{Segment: s.id, Node: s.node, Endpoint: s.endpoint, Offset: e.offset(), Length: size, Tier: s.tier,
+			Ticket: s.ticket(a, e.offset(), size)})
 	}
 	slices.SortStableFunc(out, func(a, b *pb.Replica) int { return cmp.Compare(readRank(a.Tier), readRank(b.Tier)) })
 	return out
 }
 
 // describePlaced is describe for the extents of one put, as placed.
-func (f *FSM) describePlaced(exts []*pb.Extent) []*pb.Replica {
+func (f *FSM) describePlaced(exts []*pb.Extent, a access) []*pb.Replica {
 	if len(exts) == 0 {
 		return nil
 	}
@@ -95,7 +117,7 @@ func (f *FSM) describePlaced(exts []*pb.Extent) []*pb.Replica {
 	for i, e := range exts {
 		es[i] = f.extentOn(e.Segment, e.Offset)
 	}
-	return f.describe(exts[0].Length, es)
+	return f.describe(exts[0].Length, es, a)
 }
 
 // readRank orders tiers by how fast a host reader gets their bytes: DRAM
@@ -315,7 +337,7 @@ func (f *FSM) member(id string) string {
 func (f *FSM) info(o *object) *pb.ObjectInfo {
 	return &pb.ObjectInfo{
 		Key: o.key(), Size: o.size, State: o.pbState(), Checksum: o.checksum,
-		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.size, f.exts(o)),
+		CreatedUnixMs: o.created / 1e6, Replicas: f.describe(o.size, f.exts(o), access{}),
 		HardPinned: o.hard(), SoftPinUntilUnixMs: f.softPin(o) / 1e6, Parent: o.parent(), Tenant: f.tenantOf(o),
 	}
 }

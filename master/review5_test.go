@@ -47,11 +47,11 @@ func TestReview5RestoreMarksObjectsGone(t *testing.T) {
 	if err := d.f.Restore(io.NopCloser(bytes.NewReader(snapshotBytes(t, e.f)))); err != nil {
 		t.Fatal(err)
 	}
-	if resp := d.f.lookup(objs, t0+3); resp.Matched != 0 {
+	if resp := d.f.lookup(objs, t0+3, t0+3); resp.Matched != 0 {
 		t.Errorf("lookup after the restore matched %d: k at %s+%d, where the restored table keeps %q",
 			resp.Matched, resp.Segments[resp.ReplicaSegments[0]].Segment, resp.ReplicaOffsets[0], "other")
 	}
-	if r := d.f.replicas([]string{"k"}, objs, t0+3)[0]; r.Status.GetCode() == 0 {
+	if r := d.f.replicas([]string{"k"}, objs, t0+3, access{})[0]; r.Status.GetCode() == 0 {
 		t.Errorf("GetReplicas after the restore found k at %v, where the restored table keeps %q", r.Replicas, "other")
 	}
 }
@@ -115,10 +115,10 @@ func TestReview5LeaseInterleavings(t *testing.T) {
 		answer func(keys []string, objs []*object) int
 	}
 	for _, r := range []reader{
-		{"lookup", s.fsm.prefix, func(_ []string, objs []*object) int { return int(s.fsm.lookup(objs, now).Matched) }},
+		{"lookup", s.fsm.prefix, func(_ []string, objs []*object) int { return int(s.fsm.lookup(objs, now, now).Matched) }},
 		{"get", s.fsm.complete, func(keys []string, objs []*object) int {
 			n := 0
-			for _, x := range s.fsm.replicas(keys, objs, now) {
+			for _, x := range s.fsm.replicas(keys, objs, now, access{}) {
 				if x.Status.GetCode() == 0 {
 					n++
 				}

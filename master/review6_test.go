@@ -581,8 +581,8 @@ func TestReview6ReadersDuringApply(t *testing.T) {
 						o.leaseUntil(t0 + 1)
 					}
 				}
-				a.lookup(objs, t0)
-				a.replicas(keys, got, t0)
+				a.lookup(objs, t0, t0)
+				a.replicas(keys, got, t0, access{})
 				if g == 0 {
 					a.list("", "", 100)
 					a.completeObjects(func(string) bool { return true })
