@@ -350,7 +350,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	for i, g := range placed {
 		opts := engine.Options{Priority: engine.Medium, Deadline: g.deadline}
 		for _, rep := range g.replicas {
-			t := batch.Write(values[i], engine.Target{Endpoint: rep.Endpoint, Segment: rep.Segment}, int64(rep.Offset), opts)
+			t := batch.Write(values[i], target(rep), int64(rep.Offset), opts)
 			tasks[i] = append(tasks[i], t)
 		}
 	}

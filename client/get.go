@@ -201,5 +201,5 @@ func (c *Client) reportCorrupt(err error, key string, obj *pb.ObjectReplicas, re
 }
 
 func target(r *pb.Replica) engine.Target {
-	return engine.Target{Endpoint: r.Endpoint, Segment: r.Segment}
+	return engine.Target{Endpoint: r.Endpoint, Segment: r.Segment, Ticket: string(r.Ticket)}
 }

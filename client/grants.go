@@ -109,7 +109,7 @@ func (g *grantPool) addRun(sh shape, run *pb.GrantRun, asked time.Time) (left []
 		}
 		reps := make([]*pb.Replica, len(run.Replicas))
 		for j, r := range run.Replicas {
-			reps[j] = &pb.Replica{Segment: r.Segment, Node: r.Node, Endpoint: r.Endpoint, Offset: r.Offset + uint64(i)*run.Stride, Length: r.Length, Tier: r.Tier}
+			reps[j] = &pb.Replica{Segment: r.Segment, Node: r.Node, Endpoint: r.Endpoint, Offset: r.Offset + uint64(i)*run.Stride, Length: r.Length, Tier: r.Tier, Ticket: r.Ticket}
 		}
 		g.byShap[sh] = append(g.byShap[sh], grant{id: id, replicas: reps, reservations: run.Reservations, deadline: deadline})
 	}

@@ -33,16 +33,18 @@ type Block struct {
 	// Where the copies are, fastest tier first: the first inline, the
 	// rest (few blocks have them) apart. A lookup of a chain of thousands
 	// of blocks so allocates nothing per block, and a block, cached or
-	// not, keeps nothing of its answer alive but its segments' descriptors.
+	// not, keeps nothing of its answer alive but its segments' descriptors
+	// and its read tickets.
 	first location
 	more  []location
 }
 
 // location is one copy of a block: its segment's descriptor (offset and
-// length unset) and its offset there.
+// length unset), its offset there and the read ticket covering it.
 type location struct {
-	seg *pb.Replica
-	off uint64
+	seg    *pb.Replica
+	off    uint64
+	ticket []byte
 }
 
 // setReplicas makes reps (a describe's answer) the block's copies.
@@ -50,10 +52,10 @@ func (b *Block) setReplicas(reps []*pb.Replica) {
 	b.first, b.more = location{}, nil
 	for i, r := range reps {
 		if i == 0 {
-			b.first = location{r, r.Offset}
+			b.first = location{r, r.Offset, r.Ticket}
 			continue
 		}
-		b.more = append(b.more, location{r, r.Offset})
+		b.more = append(b.more, location{r, r.Offset, r.Ticket})
 	}
 }
 
@@ -72,7 +74,7 @@ func (b Block) Replicas() []*pb.Replica {
 		}
 		r := &reps[j]
 		r.Segment, r.Node, r.Endpoint, r.Tier = l.seg.Segment, l.seg.Node, l.seg.Endpoint, l.seg.Tier
-		r.Offset, r.Length = l.off, b.Size
+		r.Offset, r.Length, r.Ticket = l.off, b.Size, l.ticket
 		ptrs[j] = r
 	}
 	return ptrs
@@ -154,7 +156,7 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 	for i := range int(resp.Matched) {
 		b := Block{Key: rest[i], Size: resp.Sizes[i], Checksum: resp.Checksums[i], leaseEnd: lease}
 		for j := at; j < at+int(resp.ReplicaCounts[i]); j++ {
-			l := location{resp.Segments[resp.ReplicaSegments[j]], resp.ReplicaOffsets[j]}
+			l := location{resp.Segments[resp.ReplicaSegments[j]], resp.ReplicaOffsets[j], resp.ReplicaTicket(j)}
 			if j == at {
 				b.first = l
 			} else {
@@ -296,6 +298,9 @@ func checkLookup(r *pb.LookupResponse, asked int) error {
 		if int(i) >= len(r.Segments) {
 			return fmt.Errorf("%w: lookup answered segment %d of %d", ErrProtocol, i, len(r.Segments))
 		}
+	}
+	if n := len(r.ReplicaTickets); n != 0 && n != total {
+		return fmt.Errorf("%w: lookup answered %d replicas with %d tickets", ErrProtocol, total, n)
 	}
 	return nil
 }

@@ -162,11 +162,15 @@ func TestSegmentNotFound(t *testing.T) {
 	}
 
 	// Unregister fences: a segment that was served is then not found.
-	if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("x"), Target{Endpoint: p.addr, Segment: "dram"}, 0, Options{}) }); err != nil {
+	if _, err := run(t, c, func(b *Batch) *Task {
+		return b.Write([]byte("x"), Target{Endpoint: p.addr, Segment: "dram"}, 0, Options{})
+	}); err != nil {
 		t.Fatal(err)
 	}
 	p.Unregister("dram")
-	if _, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{Endpoint: p.addr, Segment: "dram"}, 0, Options{}) }); !errors.Is(err, ErrSegmentNotFound) {
+	if _, err := run(t, c, func(b *Batch) *Task {
+		return b.Read(make([]byte, 1), Target{Endpoint: p.addr, Segment: "dram"}, 0, Options{})
+	}); !errors.Is(err, ErrSegmentNotFound) {
 		t.Fatalf("after Unregister: err %v", err)
 	}
 	if n := p.accepts.Load(); n != 1 {
@@ -314,7 +318,9 @@ func TestPeerEngineClosedMidRead(t *testing.T) {
 	}
 
 	// A closed peer refuses new work the same way.
-	task, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{Endpoint: p.addr, Segment: "slow"}, 0, Options{}) })
+	task, err := run(t, c, func(b *Batch) *Task {
+		return b.Read(make([]byte, 1), Target{Endpoint: p.addr, Segment: "slow"}, 0, Options{})
+	})
 	if task.State() != Failed || !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("after close: state %v, err %v", task.State(), err)
 	}
@@ -446,7 +452,9 @@ func TestUnreachablePeer(t *testing.T) {
 	addr := ln.Addr().String()
 	ln.Close() // nothing listens there now
 	c := newClient(t, Config{})
-	task, err := run(t, c, func(b *Batch) *Task { return b.Read(make([]byte, 1), Target{Endpoint: addr, Segment: "s"}, 0, Options{}) })
+	task, err := run(t, c, func(b *Batch) *Task {
+		return b.Read(make([]byte, 1), Target{Endpoint: addr, Segment: "s"}, 0, Options{})
+	})
 	if task.State() != Failed || !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("state %v, err %v", task.State(), err)
 	}

@@ -58,7 +58,7 @@ import (
 // request it cannot serve (unknown segment, bad bounds) gets an error response; the server first
 // discards a write's payload, so the connection stays usable.
 const (
-	frameMagic   uint16 = 0x5450
+	frameMagic uint16 = 0x5450
 	// frameVersion 2 added the ticket; a server refuses version 1 (a peer too old to carry one).
 	frameVersion byte = 2
 

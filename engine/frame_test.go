@@ -11,7 +11,7 @@ import (
 
 func TestRequestRoundTrip(t *testing.T) {
 	tests := []struct {
-		name string
+		name   string
 		op     byte
 		seg    string
 		off    uint64

@@ -41,7 +41,9 @@ func TestServerClosesIdleConnections(t *testing.T) {
 
 	c := newClient(t, Config{NoShm: true})
 	for i := range 3 {
-		if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("abc"), Target{Endpoint: p.addr, Segment: "seg"}, 0, Options{}) }); err != nil {
+		if _, err := run(t, c, func(b *Batch) *Task {
+			return b.Write([]byte("abc"), Target{Endpoint: p.addr, Segment: "seg"}, 0, Options{})
+		}); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 		waitFor(t, "the server to close the pooled connection", func() bool {
@@ -105,7 +107,9 @@ func TestServerConnectionCap(t *testing.T) {
 	waitFor(t, "the idle connections to be accepted", func() bool { return p.accepts.Load() == 8 })
 	c := newClient(t, Config{NoShm: true})
 	for i := range 4 {
-		if _, err := run(t, c, func(b *Batch) *Task { return b.Write([]byte("abc"), Target{Endpoint: p.addr, Segment: "seg"}, int64(i), Options{}) }); err != nil {
+		if _, err := run(t, c, func(b *Batch) *Task {
+			return b.Write([]byte("abc"), Target{Endpoint: p.addr, Segment: "seg"}, int64(i), Options{})
+		}); err != nil {
 			t.Fatalf("write %d at the cap: %v", i, err)
 		}
 	}

@@ -329,7 +329,9 @@ func TestEngineRails(t *testing.T) {
 		t.Fatalf("Rails() before any transfer = %+v", got)
 	}
 	for _, ep := range []string{"p1", "p0b,p0a"} {
-		if _, err := run(t, e, func(b *Batch) *Task { return b.Write(make([]byte, 256<<10), Target{Endpoint: ep, Segment: "seg"}, 0, Options{}) }); err != nil {
+		if _, err := run(t, e, func(b *Batch) *Task {
+			return b.Write(make([]byte, 256<<10), Target{Endpoint: ep, Segment: "seg"}, 0, Options{})
+		}); err != nil {
 			t.Fatal(err)
 		}
 	}

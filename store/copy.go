@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"math"
@@ -130,7 +131,7 @@ func (n *Node) copy(ctx context.Context, t *pb.CopyTask) error {
 // terminal task.
 func (n *Node) transfer(ctx context.Context, write bool, buf []byte, r *pb.Replica, opts engine.Options) *engine.Task {
 	b := n.eng.NewBatch()
-	target := engine.Target{Endpoint: r.Endpoint, Segment: r.Segment}
+	target := engine.Target{Endpoint: r.Endpoint, Segment: r.Segment, Ticket: string(r.Ticket)}
 	var task *engine.Task
 	if write {
 		task = b.Write(buf, target, int64(r.Offset), opts)
@@ -155,6 +156,8 @@ func transferStatus(ctx context.Context, task *engine.Task, what string) error {
 		code = codes.DeadlineExceeded
 	case task.State() == engine.Canceled:
 		code = codes.Canceled
+	case errors.Is(task.Err(), engine.ErrForbidden):
+		code = codes.PermissionDenied // the master's ticket was refused: asking again cannot help
 	}
 	return status.Errorf(code, "%s: %v", what, task.Err())
 }

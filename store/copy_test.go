@@ -23,6 +23,7 @@ import (
 	"github.com/tidepool-kv/tidepool/master/mastertest"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 	"github.com/tidepool-kv/tidepool/store"
+	"github.com/tidepool-kv/tidepool/ticket"
 	"github.com/tidepool-kv/tidepool/tiers"
 )
 
@@ -36,6 +37,7 @@ type registry struct {
 
 	mu         sync.Mutex
 	registers  map[string]int
+	keys       map[string][]byte // ticket key of each node
 	heartbeats map[string]int
 	slots      map[string]uint32 // the last copy_slots of each node
 	queued     map[string][]*pb.CopyTask
@@ -52,7 +54,7 @@ type registry struct {
 func startRegistry(t *testing.T) *registry {
 	t.Helper()
 	r := &registry{
-		registers: map[string]int{}, heartbeats: map[string]int{}, slots: map[string]uint32{},
+		registers: map[string]int{}, keys: map[string][]byte{}, heartbeats: map[string]int{}, slots: map[string]uint32{},
 		queued: map[string][]*pb.CopyTask{}, handedOut: map[uint64]time.Time{},
 		results: map[uint64]*pb.CopyResult{}, reportedAt: map[uint64]time.Time{},
 	}
@@ -78,6 +80,7 @@ func (r *registry) Register(_ context.Context, req *pb.RegisterRequest) (*pb.Reg
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.registers[req.Node]++
+	r.keys[req.Node] = req.TicketKey
 	resp := &pb.RegisterResponse{Epoch: 1}
 	for _, s := range req.Segments {
 		resp.SegmentIds = append(resp.SegmentIds, req.Node+"/"+s.Name+"@1")
@@ -107,12 +110,29 @@ func (r *registry) Heartbeat(_ context.Context, req *pb.HeartbeatRequest) (*pb.H
 	n := min(len(q), int(req.CopySlots))
 	for _, c := range q[:n] {
 		r.handedOut[c.Id] = now
+		// As the master does: the copying node reads the source and writes
+		// the target with tickets until the copy's deadline.
+		until := now.Add(time.Duration(c.TimeoutMs) * time.Millisecond).UnixNano()
+		r.sign(c.Source, ticket.Ticket{Op: ticket.Read, Off: c.Source.GetOffset(), Len: c.Size, Expiry: until})
+		r.sign(c.Target, ticket.Ticket{Op: ticket.Write, ID: c.Id, Off: c.Target.GetOffset(), Len: c.Size, Expiry: until})
 	}
 	if n > 0 {
 		r.lose = r.loseAfterCopies
 	}
 	r.queued[req.Node] = q[n:]
 	return &pb.HeartbeatResponse{Copies: q[:n]}, nil
+}
+
+// sign gives rep, unless it has one, a ticket t signed with the key of its
+// segment's node (r.mu held).
+func (r *registry) sign(rep *pb.Replica, t ticket.Ticket) {
+	if rep == nil || rep.Ticket != nil {
+		return
+	}
+	node, _, _ := strings.Cut(rep.Segment, "/")
+	if k, err := ticket.SegmentKey(r.keys[node], rep.Segment); err == nil {
+		rep.Ticket, _ = k.Sign(t)
+	}
 }
 
 func (r *registry) Leave(context.Context, *pb.HeartbeatRequest) (*pb.HeartbeatResponse, error) {

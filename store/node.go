@@ -65,6 +65,7 @@ type Node struct {
 	lns      []net.Listener
 	masters  *leaderconn.Conn
 	endpoint string
+	guard    *guard
 
 	mu struct {
 		sync.Mutex
@@ -126,10 +127,18 @@ func New(cfg Config) (*Node, error) {
 		lns = append(lns, ln)
 		addrs = append(addrs, ln.Addr().String())
 	}
+	g, err := newGuard()
+	if err != nil {
+		for _, l := range lns {
+			l.Close()
+		}
+		masters.Close()
+		return nil, fmt.Errorf("store: %w", err)
+	}
 	ecfg := cfg.Engine
-	ecfg.Registerer, ecfg.Logger = cfg.Registerer, cfg.Logger
+	ecfg.Registerer, ecfg.Logger, ecfg.Guard = cfg.Registerer, cfg.Logger, g
 	n := &Node{
-		cfg: cfg, log: cfg.Logger, eng: engine.New(ecfg), lns: lns, masters: masters,
+		cfg: cfg, log: cfg.Logger, eng: engine.New(ecfg), lns: lns, masters: masters, guard: g,
 		endpoint:   cfg.Advertise,
 		registered: make(chan struct{}),
 		stop:       make(chan struct{}),
@@ -312,7 +321,7 @@ func adoptPages(kept []*pb.AdoptedObject) [][]*pb.AdoptedObject {
 }
 
 func (n *Node) register(ctx context.Context) error {
-	req := &pb.RegisterRequest{Node: n.cfg.ID, Endpoint: n.endpoint}
+	req := &pb.RegisterRequest{Node: n.cfg.ID, Endpoint: n.endpoint, TicketKey: n.guard.nodeKey}
 	var kept []*pb.AdoptedObject
 	for _, t := range n.cfg.Tiers {
 		req.Segments = append(req.Segments, &pb.SegmentSpec{Name: t.Name(), Tier: tierProto(t.Kind()), Capacity: uint64(t.Capacity())})
@@ -352,6 +361,10 @@ func (n *Node) register(ctx context.Context) error {
 	// Serve the segments before the remaining pages: objects adopted so far
 	// are readable already.
 	n.mu.Lock()
+	if err := n.guard.serve(resp.SegmentIds); err != nil {
+		n.mu.Unlock()
+		return err
+	}
 	for i, t := range n.cfg.Tiers {
 		if err := n.eng.Register(engine.Rename(t.Segment(), resp.SegmentIds[i])); err != nil {
 			n.unregisterLocked()
@@ -457,6 +470,7 @@ func (n *Node) unregisterLocked() {
 		n.eng.Unregister(name)
 	}
 	n.mu.names, n.mu.epoch = nil, 0
+	_ = n.guard.serve(nil)
 }
 
 // heartbeat reports finished copies and starts, under copyCtx, the copies
