@@ -5,7 +5,7 @@ package integration
 import (
 	"bufio"
 	"context"
-	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -28,8 +28,9 @@ import (
 
 // holdConnsEnv names, in a child of the test binary, the engine address it
 // opens connections to: HOLD_N of them, each idle, or each a stalled write
-// if HOLD_SEGMENT names a segment. It says "held" on stdout and keeps them
-// until its stdin closes.
+// if HOLD_SEGMENT names a segment (of HOLD_SIZE bytes at HOLD_OFF, with the
+// ticket HOLD_TICKET in hex). It says "held" on stdout and keeps them until
+// its stdin closes.
 const holdConnsEnv = "TIDEPOOL_TEST_HOLD_CONNS"
 
 func holdConns(addr string) int {
@@ -43,15 +44,11 @@ func holdConns(addr string) int {
 			return 1
 		}
 		if seg != "" {
-			// A write header for the whole segment, a megabyte but one of
-			// payload, then silence (the engine's frame, see engine/frame.go).
+			// A write header, a megabyte but one of payload, then silence.
 			size, _ := strconv.ParseUint(os.Getenv("HOLD_SIZE"), 10, 64)
-			b := binary.BigEndian.AppendUint16(nil, 0x5450)
-			b = append(b, 1, 2)
-			b = binary.BigEndian.AppendUint16(b, uint16(len(seg)))
-			b = append(b, seg...)
-			b = binary.BigEndian.AppendUint64(b, 0)
-			b = binary.BigEndian.AppendUint64(b, size)
+			off, _ := strconv.ParseUint(os.Getenv("HOLD_OFF"), 10, 64)
+			tk, _ := hex.DecodeString(os.Getenv("HOLD_TICKET"))
+			b := engineRequest(frameOpWrite, seg, off, size, tk)
 			b = append(b, make([]byte, 1<<20-1)...)
 			if _, err := nc.Write(b); err != nil {
 				fmt.Fprintln(os.Stderr, "write:", err)
@@ -94,11 +91,13 @@ func startChild(t *testing.T, env ...string) (*exec.Cmd, string) {
 }
 
 // startHolders starts procs children that hold n connections each to addr
-// (stalled writes to seg if not empty) and waits until they have them.
-func startHolders(t *testing.T, procs, n int, addr, seg string, segSize uint64) {
+// (stalled writes of size bytes at off of seg with tk if seg is not empty)
+// and waits until they have them.
+func startHolders(t *testing.T, procs, n int, addr, seg string, off, size uint64, tk []byte) {
 	t.Helper()
 	for range procs {
-		_, line := startChild(t, holdConnsEnv+"="+addr, "HOLD_N="+strconv.Itoa(n), "HOLD_SEGMENT="+seg, "HOLD_SIZE="+strconv.FormatUint(segSize, 10))
+		_, line := startChild(t, holdConnsEnv+"="+addr, "HOLD_N="+strconv.Itoa(n), "HOLD_SEGMENT="+seg,
+			"HOLD_OFF="+strconv.FormatUint(off, 10), "HOLD_SIZE="+strconv.FormatUint(size, 10), "HOLD_TICKET="+hex.EncodeToString(tk))
 		if line != "held" {
 			t.Fatalf("connection holder: %q", line)
 		}
@@ -171,9 +170,18 @@ func TestStalledWritesAndIdleConnectionsBounded(t *testing.T) {
 		}
 	}
 	check("before")
-	startHolders(t, 2, 500, u.engine, ssd, ssdSize)
+	// 500 writers without a ticket, refused before their bytes are read,
+	// and 500 with the ticket of a put of 1 MiB, stalled inside it.
+	startHolders(t, 1, 500, u.engine, ssd, 0, ssdSize, nil)
+	start, err := pb.NewMasterClient(dialMaster(t, u.grpc)).BatchPutStart(ctx, &pb.BatchPutStartRequest{
+		Items: []*pb.PutStartRequest{{Key: "stalled", Size: 1 << 20, Tier: pb.Tier_TIER_SSD}}})
+	if err != nil || len(start.Results[0].GetReplicas()) != 1 {
+		t.Fatalf("PutStart of the stalled put: %v %v", start, err)
+	}
+	r := start.Results[0].Replicas[0]
+	startHolders(t, 1, 500, u.engine, r.Segment, r.Offset, 1<<20, r.Ticket)
 	check("stalled")
-	startHolders(t, 2, 10000, u.engine, "", 0)
+	startHolders(t, 2, 10000, u.engine, "", 0, 0, nil)
 	check("idle")
 	peak := rssBytes(t, pid)
 	t.Logf("daemon RSS %d MiB before, %d MiB with 1,000 stalled writes and 20,000 idle connections", before>>20, peak>>20)
