@@ -44,6 +44,13 @@
 // deals slices in turn. A rail that errs three times in ten seconds is paused; its slices are
 // retried elsewhere (sched.go). Rails reports what the engine knows of each rail.
 //
+// # Tickets
+//
+// Target.Ticket travels with every request over the rails; a server with a Config.Guard (a
+// store) admits a request only if its Guard accepts the ticket for those bytes, and ends it by
+// the time the Guard gives. A refusal fails the task with ErrForbidden. Same-process and
+// same-host transports do not pass through the guard (see docs/architecture.md).
+//
 // engine/enginetest wraps a transport to shape rails (bandwidth, latency, jitter) and inject
 // faults, so heterogeneous links can be tested on loopback.
 package engine

@@ -10,6 +10,10 @@
 // dead, or a master's state was lost), the node registers again; when it
 // was drained by an operator, it leaves the pool until restarted.
 //
+// Peers' reads and writes are admitted only with a ticket the master
+// signed for their bytes (package ticket; guard.go): the node makes a key
+// when it starts and hands it over with each registration.
+//
 // Heartbeats are also the master's command channel: their answers carry
 // copies for the node to make (read a replica, check its checksum, write a
 // new replica), at most Config.CopyConcurrency at once, and the next
