@@ -19,7 +19,7 @@ func TestRequestRoundTrip(t *testing.T) {
 		ticket string
 	}{
 		{"read", opRead, "dram-0", 0, 1, ""},
-		{"write", opWrite, "hbm", 1 << 40, MaxOpLen, strings.Repeat("t", 48)},
+		{"write", opWrite, "hbm", 1 << 40, MaxOpLen, strings.Repeat("t", 64)},
 		{"max name and ticket", opRead, strings.Repeat("x", MaxSegmentName), 7, 0, strings.Repeat("t", MaxTicket)},
 		{"describe", opDescribe, "dram-0", 0, 0, ""},
 		{"empty name", opWrite, "", 0, 0, ""}, // well formed; the server answers bad request

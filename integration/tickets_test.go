@@ -98,7 +98,7 @@ func TestWritesWithoutAValidTicketRefused(t *testing.T) {
 		t.Fatalf("the puts landed in %q and %q; the test needs one segment", rep.Segment, mine.Segment)
 	}
 
-	forged := make([]byte, 48)
+	forged := make([]byte, 64)
 	rand.Read(forged)
 	flipped := bytes.Clone(mine.Ticket)
 	flipped[0] ^= 0x80 // the extent's offset

@@ -494,7 +494,7 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			}
 			errs[idx[j]] = parentLoopError(it.Key, it.Parent)
 			if mine[j] != 0 {
-				t.done(mine[j])
+				t.abandon(mine[j])
 			}
 		}
 		t.mu.Unlock()
@@ -509,8 +509,12 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			errs[idx[j]] = e
 		}
 		t.mu.Lock()
-		for _, id := range mine {
-			if id != 0 {
+		for j, id := range mine {
+			switch {
+			case id == 0:
+			case errs[idx[j]] != nil:
+				t.abandon(id)
+			default:
 				t.done(id)
 			}
 		}
@@ -576,7 +580,7 @@ func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb
 			id = t.byKey[k]
 		}
 		if p := t.pending[id]; p != nil && (p.item.Key == k || p.grant) {
-			t.done(id)
+			t.abandon(id)
 			continue
 		}
 		if k == "" {
@@ -646,9 +650,10 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 		return nil, err
 	}
 	objs := m.s.fsm.complete(req.Keys)
-	refused := m.s.lease(req.Keys, objs)
 	now := m.s.cfg.Now()
-	res := m.s.fsm.replicas(req.Keys, objs, now.UnixNano(), access{op: ticket.Read, expiry: now.Add(m.s.cfg.LeaseTTL).UnixNano()})
+	exp := now.Add(m.s.cfg.LeaseTTL).UnixNano()
+	refused := m.s.lease(req.Keys, objs, exp)
+	res := m.s.fsm.replicas(req.Keys, objs, now.UnixNano(), access{op: ticket.Read, expiry: exp})
 	for i, k := range req.Keys {
 		if refused[k] {
 			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}

@@ -35,12 +35,13 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 		return &pb.LookupResponse{Matched: uint32(len(objs))}, nil
 	}
 	keys = keys[:len(objs)]
-	if refused := m.s.lease(keys, objs); len(refused) > 0 {
+	now := m.s.cfg.Now()
+	exp := now.Add(m.s.cfg.LeaseTTL).UnixNano()
+	if refused := m.s.lease(keys, objs, exp); len(refused) > 0 {
 		n := slices.IndexFunc(keys, func(k string) bool { return refused[k] })
 		keys, objs = keys[:n], objs[:n]
 	}
-	now := m.s.cfg.Now()
-	resp := m.s.fsm.lookup(objs, now.UnixNano(), now.Add(m.s.cfg.LeaseTTL).UnixNano())
+	resp := m.s.fsm.lookup(objs, now.UnixNano(), exp)
 	resp.LeaseTtlMs = uint64(m.s.cfg.LeaseTTL.Milliseconds())
 	m.s.noteLookup(keys[:resp.Matched], resp)
 	return resp, nil
@@ -179,7 +180,7 @@ func (f *FSM) lookup(objs []*object, now, expiry int64) *pb.LookupResponse {
 	}
 	resp.Tickets = make([]byte, 0, len(runs)*ticket.Size)
 	for _, r := range runs {
-		resp.Tickets, _ = r.s.key.Append(resp.Tickets, ticket.Ticket{Op: ticket.Read, Off: r.off, Len: r.end - r.off, Expiry: expiry})
+		resp.Tickets = r.s.key.Append(resp.Tickets, ticket.Ticket{Op: ticket.Read, Off: r.off, Len: r.end - r.off, Expiry: expiry})
 	}
 	return resp
 }

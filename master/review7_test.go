@@ -50,7 +50,7 @@ func r7Grant(t *testing.T, s *Server) int64 {
 	if objs[0] == nil {
 		t.Fatal("k is not complete")
 	}
-	if refused := s.lease(keys, objs); len(refused) > 0 {
+	if refused := s.lease(keys, objs, s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano()); len(refused) > 0 {
 		t.Fatalf("lease refused: %v", refused)
 	}
 	return s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano()

@@ -595,8 +595,11 @@ func countNil(errs []error) int {
 // that starts later sees the lease. The leases are stored before the
 // count of removals is read, and startRemove counts itself in before it
 // reads the leases, so one of the two sees the other.
-func (s *Server) lease(keys []string, objs []*object) (refused map[string]bool) {
-	exp := s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano()
+//
+// The lease ends at exp (unix nanos), the expiry of the read tickets the
+// caller hands out with it: a ticket must not outlast the lease, after
+// which a removed object's space is reused.
+func (s *Server) lease(keys []string, objs []*object, exp int64) (refused map[string]bool) {
 	for _, o := range objs {
 		if o != nil {
 			o.leaseUntil(exp)

@@ -131,7 +131,7 @@ func (r *registry) sign(rep *pb.Replica, t ticket.Ticket) {
 	}
 	node, _, _ := strings.Cut(rep.Segment, "/")
 	if k, err := ticket.SegmentKey(r.keys[node], rep.Segment); err == nil {
-		rep.Ticket, _ = k.Sign(t)
+		rep.Ticket = k.Sign(t)
 	}
 }
 

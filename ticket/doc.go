@@ -15,16 +15,17 @@
 //
 // # Format
 //
-// A ticket is Size bytes: two 16-byte blocks of fields, then the tag.
+// A ticket is Size bytes: three 16-byte blocks of fields, then the tag.
 //
 //	offset  8  first byte of the extent
 //	length  8  its length
 //	expiry  8  unix nanoseconds (the master's clock) after which it is void
+//	id      8  the put or copy it was issued for, 0 for reads
 //	op      1  1 read, 2 write
-//	id      7  the put or copy it was issued for, 0 for reads
-//	tag    16  AES-128 CBC-MAC of the two blocks under the segment's Key
+//	zero   15
+//	tag    16  AES-128 CBC-MAC of the three blocks under the segment's Key
 //
 // The message has a fixed length, for which CBC-MAC is a secure MAC; it costs
-// two AES block encryptions, tens of nanoseconds, so a lookup of a thousand
+// three AES block encryptions, tens of nanoseconds, so a lookup of a thousand
 // blocks can carry tickets without the master noticing.
 package ticket

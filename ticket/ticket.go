@@ -13,13 +13,13 @@ import (
 )
 
 // Size is the length of a ticket on the wire.
-const Size = 48
+const Size = 64
+
+// msgSize is the signed part of a ticket, before the tag.
+const msgSize = 48
 
 // NodeKeySize is the length of a NodeKey.
 const NodeKeySize = 32
-
-// maxID is the largest put or copy id a ticket can carry (7 bytes).
-const maxID = 1<<56 - 1
 
 // Op is what a ticket allows.
 type Op uint8
@@ -86,30 +86,29 @@ func SegmentKey(nodeKey []byte, segment string) (*Key, error) {
 	return &Key{block: block}, nil
 }
 
-// Append appends t, signed, to dst. An id too large for a ticket (no
-// master issues one: ids count raft entries) is refused.
-func (k *Key) Append(dst []byte, t Ticket) ([]byte, error) {
-	if t.ID > maxID {
-		return dst, fmt.Errorf("%w: id %d over %d", ErrMalformed, t.ID, uint64(maxID))
-	}
+// Append appends t, signed, to dst.
+func (k *Key) Append(dst []byte, t Ticket) []byte {
 	at := len(dst)
 	dst = binary.BigEndian.AppendUint64(dst, t.Off)
 	dst = binary.BigEndian.AppendUint64(dst, t.Len)
 	dst = binary.BigEndian.AppendUint64(dst, uint64(t.Expiry))
-	dst = binary.BigEndian.AppendUint64(dst, uint64(t.Op)<<56|t.ID)
-	dst = append(dst, make([]byte, 16)...)
-	k.tag(dst[at:at+32], dst[at+32:])
-	return dst, nil
+	dst = binary.BigEndian.AppendUint64(dst, t.ID)
+	dst = append(dst, byte(t.Op))
+	dst = append(dst, make([]byte, Size-msgSize+15)...)
+	k.tag(dst[at:at+msgSize], dst[at+msgSize:at+Size])
+	return dst
 }
 
 // Sign returns t signed.
-func (k *Key) Sign(t Ticket) ([]byte, error) { return k.Append(make([]byte, 0, Size), t) }
+func (k *Key) Sign(t Ticket) []byte { return k.Append(make([]byte, 0, Size), t) }
 
-// tag computes the CBC-MAC of the two blocks of m.
+// tag computes the CBC-MAC of the blocks of m into out.
 func (k *Key) tag(m, out []byte) {
-	k.block.Encrypt(out[:], m[:16])
-	subtle.XORBytes(out[:], out[:], m[16:])
-	k.block.Encrypt(out[:], out[:])
+	k.block.Encrypt(out, m[:16])
+	for b := 16; b < len(m); b += 16 {
+		subtle.XORBytes(out, out, m[b:b+16])
+		k.block.Encrypt(out, out)
+	}
 }
 
 // Open checks b's tag and returns its content.
@@ -118,14 +117,13 @@ func (k *Key) Open(b []byte) (Ticket, error) {
 		return Ticket{}, fmt.Errorf("%w: %d bytes, want %d", ErrMalformed, len(b), Size)
 	}
 	want := make([]byte, 16)
-	k.tag(b[:32], want)
-	if subtle.ConstantTimeCompare(want, b[32:]) != 1 {
+	k.tag(b[:msgSize], want)
+	if subtle.ConstantTimeCompare(want, b[msgSize:]) != 1 {
 		return Ticket{}, ErrForged
 	}
-	word := binary.BigEndian.Uint64(b[24:])
 	return Ticket{
-		Op:     Op(word >> 56),
-		ID:     word & maxID,
+		Op:     Op(b[32]),
+		ID:     binary.BigEndian.Uint64(b[24:]),
 		Off:    binary.BigEndian.Uint64(b[0:]),
 		Len:    binary.BigEndian.Uint64(b[8:]),
 		Expiry: int64(binary.BigEndian.Uint64(b[16:])),

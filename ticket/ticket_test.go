@@ -17,11 +17,8 @@ func testKey(t testing.TB, segment string) *Key {
 
 func TestRoundTrip(t *testing.T) {
 	k := testKey(t, "a/dram@1")
-	in := Ticket{Op: Write, ID: maxID, Off: 1 << 40, Len: 4096, Expiry: 1234567890123}
-	b, err := k.Sign(in)
-	if err != nil {
-		t.Fatal(err)
-	}
+	in := Ticket{Op: Write, ID: 1<<64 - 1, Off: 1 << 40, Len: 4096, Expiry: 1234567890123}
+	b := k.Sign(in)
 	if len(b) != Size {
 		t.Fatalf("%d bytes", len(b))
 	}
@@ -29,15 +26,12 @@ func TestRoundTrip(t *testing.T) {
 	if err != nil || out != in {
 		t.Fatalf("Open = %+v, %v; want %+v", out, err, in)
 	}
-	if _, err := k.Sign(Ticket{ID: maxID + 1}); !errors.Is(err, ErrMalformed) {
-		t.Fatalf("oversized id: %v", err)
-	}
 }
 
 func TestCheck(t *testing.T) {
 	k := testKey(t, "a/dram@1")
-	b, _ := k.Sign(Ticket{Op: Write, ID: 9, Off: 4096, Len: 8192, Expiry: 1000})
-	other, _ := testKey(t, "a/dram@2").Sign(Ticket{Op: Write, ID: 9, Off: 4096, Len: 8192, Expiry: 1000})
+	b := k.Sign(Ticket{Op: Write, ID: 9, Off: 4096, Len: 8192, Expiry: 1000})
+	other := testKey(t, "a/dram@2").Sign(Ticket{Op: Write, ID: 9, Off: 4096, Len: 8192, Expiry: 1000})
 	flipped := bytes.Clone(b)
 	flipped[8] ^= 1 // the length
 	for _, tc := range []struct {
@@ -59,7 +53,7 @@ func TestCheck(t *testing.T) {
 		{"huge", b, Write, 4096, 1 << 63, 0, ErrExtent},
 		{"other segment", other, Write, 4096, 1, 0, ErrForged},
 		{"field changed", flipped, Write, 4096, 1, 0, ErrForged},
-		{"short", b[:47], Write, 4096, 1, 0, ErrMalformed},
+		{"short", b[:Size-1], Write, 4096, 1, 0, ErrMalformed},
 		{"none", nil, Write, 4096, 1, 0, ErrMalformed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -81,13 +75,13 @@ func BenchmarkSign(b *testing.B) {
 	k := testKey(b, "a/dram@1")
 	buf := make([]byte, 0, Size)
 	for i := range b.N {
-		buf, _ = k.Append(buf[:0], Ticket{Op: Read, Off: uint64(i), Len: 4096, Expiry: 1})
+		buf = k.Append(buf[:0], Ticket{Op: Read, Off: uint64(i), Len: 4096, Expiry: 1})
 	}
 }
 
 func BenchmarkCheck(b *testing.B) {
 	k := testKey(b, "a/dram@1")
-	t, _ := k.Sign(Ticket{Op: Read, Off: 0, Len: 1 << 30, Expiry: 1 << 62})
+	t := k.Sign(Ticket{Op: Read, Off: 0, Len: 1 << 30, Expiry: 1 << 62})
 	for i := range b.N {
 		if _, err := k.Check(t, Read, uint64(i%1024)*4096, 4096, 1); err != nil {
 			b.Fatal(err)

@@ -5,7 +5,7 @@ package tidepoolpb
 const NoTicket = ^uint32(0)
 
 // ticketSize is ticket.Size; this package knows no other.
-const ticketSize = 48
+const ticketSize = 64
 
 // ReplicaTicket returns the read ticket of the i-th replica of the answer
 // (counted as replica_segments), or nil if it has none or the answer is
