@@ -17,24 +17,29 @@ func benchTCP(b *testing.B, kind OpKind) {
 			p := startPeer(b, Config{}, NewMemSegment("dram", make([]byte, size)))
 			c := newClient(b, Config{})
 			tgt := Target{Endpoint: p.addr, Segment: "dram"}
-			buf := make([]byte, size)
-			ctx := context.Background()
-			b.SetBytes(int64(size))
-			b.ResetTimer()
-			for range b.N {
-				batch := c.NewBatch()
-				if kind == OpRead {
-					batch.Read(buf, tgt, 0, Options{})
-				} else {
-					batch.Write(buf, tgt, 0, Options{})
-				}
-				if err := batch.Submit(ctx); err != nil {
-					b.Fatal(err)
-				}
-				if err := batch.Wait(ctx); err != nil {
-					b.Fatal(err)
-				}
-			}
+			moveEach(b, c, kind, tgt, size)
 		})
+	}
+}
+
+// moveEach moves size bytes at offset 0 of tgt once per iteration.
+func moveEach(b *testing.B, c *Engine, kind OpKind, tgt Target, size int) {
+	buf := make([]byte, size)
+	ctx := context.Background()
+	b.SetBytes(int64(size))
+	b.ResetTimer()
+	for range b.N {
+		batch := c.NewBatch()
+		if kind == OpRead {
+			batch.Read(buf, tgt, 0, Options{})
+		} else {
+			batch.Write(buf, tgt, 0, Options{})
+		}
+		if err := batch.Submit(ctx); err != nil {
+			b.Fatal(err)
+		}
+		if err := batch.Wait(ctx); err != nil {
+			b.Fatal(err)
+		}
 	}
 }

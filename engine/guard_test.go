@@ -2,7 +2,6 @@ package engine
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -123,25 +122,7 @@ func BenchmarkTicketTCP(b *testing.B) {
 					}
 					p := startPeer(b, cfg, NewMemSegment("dram", make([]byte, size)))
 					tgt.Endpoint = p.addr
-					c := newClient(b, Config{})
-					buf := make([]byte, size)
-					ctx := context.Background()
-					b.SetBytes(int64(size))
-					b.ResetTimer()
-					for range b.N {
-						batch := c.NewBatch()
-						if kind == OpRead {
-							batch.Read(buf, tgt, 0, Options{})
-						} else {
-							batch.Write(buf, tgt, 0, Options{})
-						}
-						if err := batch.Submit(ctx); err != nil {
-							b.Fatal(err)
-						}
-						if err := batch.Wait(ctx); err != nil {
-							b.Fatal(err)
-						}
-					}
+					moveEach(b, newClient(b, Config{}), kind, tgt, size)
 				})
 			}
 		}
