@@ -105,19 +105,7 @@ type serverConn struct {
 func (s *serverConn) serve(h reqHeader, until time.Time) error {
 	seg, err := s.lookup(h)
 	if err == nil && h.op != opDescribe && s.e.cfg.Guard != nil {
-		kind := OpRead
-		if h.op == opWrite {
-			kind = OpWrite
-		}
-		var by time.Time
-		// A late writer's bytes must not land after its ticket ends: the
-		// space may be another put's by then.
-		if by, err = s.e.cfg.Guard.Admit(kind, seg.Name(), h.off, h.n, h.ticket); err == nil && !by.IsZero() && by.Before(until) {
-			until = by
-		}
-		if err != nil {
-			s.e.met.refused(kind)
-		}
+		until, err = s.admit(seg, h, until)
 	}
 	s.in.set(until, s.e.cfg.StallTimeout)
 	_ = s.nc.SetWriteDeadline(until)
@@ -141,6 +129,25 @@ func (s *serverConn) serve(h reqHeader, until time.Time) error {
 		return s.read(seg, off, n)
 	}
 	return s.write(seg, off, n)
+}
+
+// admit asks the Guard about h and returns when the request must end: by
+// until, and by its ticket's end, so a late writer's bytes cannot land
+// after the space may have become another put's.
+func (s *serverConn) admit(seg Segment, h reqHeader, until time.Time) (time.Time, error) {
+	kind := OpRead
+	if h.op == opWrite {
+		kind = OpWrite
+	}
+	by, err := s.e.cfg.Guard.Admit(kind, seg.Name(), h.off, h.n, h.ticket)
+	if err != nil {
+		s.e.met.refused(kind)
+		return until, err
+	}
+	if !by.IsZero() && by.Before(until) {
+		return by, nil
+	}
+	return until, nil
 }
 
 func (s *serverConn) lookup(h reqHeader) (Segment, error) {
