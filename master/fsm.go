@@ -379,21 +379,17 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 	return nil
 }
 
-// putRevoke abandons a put. Its space is free once no write can land
-// there: the client's ticket lasts until the put's deadline, and the
-// leader's sweep (onlyExpired, past the deadline) keeps it for
-// lateWriteGrace more.
+// putRevoke abandons a put. The client revokes only once its writes have
+// ended, so the space is free at once; the leader's sweep (onlyExpired)
+// cannot know, so it keeps the space for lateWriteGrace.
 func (f *FSM) putRevoke(key string, putID uint64, onlyExpired bool, now int64) error {
 	o := f.objects.get(key)
 	if o == nil || !o.is(pb.ObjectState_OBJECT_STATE_PROCESSING) || (putID != 0 && o.putID != putID) || (onlyExpired && f.deadline(o) >= now) {
 		return fmt.Errorf("%w: %q", ErrNotInProgress, key)
 	}
-	switch d := f.deadline(o); {
-	case onlyExpired:
+	if onlyExpired {
 		f.retire(o, now+lateWriteGrace)
-	case d > now:
-		f.retire(o, d)
-	default:
+	} else {
 		f.drop(o)
 	}
 	return nil

@@ -494,7 +494,7 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			}
 			errs[idx[j]] = parentLoopError(it.Key, it.Parent)
 			if mine[j] != 0 {
-				t.abandon(mine[j])
+				t.done(mine[j])
 			}
 		}
 		t.mu.Unlock()
@@ -509,12 +509,8 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			errs[idx[j]] = e
 		}
 		t.mu.Lock()
-		for j, id := range mine {
-			switch {
-			case id == 0:
-			case errs[idx[j]] != nil:
-				t.abandon(id)
-			default:
+		for _, id := range mine {
+			if id != 0 {
 				t.done(id)
 			}
 		}
@@ -580,7 +576,7 @@ func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb
 			id = t.byKey[k]
 		}
 		if p := t.pending[id]; p != nil && (p.item.Key == k || p.grant) {
-			t.abandon(id)
+			t.done(id)
 			continue
 		}
 		if k == "" {

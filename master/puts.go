@@ -66,10 +66,6 @@ type openResv struct {
 	lastUse    time.Time // of its last put; an idle one is closed
 	inflight   int
 	closed     bool // no more puts placed in it; released once inflight is 0
-	// ticketsUntil is when the last write ticket of an abandoned put placed
-	// in it ends: the put's piece is freed with the reservation, and must
-	// not be reused while its writer can still land bytes there.
-	ticketsUntil time.Time
 }
 
 func newPutTable() *putTable {
@@ -176,19 +172,6 @@ func (t *putTable) done(id uint64) bool {
 		t.kickIfDone(r)
 	}
 	return true
-}
-
-// abandon ends a put placed by this leader that was not published (see
-// openResv.ticketsUntil). An unused grant's piece is freed at once: its
-// ticket covers its whole run, published pieces too, whose space a
-// removal frees before the ticket ends anyway (docs/architecture.md).
-func (t *putTable) abandon(id uint64) bool {
-	if p := t.pending[id]; p != nil && !p.grant {
-		for _, r := range p.resv {
-			r.ticketsUntil = later(r.ticketsUntil, p.deadline)
-		}
-	}
-	return t.done(id)
 }
 
 // add numbers p and claims its key, if any.
@@ -464,7 +447,7 @@ func (s *Server) releaseDone(ctx context.Context, now time.Time) {
 			if !now.Before(r.allocUntil) || time.Since(r.lastUse) > idleReservation {
 				r.closed = true
 			}
-			if r.closed && r.inflight == 0 && !now.Before(r.ticketsUntil) {
+			if r.closed && r.inflight == 0 {
 				done[seg] = append(done[seg], r.id)
 			}
 		}
@@ -691,12 +674,4 @@ func (t *putTable) giveBack(r *openResv, off, n uint64, count int) {
 		}
 	}
 	r.spans = append(r.spans, span{off, n})
-}
-
-// later is the later of a and b.
-func later(a, b time.Time) time.Time {
-	if b.After(a) {
-		return b
-	}
-	return a
 }

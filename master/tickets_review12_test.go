@@ -29,50 +29,6 @@ func review12Register(t *testing.T, m *member) *ticket.Key {
 	return k
 }
 
-// review12Reuse puts keys of size bytes until one lands on [off, off+size)
-// of the segment and returns its replica, or nil.
-func review12Reuse(t *testing.T, m *member, off, size uint64) *pb.Replica {
-	t.Helper()
-	for i := range 80 {
-		key := fmt.Sprintf("other/%d", i)
-		r, err := m.master().PutStart(rpcCtx(t), &pb.PutStartRequest{Key: key, Size: size})
-		if err != nil || len(r.Replicas) == 0 {
-			t.Fatalf("put start %s: %v %v", key, r, err)
-		}
-		rep := r.Replicas[0]
-		items(t, m, "put end", m.master().PutEnd, key)
-		if rep.Offset < off+size && off < rep.Offset+size {
-			return rep
-		}
-	}
-	return nil
-}
-
-// TestReview12WriteTicketOutlivesRevokedPut: the same for a put revoked
-// before its deadline: its reservation is released once idle, the space
-// goes to the next put, and the revoked put's ticket still writes there.
-func TestReview12WriteTicketOutlivesRevokedPut(t *testing.T) {
-	c := newCluster(t, 1, nil)
-	m := c.leader()
-	k := review12Register(t, m)
-	const size = 16 << 10
-	r, err := m.master().PutStart(rpcCtx(t), &pb.PutStartRequest{Key: "first", Size: size})
-	if err != nil || len(r.Replicas) != 1 {
-		t.Fatalf("put start: %v %v", r, err)
-	}
-	first := r.Replicas[0]
-	items(t, m, "revoke", m.master().PutRevoke, "first")
-	time.Sleep(2 * idleReservation) // the idle reservation is released
-	other := review12Reuse(t, m, first.Offset, size)
-	if other == nil {
-		t.Skip("the revoked put's space was not reused")
-	}
-	if _, err := k.Check(first.Ticket, ticket.Write, other.Offset, size, time.Now().UnixNano()); err == nil {
-		t.Fatalf("the revoked put's write ticket still admits a write over another put at %d (expires in %v)",
-			other.Offset, time.Until(review12Expiry(t, k, first.Ticket)).Round(time.Second))
-	}
-}
-
 func review12Expiry(t *testing.T, k *ticket.Key, b []byte) time.Time {
 	tk, err := k.Open(b)
 	if err != nil {
