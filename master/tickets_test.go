@@ -86,3 +86,13 @@ func BenchmarkLookupTickets(b *testing.B) {
 		})
 	}
 }
+
+// TestTicketSizeAgrees: the proto package, which imports nothing of ours,
+// slices LookupResponse.tickets by its own copy of the ticket size.
+func TestTicketSizeAgrees(t *testing.T) {
+	d, objs, _ := chainDriver(t, true, 1, 4096)
+	resp := d.f.lookup(objs, t0, t0+1)
+	if got := resp.ReplicaTicket(0); len(got) != ticket.Size || len(resp.Tickets) != ticket.Size {
+		t.Fatalf("ReplicaTicket gave %d bytes of a %d-byte answer; a ticket is %d", len(got), len(resp.Tickets), ticket.Size)
+	}
+}
