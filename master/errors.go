@@ -20,4 +20,5 @@ var (
 	ErrDraining       = errors.New("node is draining")
 	ErrDrained        = errors.New("node was drained by an operator; it stays out of the pool until restarted")
 	ErrOutcomeUnknown = errors.New("leadership lost while committing: the change may or may not have been made")
+	ErrPutExpired     = errors.New("the put's deadline passed before it was placed")
 )

@@ -63,7 +63,7 @@ func code(err error) codes.Code {
 		return codes.Unavailable
 	case errors.Is(err, ErrOutcomeUnknown):
 		return codes.Aborted
-	case errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, ErrPutExpired):
 		return codes.DeadlineExceeded
 	case errors.Is(err, context.Canceled):
 		return codes.Canceled
@@ -351,11 +351,15 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 			t.done(p.id)
 		}
 	} else {
-		// The leader changed while it was placed: what it took is not
-		// handed out.
+		// The leader changed, or the sweep expired the put, while it was
+		// placed: what it took is not handed out.
 		t.unclaim(used)
-		if err == nil {
+		switch {
+		case err != nil:
+		case t.gen != p.gen:
 			err = fmt.Errorf("%w: the leader changed while placing a put; retry", ErrNotLeader)
+		default:
+			err = fmt.Errorf("%w (%v, the master is overloaded); retry", ErrPutExpired, m.s.cfg.PutTimeout)
 		}
 	}
 	t.mu.Unlock()

@@ -52,6 +52,7 @@ type pendingPut struct {
 	grant    bool // placed ahead for a key not known yet
 	resv     []*openResv
 	deadline time.Time
+	gen      uint64 // the table's, when it was added
 }
 
 // openResv is the leader's view of one of its reservations: what it has
@@ -179,6 +180,7 @@ func (t *putTable) add(p *pendingPut) {
 	t.seq++
 	p.id = t.term<<40 | t.seq
 	p.item.PutId = p.id
+	p.gen = t.gen
 	t.pending[p.id] = p
 	if p.item.Key != "" {
 		t.byKey[p.item.Key] = p.id
