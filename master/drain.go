@@ -127,7 +127,9 @@ func (s *Server) drainStep(ctx context.Context, n nodeState) {
 	elsewhere := func(id string) bool { return !mine(id) && s.fresh(nodeOf[id]) }
 	var jobs []copyJob
 	var drops []drop
-	for _, o := range s.fsm.completeObjects(func(string) bool { return true }) {
+	objs := s.fsm.completeObjects(func(string) bool { return true })
+	byKey(objs)
+	for _, o := range objs {
 		i := slices.IndexFunc(o.segments, mine)
 		if i < 0 || o.copying {
 			continue

@@ -46,7 +46,17 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 		// what stays is a matchable prefix; at one depth, leaves first.
 		// (Children alone would order only the last leaf: the rest of a
 		// chain has one child each, and would go in key order.)
-		return cmp.Or(cmp.Compare(a.lastUseNano(), b.lastUseNano()), cmp.Compare(b.depth, a.depth), cmp.Compare(a.children, b.children), cmp.Compare(a.key, b.key))
+		// (cmp.Or would compare the keys of every pair.)
+		if c := cmp.Compare(a.lastUseNano(), b.lastUseNano()); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(b.depth, a.depth); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(a.children, b.children); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.key, b.key)
 	})
 	return leased
 }
@@ -320,6 +330,7 @@ func (s *Server) adminVictims(req *pb.EvictRequest, now time.Time) (victims []ev
 	}
 	cutoff := now.Add(-time.Duration(req.OlderThanMs) * time.Millisecond)
 	s.byRecency(objs, now)
+	victims = objs[:0] // filtered in place
 	for _, o := range objs {
 		if (req.OlderThanMs > 0 && o.lastUse().After(cutoff)) || (req.Tenant != "" && o.tenant != req.Tenant) {
 			continue

@@ -381,24 +381,26 @@ func (f *FSM) touch(keys []string, now int64) {
 	}
 }
 
-// completeObjects lists the complete objects that match, in key order.
+// completeObjects lists the complete objects that match, in no order.
 func (f *FSM) completeObjects(match func(key string) bool) []evictable {
 	return f.scan(func(o *object) bool { return match(o.key()) })
 }
 
 // completeOn lists the complete objects with a replica on segment id, in
-// key order; it builds nothing for the others.
+// no order; it builds nothing for the others.
 func (f *FSM) completeOn(id string) []evictable {
 	return f.scan(func(o *object) bool {
 		return f.onSegment(o, id)
 	})
 }
 
-// scan lists the complete objects keep accepts, in key order: it walks
-// the table (see walk), then sorts. keep runs under the read lock.
+// scan lists the complete objects keep accepts, in no order (its callers
+// sort by recency, or by key: see byKey), in a walk of the table (see
+// walk). keep runs under the read lock.
 func (f *FSM) scan(keep func(*object) bool) []evictable {
-	var out, shard []evictable
-	depths := map[string]int{}
+	var chunks [][]evictable
+	var shard []evictable
+	depths := map[*object]int{}
 	f.walk(func(o *object) {
 		if !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || !keep(o) {
 			return
@@ -415,9 +417,17 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 			}
 		}
 		shard = append(shard, e)
-	}, func() { out, shard = append(out, shard...), shard[:0] })
-	sortEvictables(out, func(a, b *evictable) int { return cmp.Compare(a.key, b.key) })
-	return out
+	}, func() {
+		if len(shard) > 0 {
+			chunks, shard = append(chunks, shard), nil
+		}
+	})
+	return slices.Concat(chunks...) // one copy, not one per growth
+}
+
+// byKey orders objects by key.
+func byKey(objs []evictable) {
+	sortEvictables(objs, func(a, b *evictable) int { return cmp.Compare(a.key, b.key) })
 }
 
 // sortEvictables sorts objs by cmp, a total order. It sorts indices and
@@ -446,43 +456,43 @@ const infoChunk = 1024
 // refuse them, but two concurrent puts can make one) ends the walk as a
 // missing parent would, and so does a walk of maxChainWalk links. f.mu
 // must be held.
-func (f *FSM) depth(o *object, memo map[string]int) int {
+func (f *FSM) depth(o *object, memo map[*object]int) int {
 	if o.parent() == "" {
 		return 0
 	}
-	if d, ok := memo[o.key()]; ok && d != onPath {
+	if d, ok := memo[o]; ok && d != onPath {
 		return d
 	}
 	var buf [32]*object
 	path := append(buf[:0], o)
-	memo[o.key()] = onPath
+	memo[o] = onPath
 	base := -1 // depth of the ancestor the walk stopped at; -1: none
 	for len(path) < maxChainWalk {
 		k := path[len(path)-1].parent()
 		if k == "" {
 			break
 		}
-		if d, ok := memo[k]; ok {
+		p := f.objects.get(k)
+		if p == nil {
+			break
+		}
+		if d, ok := memo[p]; ok {
 			if d != onPath {
 				base = d
 			}
 			break
 		}
-		p := f.objects.get(k)
-		if p == nil {
-			break
-		}
 		path = append(path, p)
-		memo[k] = onPath
+		memo[p] = onPath
 	}
 	if path[len(path)-1].parent() == "" {
 		// The walk ended at a root, which memo leaves out.
-		delete(memo, path[len(path)-1].key())
+		delete(memo, path[len(path)-1])
 		path, base = path[:len(path)-1], 0
 	}
 	for i := len(path) - 1; i >= 0; i-- {
 		base++
-		memo[path[i].key()] = base
+		memo[path[i]] = base
 	}
 	return base
 }

@@ -98,7 +98,7 @@ func TestParentLoops(t *testing.T) {
 	add("r", "")
 	add("r1", "r")
 	add("r2", "r1")
-	memo := map[string]int{}
+	memo := map[*object]int{}
 	for key, want := range map[string]int{"r": 0, "r2": 2, "r1": 1, "orphan": 0} {
 		if got := f.depth(f.objects.get(key), memo); got != want {
 			t.Errorf("depth(%s) = %d, want %d", key, got, want)

@@ -240,7 +240,9 @@ func (s *Server) promote(ctx context.Context) {
 		}
 	}
 	var jobs []copyJob
-	for _, o := range s.fsm.completeObjects(func(k string) bool { _, ok := slices.BinarySearch(keys, k); return ok }) {
+	objs := s.fsm.completeObjects(func(k string) bool { _, ok := slices.BinarySearch(keys, k); return ok })
+	byKey(objs)
+	for _, o := range objs {
 		if o.copying || slices.ContainsFunc(o.segments, func(id string) bool { return readRank(tiers[id]) <= readRank(pb.Tier_TIER_DRAM) }) {
 			continue
 		}
