@@ -108,12 +108,11 @@ func (m Match) Keys() []string {
 //
 // A lookup that starts after this client's Remove of a key has returned
 // never answers the key from a descriptor cached before (nor from one that
-// a lookup in flight meanwhile caches). Another client's
-// remove and re-put of a cached key shows only once half the cached lease
-// is over: until then the block reads as the incarnation it was leased as
-// (whole, checksummed and leased, but not the current one), as the master
-// tells a client of neither. This client's own put of such a key drops
-// the cached one.
+// a lookup in flight meanwhile caches). Nor does one that starts after a
+// re-put of a key removed by any client has returned answer the removed
+// incarnation: the master answers such a put only once the lookup leases
+// of the removed one have ended, and a cached block is not served after
+// its lease. This client's own put of such a key drops the cached one.
 func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 	if err := validChain(chain); err != nil {
 		return Match{}, err

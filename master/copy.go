@@ -357,6 +357,18 @@ func (s *Server) leaseEnd(keys []string) time.Time {
 	return t
 }
 
+// cachedEnds are, per key, until when a client may answer it from its
+// lookup cache (unix nanos): when the last lookup lease this leader granted
+// on it ends, or, in its first lease TTL, the end of any an earlier leader
+// may have granted. Nil if no key may be cached.
+func (s *Server) cachedEnds(keys []string) []int64 {
+	from := s.evictableFrom().UnixNano()
+	if from <= s.cfg.Now().UnixNano() {
+		from = 0
+	}
+	return s.fsm.cachedUntil(keys, from)
+}
+
 // moves reports whether a copy for reason replaces its source (demotion,
 // drain) rather than adding a replica (promotion, write-back).
 func moves(r pb.CopyReason) bool {

@@ -107,6 +107,7 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 		freeAfter, done := s.startRemove(keys)
 		out, err := s.apply(ctx, &pb.Command{Op: &pb.Command_Evict{Evict: &pb.EvictCmd{
 			Keys: keys, FreeAfterUnixNano: freeAfter.UnixNano(), AllowSoftPinned: allowSoft,
+			CachedUntilUnixNano: s.cachedEnds(keys),
 		}}})
 		done()
 		if err != nil {

@@ -26,6 +26,7 @@ type FSM struct {
 	segments map[string]*segment  // by segment id
 	members  map[string]string    // raft server id -> gRPC address
 	pending  pendingFrees         // removed ranges still covered by read leases
+	tombs    tombs                // removed keys clients may still answer from lookup caches
 	children map[string]int       // key -> objects naming it as their parent
 	inFlight map[*object]struct{} // objects of puts started by a PutStartCmd, not ended
 	copying  map[*object]struct{} // objects with copies in flight
@@ -77,6 +78,7 @@ func (f *FSM) reset() {
 	f.segments = map[string]*segment{}
 	f.members = map[string]string{}
 	f.pending = nil
+	f.tombs = newTombs()
 	f.children = map[string]int{}
 	f.inFlight = map[*object]struct{}{}
 	f.copying = map[*object]struct{}{}
@@ -144,6 +146,7 @@ func (f *FSM) Apply(l *raft.Log) any {
 	defer f.mu.Unlock()
 	now := cmd.NowUnixNano
 	f.releasePending(now)
+	f.tombs.expire(now)
 	switch op := cmd.Op.(type) {
 	case *pb.Command_PutStart:
 		if len(op.PutStart.Items) > maxCommandItems {
@@ -165,7 +168,10 @@ func (f *FSM) Apply(l *raft.Log) any {
 	case *pb.Command_PutRevoke:
 		return f.eachPut(op.PutRevoke, func(k string, id uint64) error { return f.putRevoke(k, id, op.PutRevoke.OnlyExpired, now) })
 	case *pb.Command_Remove:
-		return f.eachKey(op.Remove.Keys, func(k string) error { return f.remove(k, op.Remove.FreeAfterUnixNano, now) })
+		c := op.Remove
+		return f.eachKey(c.Keys, func(i int, k string) error {
+			return f.remove(k, c.FreeAfterUnixNano, at(c.CachedUntilUnixNano, i), now)
+		})
 	case *pb.Command_Register:
 		return f.register(op.Register, now)
 	case *pb.Command_NodeDown:
@@ -232,17 +238,27 @@ func (f *FSM) Apply(l *raft.Log) any {
 		return out
 	case *pb.Command_Evict:
 		c := op.Evict
-		return f.eachKey(c.Keys, func(k string) error { return f.evict(k, c.FreeAfterUnixNano, c.AllowSoftPinned, now) })
+		return f.eachKey(c.Keys, func(i int, k string) error {
+			return f.evict(k, c.FreeAfterUnixNano, at(c.CachedUntilUnixNano, i), c.AllowSoftPinned, now)
+		})
 	}
 	return fmt.Errorf("%w: empty command at index %d", ErrInvalidRequest, l.Index)
 }
 
-func (f *FSM) eachKey(keys []string, fn func(string) error) []error {
+func (f *FSM) eachKey(keys []string, fn func(i int, key string) error) []error {
 	errs := make([]error, len(keys))
 	for i, k := range keys {
-		errs[i] = fn(k)
+		errs[i] = fn(i, k)
 	}
 	return errs
+}
+
+// at is s[i], or 0 past its end.
+func at(s []int64, i int) int64 {
+	if i < len(s) {
+		return s[i]
+	}
+	return 0
 }
 
 // eachPut applies fn to every key of c with the put id meant for it (0:
@@ -395,7 +411,7 @@ func (f *FSM) putRevoke(key string, putID uint64, onlyExpired bool, now int64) e
 	return nil
 }
 
-func (f *FSM) remove(key string, freeAfter, now int64) error {
+func (f *FSM) remove(key string, freeAfter, cachedUntil, now int64) error {
 	o := f.objects.get(key)
 	switch {
 	case o == nil:
@@ -404,6 +420,7 @@ func (f *FSM) remove(key string, freeAfter, now int64) error {
 		return fmt.Errorf("%w: %q", ErrPutInProgress, key)
 	}
 	f.retireAfter(o, freeAfter, now)
+	f.tombs.add(key, cachedUntil, now)
 	return nil
 }
 
@@ -426,7 +443,7 @@ func (f *FSM) pin(c *pb.PinCmd) error {
 
 // evict removes an object the leader chose to make room, unless it has
 // become protected since the leader looked.
-func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) error {
+func (f *FSM) evict(key string, freeAfter, cachedUntil int64, allowSoft bool, now int64) error {
 	o := f.objects.get(key)
 	switch {
 	case o == nil || !o.is(pb.ObjectState_OBJECT_STATE_COMPLETE):
@@ -437,6 +454,7 @@ func (f *FSM) evict(key string, freeAfter int64, allowSoft bool, now int64) erro
 		return fmt.Errorf("%w: %q is soft pinned", ErrPinned, key)
 	}
 	f.retireAfter(o, freeAfter, now)
+	f.tombs.add(key, cachedUntil, now)
 	return nil
 }
 
@@ -719,7 +737,7 @@ func (f *FSM) dropSegments(n *node) {
 func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	snap := &pb.Snapshot{PendingFrees: f.pending}
+	snap := &pb.Snapshot{PendingFrees: f.pending, Tombs: f.tombs.snapshot()}
 	for _, k := range f.objects.sortedKeys() {
 		o := f.objects.get(k)
 		snap.Objects = append(snap.Objects, &pb.Object{
@@ -832,6 +850,9 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		if reserve(p.Extent) {
 			f.pending.add(p)
 		}
+	}
+	for _, t := range snap.Tombs {
+		f.tombs.add(t.Key, t.UntilUnixNano, 0)
 	}
 	for _, pr := range snap.Reservations {
 		r := &reservation{id: pr.Id, allocUntil: pr.AllocUntilUnixNano, releaseAfter: pr.ReleaseAfterUnixNano}

@@ -541,7 +541,34 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		}
 	}
 	m.s.touch(ended, m.s.cfg.Now())
+	if err := m.s.awaitTombs(ctx, ended); err != nil {
+		return nil, err
+	}
 	return &pb.BatchPutEndResponse{Results: itemsResponse(errs).Results, Grants: m.grant(ctx, req.Grants), Unplaced: unplaced}, nil
+}
+
+// awaitTombs holds the answer to puts of keys, published already, until
+// no client may answer one of them from its lookup cache with an
+// incarnation removed before (see tombs): at most a lease TTL, and only
+// for a key removed while a lookup leased it. Lookups that start after
+// the put returns see the new one, or a miss.
+func (s *Server) awaitTombs(ctx context.Context, keys []string) error {
+	until := s.fsm.tombUntil(keys)
+	wait := min(time.Duration(until-s.cfg.Now().UnixNano()), s.cfg.LeaseTTL)
+	if until == 0 || wait <= 0 {
+		return nil
+	}
+	s.metrics.putHeld()
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-s.stop:
+		return fmt.Errorf("%w: master closing", ErrNotLeader)
+	}
 }
 
 // PutRevoke abandons puts whose writes have ended. A put this leader
@@ -631,7 +658,7 @@ func (m *masterService) Remove(ctx context.Context, req *pb.KeysRequest) (*pb.It
 	}
 	freeAfter, done := m.s.startRemove(keys)
 	defer done()
-	cmd := &pb.RemoveCmd{Keys: keys, FreeAfterUnixNano: freeAfter.UnixNano()}
+	cmd := &pb.RemoveCmd{Keys: keys, FreeAfterUnixNano: freeAfter.UnixNano(), CachedUntilUnixNano: m.s.cachedEnds(keys)}
 	out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_Remove{Remove: cmd}})
 	if err != nil {
 		return nil, err
@@ -652,7 +679,7 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 	objs := m.s.fsm.complete(req.Keys)
 	now := m.s.cfg.Now()
 	exp := now.Add(m.s.cfg.LeaseTTL).UnixNano()
-	refused := m.s.lease(req.Keys, objs, exp)
+	refused := m.s.lease(req.Keys, objs, now.UnixNano(), exp, false)
 	res := m.s.fsm.replicas(req.Keys, objs, now.UnixNano(), access{op: ticket.Read, expiry: exp})
 	for i, k := range req.Keys {
 		if refused[k] {

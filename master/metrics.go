@@ -24,6 +24,7 @@ type metrics struct {
 	copies   *prometheus.CounterVec
 	cpBytes  *prometheus.CounterVec
 	drops    *prometheus.CounterVec
+	held     prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -75,7 +76,11 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Name: "tidepool_master_replica_drops_total",
 		Help: "Replicas dropped while the object kept another, by reason (demote, drain, reclaim, and the eviction reasons for a replica evicted from one tier while another tier keeps the object).",
 	}, []string{"reason"})
-	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, m.copies, m.cpBytes, m.drops, stateCollector{s}} {
+	m.held = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "tidepool_master_puts_held_total",
+		Help: "Puts of a removed key whose answer waited for the lookup leases on the removed incarnation to end (clients may answer those from their caches until then).",
+	})
+	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, m.copies, m.cpBytes, m.drops, m.held, stateCollector{s}} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -131,6 +136,12 @@ func (m *metrics) corrupt() {
 func (m *metrics) putFailed(c codes.Code) {
 	if m != nil {
 		m.putFails.WithLabelValues(c.String()).Inc()
+	}
+}
+
+func (m *metrics) putHeld() {
+	if m != nil {
+		m.held.Inc()
 	}
 }
 

@@ -61,14 +61,38 @@ func (o *object) is(s pb.ObjectState) bool  { return o.state == uint8(s) }
 func (o *object) pbState() pb.ObjectState   { return pb.ObjectState(o.state) }
 func (o *object) setState(s pb.ObjectState) { o.state = uint8(s) }
 
-// leaseUntil extends the object's read lease to end no earlier than exp.
-func (o *object) leaseUntil(exp int64) {
+// leaseCached is the low bit of object.lease: set while the lease covers
+// one a lookup granted, whose answer its client may cache (see
+// FSM.tombs). The end itself is kept even, rounded up, so that it is never
+// before the lease's tickets expire.
+const leaseCached = 1
+
+// leaseUntil extends the object's read lease, granted at now, to end no
+// earlier than exp; cached if a lookup granted it.
+func (o *object) leaseUntil(now, exp int64, cached bool) {
 	for {
 		old := o.lease.Load()
-		if old >= exp || o.lease.CompareAndSwap(old, exp) {
+		flag := old & leaseCached
+		if old&^leaseCached <= now { // the lease ended, and its mark with it
+			flag = 0
+		}
+		if cached {
+			flag = leaseCached
+		}
+		v := max(old&^leaseCached, exp+exp&leaseCached) | flag
+		if v == old || o.lease.CompareAndSwap(old, v) {
 			return
 		}
 	}
+}
+
+// cachedUntil is when the object's lease ends if a lookup granted it,
+// else 0.
+func (o *object) cachedUntil() int64 {
+	if l := o.lease.Load(); l&leaseCached != 0 {
+		return l &^ leaseCached
+	}
+	return 0
 }
 
 // extent is where one replica of an object lies; its length is the

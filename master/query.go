@@ -633,3 +633,33 @@ func selectSmallest[T any](s []T, k int, cmp func(a, b T) int) {
 		}
 	}
 }
+
+// cachedUntil is, per key, when the last lookup lease this leader granted
+// on it ends, and no earlier than from (unix nanos; 0: none). Nil if every
+// one is 0.
+func (f *FSM) cachedUntil(keys []string, from int64) []int64 {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var out []int64
+	for i, k := range keys {
+		end := from
+		if o := f.objects.get(k); o != nil {
+			end = max(end, o.cachedUntil())
+		}
+		if end != 0 && out == nil {
+			out = make([]int64, len(keys))
+		}
+		if out != nil {
+			out[i] = end
+		}
+	}
+	return out
+}
+
+// tombUntil is until when a client may answer one of keys from its lookup
+// cache with an incarnation removed before (unix nanos; 0: none may).
+func (f *FSM) tombUntil(keys []string) int64 {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.tombs.latest(keys)
+}

@@ -131,7 +131,7 @@ func TestReview5LeaseInterleavings(t *testing.T) {
 		// Removed between the read and the lease: the reread finds it gone.
 		objs := r.read(a)
 		items(t, m, "remove", m.master().Remove, a...)
-		if refused := s.lease(a, objs, s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano()); len(refused) != 0 {
+		if refused := s.lease(a, objs, s.cfg.Now().UnixNano(), s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano(), true); len(refused) != 0 {
 			t.Errorf("%s: refused %v with no removal in flight", r.name, refused)
 		}
 		if n := r.answer(a, objs); n != 0 {
@@ -141,7 +141,7 @@ func TestReview5LeaseInterleavings(t *testing.T) {
 		// A removal in flight: the lease is refused.
 		objs = r.read(b)
 		_, done := s.startRemove(b)
-		refused := s.lease(b, objs, s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano())
+		refused := s.lease(b, objs, s.cfg.Now().UnixNano(), s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano(), true)
 		done()
 		if !refused[b[0]] {
 			t.Errorf("%s: leased %s while its removal was in flight", r.name, b[0])
@@ -149,7 +149,7 @@ func TestReview5LeaseInterleavings(t *testing.T) {
 
 		// Leased, then removed: the space waits for the lease.
 		objs = r.read(c)
-		if refused := s.lease(c, objs, s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano()); len(refused) != 0 || r.answer(c, objs) != 1 {
+		if refused := s.lease(c, objs, s.cfg.Now().UnixNano(), s.cfg.Now().Add(s.cfg.LeaseTTL).UnixNano(), true); len(refused) != 0 || r.answer(c, objs) != 1 {
 			t.Fatalf("%s: %s not answered (refused %v)", r.name, c[0], refused)
 		}
 		at := s.fsm.replicasOf(c)[0].Replicas[0]

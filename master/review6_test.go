@@ -578,7 +578,7 @@ func TestReview6ReadersDuringApply(t *testing.T) {
 				got := a.complete(keys)
 				for _, o := range got {
 					if o != nil {
-						o.leaseUntil(t0 + 1)
+						o.leaseUntil(t0, t0+1, true)
 					}
 				}
 				a.lookup(objs, t0, t0)

@@ -599,10 +599,10 @@ func countNil(errs []error) int {
 // The lease ends at exp (unix nanos), the expiry of the read tickets the
 // caller hands out with it: a ticket must not outlast the lease, after
 // which a removed object's space is reused.
-func (s *Server) lease(keys []string, objs []*object, exp int64) (refused map[string]bool) {
+func (s *Server) lease(keys []string, objs []*object, now, exp int64, cached bool) (refused map[string]bool) {
 	for _, o := range objs {
 		if o != nil {
-			o.leaseUntil(exp)
+			o.leaseUntil(now, exp, cached)
 		}
 	}
 	if s.removals.Load() == 0 {

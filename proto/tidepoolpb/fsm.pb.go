@@ -1465,8 +1465,10 @@ type EvictCmd struct {
 	Keys              []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
 	FreeAfterUnixNano int64                  `protobuf:"varint,2,opt,name=free_after_unix_nano,json=freeAfterUnixNano,proto3" json:"free_after_unix_nano,omitempty"`
 	AllowSoftPinned   bool                   `protobuf:"varint,3,opt,name=allow_soft_pinned,json=allowSoftPinned,proto3" json:"allow_soft_pinned,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// See RemoveCmd.
+	CachedUntilUnixNano []int64 `protobuf:"varint,4,rep,packed,name=cached_until_unix_nano,json=cachedUntilUnixNano,proto3" json:"cached_until_unix_nano,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *EvictCmd) Reset() {
@@ -1518,6 +1520,13 @@ func (x *EvictCmd) GetAllowSoftPinned() bool {
 		return x.AllowSoftPinned
 	}
 	return false
+}
+
+func (x *EvictCmd) GetCachedUntilUnixNano() []int64 {
+	if x != nil {
+		return x.CachedUntilUnixNano
+	}
+	return nil
 }
 
 type PutStartItem struct {
@@ -1800,8 +1809,12 @@ type RemoveCmd struct {
 	// The freed space is not reused before this time, when the last read
 	// lease the leader granted on these keys has ended.
 	FreeAfterUnixNano int64 `protobuf:"varint,2,opt,name=free_after_unix_nano,json=freeAfterUnixNano,proto3" json:"free_after_unix_nano,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Per key (none: no key), when the last lookup lease on it ends, which a
+	// client may answer it from its cache until: a new put of the key is not
+	// acknowledged before (0: no lookup leased it).
+	CachedUntilUnixNano []int64 `protobuf:"varint,3,rep,packed,name=cached_until_unix_nano,json=cachedUntilUnixNano,proto3" json:"cached_until_unix_nano,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *RemoveCmd) Reset() {
@@ -1846,6 +1859,13 @@ func (x *RemoveCmd) GetFreeAfterUnixNano() int64 {
 		return x.FreeAfterUnixNano
 	}
 	return 0
+}
+
+func (x *RemoveCmd) GetCachedUntilUnixNano() []int64 {
+	if x != nil {
+		return x.CachedUntilUnixNano
+	}
+	return nil
 }
 
 type RegisterCmd struct {
@@ -2500,6 +2520,7 @@ type Snapshot struct {
 	Members       []*MemberCmd           `protobuf:"bytes,3,rep,name=members,proto3" json:"members,omitempty"`
 	PendingFrees  []*PendingFree         `protobuf:"bytes,4,rep,name=pending_frees,json=pendingFrees,proto3" json:"pending_frees,omitempty"`
 	Reservations  []*Reservation         `protobuf:"bytes,5,rep,name=reservations,proto3" json:"reservations,omitempty"`
+	Tombs         []*Tomb                `protobuf:"bytes,6,rep,name=tombs,proto3" json:"tombs,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2567,6 +2588,67 @@ func (x *Snapshot) GetReservations() []*Reservation {
 		return x.Reservations
 	}
 	return nil
+}
+
+func (x *Snapshot) GetTombs() []*Tomb {
+	if x != nil {
+		return x.Tombs
+	}
+	return nil
+}
+
+// A removed key that clients may still answer from their lookup caches
+// until a time (see RemoveCmd.cached_until_unix_nano).
+type Tomb struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	UntilUnixNano int64                  `protobuf:"varint,2,opt,name=until_unix_nano,json=untilUnixNano,proto3" json:"until_unix_nano,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Tomb) Reset() {
+	*x = Tomb{}
+	mi := &file_fsm_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Tomb) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Tomb) ProtoMessage() {}
+
+func (x *Tomb) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Tomb.ProtoReflect.Descriptor instead.
+func (*Tomb) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *Tomb) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *Tomb) GetUntilUnixNano() int64 {
+	if x != nil {
+		return x.UntilUnixNano
+	}
+	return 0
 }
 
 var File_fsm_proto protoreflect.FileDescriptor
@@ -2673,11 +2755,12 @@ const file_fsm_proto_rawDesc = "" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04hard\x18\x02 \x01(\bR\x04hard\x12/\n" +
 	"\x14soft_until_unix_nano\x18\x03 \x01(\x03R\x11softUntilUnixNano\x12\x14\n" +
-	"\x05unpin\x18\x04 \x01(\bR\x05unpin\"{\n" +
+	"\x05unpin\x18\x04 \x01(\bR\x05unpin\"\xb0\x01\n" +
 	"\bEvictCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
 	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\x12*\n" +
-	"\x11allow_soft_pinned\x18\x03 \x01(\bR\x0fallowSoftPinned\"\xea\x01\n" +
+	"\x11allow_soft_pinned\x18\x03 \x01(\bR\x0fallowSoftPinned\x123\n" +
+	"\x16cached_until_unix_nano\x18\x04 \x03(\x03R\x13cachedUntilUnixNano\"\xea\x01\n" +
 	"\fPutStartItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -2698,10 +2781,11 @@ const file_fsm_proto_rawDesc = "" +
 	"\aKeysCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12!\n" +
 	"\fonly_expired\x18\x02 \x01(\bR\vonlyExpired\x12\x17\n" +
-	"\aput_ids\x18\x03 \x03(\x04R\x06putIds\"P\n" +
+	"\aput_ids\x18\x03 \x03(\x04R\x06putIds\"\x85\x01\n" +
 	"\tRemoveCmd\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12/\n" +
-	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\"\xe3\x01\n" +
+	"\x14free_after_unix_nano\x18\x02 \x01(\x03R\x11freeAfterUnixNano\x123\n" +
+	"\x16cached_until_unix_nano\x18\x03 \x03(\x03R\x13cachedUntilUnixNano\"\xe3\x01\n" +
 	"\vRegisterCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x124\n" +
@@ -2757,13 +2841,17 @@ const file_fsm_proto_rawDesc = "" +
 	"\vPendingFree\x12+\n" +
 	"\x06extent\x18\x01 \x01(\v2\x13.tidepool.v1.ExtentR\x06extent\x12&\n" +
 	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\x12\x17\n" +
-	"\acopy_id\x18\x03 \x01(\x04R\x06copyId\"\x91\x02\n" +
+	"\acopy_id\x18\x03 \x01(\x04R\x06copyId\"\xba\x02\n" +
 	"\bSnapshot\x12-\n" +
 	"\aobjects\x18\x01 \x03(\v2\x13.tidepool.v1.ObjectR\aobjects\x12'\n" +
 	"\x05nodes\x18\x02 \x03(\v2\x11.tidepool.v1.NodeR\x05nodes\x120\n" +
 	"\amembers\x18\x03 \x03(\v2\x16.tidepool.v1.MemberCmdR\amembers\x12=\n" +
 	"\rpending_frees\x18\x04 \x03(\v2\x18.tidepool.v1.PendingFreeR\fpendingFrees\x12<\n" +
-	"\freservations\x18\x05 \x03(\v2\x18.tidepool.v1.ReservationR\freservations*\x8c\x01\n" +
+	"\freservations\x18\x05 \x03(\v2\x18.tidepool.v1.ReservationR\freservations\x12'\n" +
+	"\x05tombs\x18\x06 \x03(\v2\x11.tidepool.v1.TombR\x05tombs\"@\n" +
+	"\x04Tomb\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12&\n" +
+	"\x0funtil_unix_nano\x18\x02 \x01(\x03R\runtilUnixNano*\x8c\x01\n" +
 	"\n" +
 	"CopyReason\x12\x1b\n" +
 	"\x17COPY_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
@@ -2785,7 +2873,7 @@ func file_fsm_proto_rawDescGZIP() []byte {
 }
 
 var file_fsm_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_fsm_proto_goTypes = []any{
 	(CopyReason)(0),         // 0: tidepool.v1.CopyReason
 	(*Command)(nil),         // 1: tidepool.v1.Command
@@ -2819,9 +2907,10 @@ var file_fsm_proto_goTypes = []any{
 	(*Node)(nil),            // 29: tidepool.v1.Node
 	(*PendingFree)(nil),     // 30: tidepool.v1.PendingFree
 	(*Snapshot)(nil),        // 31: tidepool.v1.Snapshot
-	(*SegmentSpec)(nil),     // 32: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),   // 33: tidepool.v1.AdoptedObject
-	(ObjectState)(0),        // 34: tidepool.v1.ObjectState
+	(*Tomb)(nil),            // 32: tidepool.v1.Tomb
+	(*SegmentSpec)(nil),     // 33: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),   // 34: tidepool.v1.AdoptedObject
+	(ObjectState)(0),        // 35: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
 	19, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
@@ -2854,24 +2943,25 @@ var file_fsm_proto_depIdxs = []int32{
 	14, // 27: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
 	18, // 28: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
 	20, // 29: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	32, // 30: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	33, // 31: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	33, // 32: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
-	34, // 33: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	33, // 30: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	34, // 31: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	34, // 32: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
+	35, // 33: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
 	27, // 34: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
 	13, // 35: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
-	32, // 36: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	33, // 36: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
 	27, // 37: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
 	28, // 38: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
 	29, // 39: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
 	26, // 40: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
 	30, // 41: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
 	7,  // 42: tidepool.v1.Snapshot.reservations:type_name -> tidepool.v1.Reservation
-	43, // [43:43] is the sub-list for method output_type
-	43, // [43:43] is the sub-list for method input_type
-	43, // [43:43] is the sub-list for extension type_name
-	43, // [43:43] is the sub-list for extension extendee
-	0,  // [0:43] is the sub-list for field type_name
+	32, // 43: tidepool.v1.Snapshot.tombs:type_name -> tidepool.v1.Tomb
+	44, // [44:44] is the sub-list for method output_type
+	44, // [44:44] is the sub-list for method input_type
+	44, // [44:44] is the sub-list for extension type_name
+	44, // [44:44] is the sub-list for extension extendee
+	0,  // [0:44] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -2906,7 +2996,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   31,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
