@@ -85,7 +85,7 @@ func TestReview7LeaseMaxRecentOld(t *testing.T) {
 		for _, gap := range []int64{1, 1e6, int64(r7TTL), r7Day, 20 * r7Day} {
 			o := allocObject("k", "")
 			o.leaseUntil(0, base, false)
-			o.leaseUntil(0, base + gap, false)
+			o.leaseUntil(0, base+gap, false)
 			o.leaseUntil(0, base, false) // the earlier one again: no effect
 			if got, want := o.lease.Load(), evenUp(base+gap); got != want {
 				t.Fatalf("base %d gap %d: ends at %d, want %d", base, gap, got, want)
@@ -105,7 +105,7 @@ func TestReview7ConcurrentLeasesKeepMax(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := range 200 {
-				o.leaseUntil(0, t0 + int64(i*n+g)*1e6, false)
+				o.leaseUntil(0, t0+int64(i*n+g)*1e6, false)
 			}
 		}()
 	}
