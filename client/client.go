@@ -331,8 +331,9 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	// that failed may still have been published). Not stamped as a removal
 	// is (see removals): a stamp outdates the other keys of its stripes
 	// too, and puts are many. So a lookup in flight since before the other
-	// client's removal may still cache the old one: only the master can
-	// order the two clients (issue 11, item 6b).
+	// client's removal may still cache the old one: the master orders the
+	// two clients, by holding the put (see hold) until that lookup's lease
+	// has ended.
 	if len(placed) > 0 && c.descs != nil {
 		defer func() {
 			for i := range placed {
@@ -424,20 +425,51 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		return errs
 	}
 	resp := &pb.BatchPutEndResponse{Results: call.results, Unplaced: call.unplaced}
-	failed := c.endUnplaced(ctx, end, resp)
+	holds := call.holds(len(end.Items))
+	failed := c.endUnplaced(ctx, end, resp, holds)
+	var held []int
+	var until time.Time
 	for j, i := range endIdx {
 		if errs[i] = failed[uint32(j)]; errs[i] == nil {
 			errs[i] = itemError(resp.Results[j])
 		}
+		if errs[i] == nil && !holds[j].IsZero() {
+			held, until = append(held, i), later(until, holds[j])
+		}
+	}
+	if err := hold(ctx, until); err != nil {
+		for _, i := range held {
+			errs[i] = fmt.Errorf("%w: %q is put, but lookup caches may answer an incarnation removed before until %v: %w",
+				ErrUnavailable, keys[i], until.Format(time.RFC3339Nano), err)
+		}
 	}
 	return errs
+}
+
+// hold waits until the given time (none if zero), or until ctx ends. The
+// master holds a put of a key removed while a lookup leased it (see
+// BatchPutEndResponse.hold_ms): a put reported done then is one that no
+// lookup that starts later answers with the removed incarnation.
+func hold(ctx context.Context, until time.Time) error {
+	d := time.Until(until)
+	if d <= 0 {
+		return nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
 }
 
 // endUnplaced sends again, with their replicas, the items the leader
 // answered as not placed by it, and puts their results in resp. If that
 // fails it returns the error of each (they are revoked); the others keep
 // their results.
-func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, resp *pb.BatchPutEndResponse) map[uint32]error {
+func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, resp *pb.BatchPutEndResponse, holds []time.Time) map[uint32]error {
 	again := &pb.BatchPutEndRequest{}
 	var idx []uint32
 	for _, j := range resp.Unplaced {
@@ -454,8 +486,10 @@ func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, re
 		r, err = m.BatchPutEnd(ctx, again, o...)
 		return err
 	})
-	if err == nil && (len(r.Results) != len(again.Items) || len(r.Unplaced) > 0) {
-		err = fmt.Errorf("%w: master answered %d results for %d puts, %d unplaced with their replicas", ErrProtocol, len(r.Results), len(again.Items), len(r.Unplaced))
+	answered := time.Now()
+	if err == nil && (len(r.Results) != len(again.Items) || len(r.Unplaced) > 0 || !holdsFit(r)) {
+		err = fmt.Errorf("%w: master answered %d results for %d puts, %d unplaced with their replicas, %d holds",
+			ErrProtocol, len(r.Results), len(again.Items), len(r.Unplaced), len(r.HoldMs))
 	}
 	if err != nil {
 		var rv puts
@@ -471,6 +505,9 @@ func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, re
 	}
 	for k, j := range idx {
 		resp.Results[j] = r.Results[k]
+		if len(r.HoldMs) > 0 {
+			holds[j] = holdUntil(answered, r.HoldMs[k])
+		}
 	}
 	return nil
 }

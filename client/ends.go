@@ -35,7 +35,33 @@ type endCall struct {
 	// Set by the call's sender before done is closed.
 	results  []*pb.ItemStatus
 	unplaced []uint32 // indices into items
+	holdMs   []uint32 // per item, or none (see BatchPutEndResponse.hold_ms)
+	answered time.Time
 	err      error
+}
+
+// holds are, per item of n, until when its writer waits before reporting
+// it done; zero for none.
+func (call *endCall) holds(n int) []time.Time {
+	out := make([]time.Time, n)
+	for j, ms := range call.holdMs {
+		out[j] = holdUntil(call.answered, ms)
+	}
+	return out
+}
+
+// holdUntil is when a hold of ms from an answer at answered ends; zero for
+// none.
+func holdUntil(answered time.Time, ms uint32) time.Time {
+	if ms == 0 {
+		return time.Time{}
+	}
+	return answered.Add(time.Duration(ms) * time.Millisecond)
+}
+
+// holdsFit reports whether r's holds are one per result, or none.
+func holdsFit(r *pb.BatchPutEndResponse) bool {
+	return len(r.HoldMs) == 0 || len(r.HoldMs) == len(r.Results)
 }
 
 func newEndQueue() *endQueue { return &endQueue{} }
@@ -154,8 +180,9 @@ func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
 		resp, err = m.BatchPutEnd(ctx, req, o...)
 		return err
 	})
-	if err == nil && len(resp.Results) != len(req.Items) {
-		err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(req.Items))
+	answered := time.Now()
+	if err == nil && (len(resp.Results) != len(req.Items) || !holdsFit(resp)) {
+		err = fmt.Errorf("%w: master answered %d results and %d holds for %d puts", ErrProtocol, len(resp.Results), len(resp.HoldMs), len(req.Items))
 	}
 	if err == nil {
 		// The runs answer a prefix of the grants asked for, in order.
@@ -180,6 +207,9 @@ func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
 		call.err = err
 		if err == nil {
 			call.results = resp.Results[base : base+len(call.items)]
+			if len(resp.HoldMs) > 0 {
+				call.holdMs, call.answered = resp.HoldMs[base:base+len(call.items)], answered
+			}
 			for j := range call.items {
 				if unplaced[base+j] {
 					call.unplaced = append(call.unplaced, uint32(j))

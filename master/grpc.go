@@ -418,6 +418,12 @@ func (m *masterService) PutEnd(ctx context.Context, req *pb.KeysRequest) (*pb.It
 	if err != nil {
 		return nil, err
 	}
+	// This answer has no holds to carry: it is the hold.
+	if hold := time.Duration(slices.Max(append(resp.HoldMs, 0))) * time.Millisecond; hold > 0 {
+		if err := m.s.sleep(ctx, hold); err != nil {
+			return nil, err
+		}
+	}
 	return &pb.ItemsResponse{Results: resp.Results}, nil
 }
 
@@ -541,25 +547,40 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		}
 	}
 	m.s.touch(ended, m.s.cfg.Now())
-	if err := m.s.awaitTombs(ctx, ended); err != nil {
-		return nil, err
-	}
-	return &pb.BatchPutEndResponse{Results: itemsResponse(errs).Results, Grants: m.grant(ctx, req.Grants), Unplaced: unplaced}, nil
+	return &pb.BatchPutEndResponse{
+		Results: itemsResponse(errs).Results, Grants: m.grant(ctx, req.Grants), Unplaced: unplaced,
+		HoldMs: m.s.holds(req.Items, errs),
+	}, nil
 }
 
-// awaitTombs holds the answer to puts of keys, published already, until
-// no client may answer one of them from its lookup cache with an
-// incarnation removed before (see tombs): at most a lease TTL, and only
-// for a key removed while a lookup leased it. Lookups that start after
-// the put returns see the new one, or a miss.
-func (s *Server) awaitTombs(ctx context.Context, keys []string) error {
-	until := s.fsm.tombUntil(keys)
-	wait := min(time.Duration(until-s.cfg.Now().UnixNano()), s.cfg.LeaseTTL)
-	if until == 0 || wait <= 0 {
-		return nil
+// holds says, per item, how long the writer of each put that ended well
+// waits before it reports the put done: until no client may answer its
+// key from a lookup cache with an incarnation removed before (see tombs),
+// at most a lease TTL. Nil if no item waits (the rule: only a key removed
+// while a lookup leased it). The writer waits, not this answer: a batch
+// carries the ends of other puts, which need not wait.
+func (s *Server) holds(items []*pb.PutEndItem, errs []error) []uint32 {
+	var out []uint32
+	held := 0
+	now := s.cfg.Now().UnixNano()
+	for i, until := range s.fsm.tombsOf(len(items), func(i int) string { return items[i].Key }) {
+		if errs[i] != nil || until <= now {
+			continue
+		}
+		if out == nil {
+			out = make([]uint32, len(items))
+		}
+		wait := min(time.Duration(until-now), s.cfg.LeaseTTL)
+		out[i] = uint32((wait + time.Millisecond - 1) / time.Millisecond) // rounded up
+		held++
 	}
-	s.metrics.putHeld()
-	t := time.NewTimer(wait)
+	s.metrics.putsHeld(held)
+	return out
+}
+
+// sleep waits d, or until ctx ends or the server closes.
+func (s *Server) sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:

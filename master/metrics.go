@@ -139,9 +139,9 @@ func (m *metrics) putFailed(c codes.Code) {
 	}
 }
 
-func (m *metrics) putHeld() {
+func (m *metrics) putsHeld(n int) {
 	if m != nil {
-		m.held.Inc()
+		m.held.Add(float64(n))
 	}
 }
 

@@ -663,3 +663,18 @@ func (f *FSM) tombUntil(keys []string) int64 {
 	defer f.mu.RUnlock()
 	return f.tombs.latest(keys)
 }
+
+// tombsOf is tombUntil of each of n keys, key(i) the i-th; nil if none
+// has a tomb.
+func (f *FSM) tombsOf(n int, key func(int) string) []int64 {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if len(f.tombs.until) == 0 {
+		return nil
+	}
+	out := make([]int64, n)
+	for i := range out {
+		out[i] = f.tombs.until[key(i)]
+	}
+	return out
+}

@@ -127,3 +127,48 @@ func TestNewLeaderTombsEveryRemoval(t *testing.T) {
 		t.Errorf("tomb until %d, want the end of the leader's first TTL %d", got, want)
 	}
 }
+
+// TestBatchPutEndHoldsOnlyTheRePut: a batch that ends a re-put of a key a
+// lookup leased before its removal, and a put of another key, is answered
+// at once, with a hold for the re-put alone: the writer waits, not the
+// batch, which carries other puts' ends.
+func TestBatchPutEndHoldsOnlyTheRePut(t *testing.T) {
+	t.Parallel()
+	const ttl = 5 * time.Second
+	c := newCluster(t, 1, func(cfg *Config) { cfg.LeaseTTL = ttl })
+	m := c.leader()
+	register(t, m, "s", "ep", dram("a", 8<<20))
+	waitFor(t, 10*time.Second, "evictable", func() error {
+		if m.srv.cfg.Now().Before(m.srv.evictableFrom()) {
+			return errors.New("not yet")
+		}
+		return nil
+	})
+	if err := tryPut(rpcCtx(t), m, "looked", 64); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := m.master().Lookup(rpcCtx(t), &pb.LookupRequest{Keys: []string{"looked"}}); err != nil || resp.Matched != 1 {
+		t.Fatalf("lookup: %v, %v", resp, err)
+	}
+	items(t, m, "remove", m.master().Remove, "looked")
+	start, err := m.master().BatchPutStart(rpcCtx(t), &pb.BatchPutStartRequest{Items: []*pb.PutStartRequest{{Key: "looked", Size: 64}, {Key: "fresh", Size: 64}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	end := &pb.BatchPutEndRequest{}
+	for i, k := range []string{"looked", "fresh"} {
+		end.Items = append(end.Items, &pb.PutEndItem{Key: k, PutId: start.Results[i].PutId, Size: 64})
+	}
+	resp, err := m.master().BatchPutEnd(rpcCtx(t), end)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range resp.Results {
+		if r.Code != 0 {
+			t.Fatalf("put end %d: %v", i, r)
+		}
+	}
+	if len(resp.HoldMs) != 2 || resp.HoldMs[0] == 0 || resp.HoldMs[0] > uint32(ttl/time.Millisecond) || resp.HoldMs[1] != 0 {
+		t.Fatalf("holds %v, want one for the re-put (at most the lease, %v) and none for the fresh key", resp.HoldMs, ttl)
+	}
+}

@@ -728,7 +728,12 @@ type BatchPutEndResponse struct {
 	Grants  []*GrantRun            `protobuf:"bytes,2,rep,name=grants,proto3" json:"grants,omitempty"`
 	// Indices of items this leader did not place that came without their
 	// replicas (their results say so): send them again with the replicas.
-	Unplaced      []uint32 `protobuf:"varint,3,rep,packed,name=unplaced,proto3" json:"unplaced,omitempty"`
+	Unplaced []uint32 `protobuf:"varint,3,rep,packed,name=unplaced,proto3" json:"unplaced,omitempty"`
+	// Per item (none: no item), how many milliseconds from this answer the
+	// writer waits before it reports the put done: the key was removed while
+	// a lookup leased it, and until then a client may still answer that
+	// removed incarnation from its lookup cache.
+	HoldMs        []uint32 `protobuf:"varint,4,rep,packed,name=hold_ms,json=holdMs,proto3" json:"hold_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -780,6 +785,13 @@ func (x *BatchPutEndResponse) GetGrants() []*GrantRun {
 func (x *BatchPutEndResponse) GetUnplaced() []uint32 {
 	if x != nil {
 		return x.Unplaced
+	}
+	return nil
+}
+
+func (x *BatchPutEndResponse) GetHoldMs() []uint32 {
+	if x != nil {
+		return x.HoldMs
 	}
 	return nil
 }
@@ -3325,11 +3337,12 @@ const file_tidepool_proto_rawDesc = "" +
 	"\freservations\x18\b \x03(\x04R\freservations\"y\n" +
 	"\x12BatchPutEndRequest\x12-\n" +
 	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\x124\n" +
-	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\"\x93\x01\n" +
+	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\"\xac\x01\n" +
 	"\x13BatchPutEndResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\x12-\n" +
 	"\x06grants\x18\x02 \x03(\v2\x15.tidepool.v1.GrantRunR\x06grants\x12\x1a\n" +
-	"\bunplaced\x18\x03 \x03(\rR\bunplaced\"\xda\x01\n" +
+	"\bunplaced\x18\x03 \x03(\rR\bunplaced\x12\x17\n" +
+	"\ahold_ms\x18\x04 \x03(\rR\x06holdMs\"\xda\x01\n" +
 	"\bGrantRun\x12 \n" +
 	"\ffirst_put_id\x18\x01 \x01(\x04R\n" +
 	"firstPutId\x12\x14\n" +
