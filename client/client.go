@@ -225,6 +225,8 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		}
 		return errs
 	}
+	var held holding
+	defer held.wait(ctx, keys, errs)
 	items := map[int]*pb.PutStartRequest{}
 	var idx []int
 	for i, k := range keys {
@@ -300,6 +302,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 			resp, err = m.BatchPutStart(ctx, start, o...)
 			return err
 		})
+		answered := time.Now()
 		if err == nil && len(resp.Results) != len(startIdx) {
 			err = fmt.Errorf("%w: master answered %d results for %d puts", ErrProtocol, len(resp.Results), len(startIdx))
 		}
@@ -311,6 +314,9 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 			for j, r := range resp.Results {
 				i := startIdx[j]
 				if errs[i] = itemError(r.Status); errs[i] != nil || r.Exists {
+					if r.Exists {
+						held.add(i, holdUntil(answered, r.HoldMs))
+					}
 					continue
 				}
 				if len(r.Replicas) == 0 {
@@ -427,41 +433,51 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	resp := &pb.BatchPutEndResponse{Results: call.results, Unplaced: call.unplaced}
 	holds := call.holds(len(end.Items))
 	failed := c.endUnplaced(ctx, end, resp, holds)
-	var held []int
-	var until time.Time
 	for j, i := range endIdx {
 		if errs[i] = failed[uint32(j)]; errs[i] == nil {
 			errs[i] = itemError(resp.Results[j])
 		}
-		if errs[i] == nil && !holds[j].IsZero() {
-			held, until = append(held, i), later(until, holds[j])
-		}
-	}
-	if err := hold(ctx, until); err != nil {
-		for _, i := range held {
-			errs[i] = fmt.Errorf("%w: %q is put, but lookup caches may answer an incarnation removed before until %v: %w",
-				ErrUnavailable, keys[i], until.Format(time.RFC3339Nano), err)
-		}
+		held.add(i, holds[j])
 	}
 	return errs
 }
 
-// hold waits until the given time (none if zero), or until ctx ends. The
-// master holds a put of a key removed while a lookup leased it (see
-// BatchPutEndResponse.hold_ms): a put reported done then is one that no
-// lookup that starts later answers with the removed incarnation.
-func hold(ctx context.Context, until time.Time) error {
-	d := time.Until(until)
+// holding collects the puts of a batch the master holds: a key removed
+// while a lookup leased it (see BatchPutEndResponse.hold_ms). Such a put
+// is reported done only once its hold is over, and then no lookup that
+// starts later answers the removed incarnation from a cache.
+type holding struct {
+	puts  []int // indices of the batch's keys
+	until time.Time
+}
+
+// add holds put i until the given time (none if zero).
+func (h *holding) add(i int, until time.Time) {
+	if !until.IsZero() {
+		h.puts, h.until = append(h.puts, i), later(h.until, until)
+	}
+}
+
+// wait waits for the holds to end, or ctx: then each held put that ended
+// well fails instead (it is published, but not yet ordered before later
+// lookups).
+func (h *holding) wait(ctx context.Context, keys []string, errs []error) {
+	d := time.Until(h.until)
 	if d <= 0 {
-		return nil
+		return
 	}
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
-		return nil
+		return
 	case <-ctx.Done():
-		return context.Cause(ctx)
+	}
+	for _, i := range h.puts {
+		if errs[i] == nil {
+			errs[i] = fmt.Errorf("%w: %q is put, but lookup caches may answer an incarnation removed before until %v: %w",
+				ErrUnavailable, keys[i], h.until.Format(time.RFC3339Nano), context.Cause(ctx))
+		}
 	}
 }
 

@@ -474,6 +474,7 @@ func (f *FSM) dropReplica(c *pb.DropReplicaCmd, now int64) bool {
 			return false
 		}
 		f.retireAfter(o, c.FreeAfterUnixNano, now)
+		f.tombs.add(c.Key, c.CachedUntilUnixNano, now)
 		return true
 	}
 	f.dropExtent(o, i, c.FreeAfterUnixNano, now)

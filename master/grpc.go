@@ -295,7 +295,10 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 	now := m.s.cfg.Now()
 	switch m.s.fsm.putState(it.Key, now.UnixNano()) {
 	case pb.ObjectState_OBJECT_STATE_COMPLETE:
-		return &pb.PutStartResult{Status: itemStatus(nil), Exists: true}, nil
+		// It may be a held put's (see holds): this one is held with it.
+		r := &pb.PutStartResult{Status: itemStatus(nil), Exists: true}
+		r.HoldMs = m.s.holdMs(m.s.fsm.tombUntil([]string{it.Key}), now.UnixNano())
+		return r, nil
 	case pb.ObjectState_OBJECT_STATE_PROCESSING:
 		return fail(errorf(ErrPutInProgress, it.Key))
 	}
@@ -358,6 +361,8 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 		case err != nil:
 		case t.gen != p.gen:
 			err = fmt.Errorf("%w: the leader changed while placing a put; retry", ErrNotLeader)
+		case m.s.cfg.Now().Before(p.deadline):
+			err = fmt.Errorf("%w: %q was revoked while it was placed", ErrNotInProgress, it.Key)
 		default:
 			err = fmt.Errorf("%w (%v, the master is overloaded); retry", ErrPutExpired, m.s.cfg.PutTimeout)
 		}
@@ -564,18 +569,28 @@ func (s *Server) holds(items []*pb.PutEndItem, errs []error) []uint32 {
 	held := 0
 	now := s.cfg.Now().UnixNano()
 	for i, until := range s.fsm.tombsOf(len(items), func(i int) string { return items[i].Key }) {
-		if errs[i] != nil || until <= now {
+		ms := s.holdMs(until, now)
+		if errs[i] != nil || ms == 0 {
 			continue
 		}
 		if out == nil {
 			out = make([]uint32, len(items))
 		}
-		wait := min(time.Duration(until-now), s.cfg.LeaseTTL)
-		out[i] = uint32((wait + time.Millisecond - 1) / time.Millisecond) // rounded up
+		out[i] = ms
 		held++
 	}
 	s.metrics.putsHeld(held)
 	return out
+}
+
+// holdMs is a hold until the given time, at now (unix nanos): at most a
+// lease TTL, in milliseconds rounded up; 0 if it has passed.
+func (s *Server) holdMs(until, now int64) uint32 {
+	if until <= now {
+		return 0
+	}
+	wait := min(time.Duration(until-now), s.cfg.LeaseTTL)
+	return uint32((wait + time.Millisecond - 1) / time.Millisecond)
 }
 
 // sleep waits d, or until ctx ends or the server closes.
@@ -878,6 +893,7 @@ func (m *masterService) ReportCorrupt(ctx context.Context, req *pb.CorruptReplic
 	defer done()
 	out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_DropReplica{DropReplica: &pb.DropReplicaCmd{
 		Key: req.Key, Segment: req.Segment, Checksum: req.Checksum, FreeAfterUnixNano: freeAfter.UnixNano(),
+		CachedUntilUnixNano: at(m.s.cachedEnds([]string{req.Key}), 0),
 	}}})
 	if err != nil {
 		return nil, err

@@ -1272,9 +1272,11 @@ type DropReplicaCmd struct {
 	FreeAfterUnixNano int64                  `protobuf:"varint,4,opt,name=free_after_unix_nano,json=freeAfterUnixNano,proto3" json:"free_after_unix_nano,omitempty"`
 	// Drop it only if the object has another replica (a corrupt one goes
 	// even if it is the last, and the object with it).
-	KeepLast      bool `protobuf:"varint,5,opt,name=keep_last,json=keepLast,proto3" json:"keep_last,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	KeepLast bool `protobuf:"varint,5,opt,name=keep_last,json=keepLast,proto3" json:"keep_last,omitempty"`
+	// If the object goes with it: see RemoveCmd.cached_until_unix_nano.
+	CachedUntilUnixNano int64 `protobuf:"varint,6,opt,name=cached_until_unix_nano,json=cachedUntilUnixNano,proto3" json:"cached_until_unix_nano,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *DropReplicaCmd) Reset() {
@@ -1340,6 +1342,13 @@ func (x *DropReplicaCmd) GetKeepLast() bool {
 		return x.KeepLast
 	}
 	return false
+}
+
+func (x *DropReplicaCmd) GetCachedUntilUnixNano() int64 {
+	if x != nil {
+		return x.CachedUntilUnixNano
+	}
+	return 0
 }
 
 // DropReplicasCmd drops many replicas in one entry (demotion, drain,
@@ -2742,13 +2751,14 @@ const file_fsm_proto_rawDesc = "" +
 	"\x06target\x18\x02 \x01(\v2\x13.tidepool.v1.ExtentR\x06target\x12\x16\n" +
 	"\x06source\x18\x03 \x01(\tR\x06source\x12,\n" +
 	"\x12deadline_unix_nano\x18\x04 \x01(\x03R\x10deadlineUnixNano\x12/\n" +
-	"\x06reason\x18\x05 \x01(\x0e2\x17.tidepool.v1.CopyReasonR\x06reason\"\xa6\x01\n" +
+	"\x06reason\x18\x05 \x01(\x0e2\x17.tidepool.v1.CopyReasonR\x06reason\"\xdb\x01\n" +
 	"\x0eDropReplicaCmd\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x18\n" +
 	"\asegment\x18\x02 \x01(\tR\asegment\x12\x1a\n" +
 	"\bchecksum\x18\x03 \x01(\rR\bchecksum\x12/\n" +
 	"\x14free_after_unix_nano\x18\x04 \x01(\x03R\x11freeAfterUnixNano\x12\x1b\n" +
-	"\tkeep_last\x18\x05 \x01(\bR\bkeepLast\"D\n" +
+	"\tkeep_last\x18\x05 \x01(\bR\bkeepLast\x123\n" +
+	"\x16cached_until_unix_nano\x18\x06 \x01(\x03R\x13cachedUntilUnixNano\"D\n" +
 	"\x0fDropReplicasCmd\x121\n" +
 	"\x05items\x18\x01 \x03(\v2\x1b.tidepool.v1.DropReplicaCmdR\x05items\"u\n" +
 	"\x06PinCmd\x12\x10\n" +

@@ -396,7 +396,10 @@ type PutStartResult struct {
 	// revoke the put and reuse its space.
 	WriteTimeoutMs uint64 `protobuf:"varint,5,opt,name=write_timeout_ms,json=writeTimeoutMs,proto3" json:"write_timeout_ms,omitempty"`
 	// The reservation each replica was placed in, for PutEnd.
-	Reservations  []uint64 `protobuf:"varint,6,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
+	Reservations []uint64 `protobuf:"varint,6,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
+	// With exists: how many milliseconds from this answer the writer waits
+	// before it reports the put done (see BatchPutEndResponse.hold_ms).
+	HoldMs        uint32 `protobuf:"varint,7,opt,name=hold_ms,json=holdMs,proto3" json:"hold_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -471,6 +474,13 @@ func (x *PutStartResult) GetReservations() []uint64 {
 		return x.Reservations
 	}
 	return nil
+}
+
+func (x *PutStartResult) GetHoldMs() uint32 {
+	if x != nil {
+		return x.HoldMs
+	}
+	return 0
 }
 
 type BatchPutStartRequest struct {
@@ -3313,14 +3323,15 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x04tier\x18\x04 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x1a\n" +
 	"\breplicas\x18\x05 \x01(\rR\breplicas\x12\x16\n" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\a \x01(\tR\x06tenant\"\xf0\x01\n" +
+	"\x06tenant\x18\a \x01(\tR\x06tenant\"\x89\x02\n" +
 	"\x0ePutStartResult\x12/\n" +
 	"\x06status\x18\x01 \x01(\v2\x17.tidepool.v1.ItemStatusR\x06status\x12\x16\n" +
 	"\x06exists\x18\x02 \x01(\bR\x06exists\x120\n" +
 	"\breplicas\x18\x03 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x15\n" +
 	"\x06put_id\x18\x04 \x01(\x04R\x05putId\x12(\n" +
 	"\x10write_timeout_ms\x18\x05 \x01(\x04R\x0ewriteTimeoutMs\x12\"\n" +
-	"\freservations\x18\x06 \x03(\x04R\freservations\"J\n" +
+	"\freservations\x18\x06 \x03(\x04R\freservations\x12\x17\n" +
+	"\ahold_ms\x18\a \x01(\rR\x06holdMs\"J\n" +
 	"\x14BatchPutStartRequest\x122\n" +
 	"\x05items\x18\x01 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x05items\"N\n" +
 	"\x15BatchPutStartResponse\x125\n" +
