@@ -38,6 +38,10 @@ type Config struct {
 	// listeners: at the cap the longest idle one is closed for a new one,
 	// or the new one is refused if none is idle. Default 4096.
 	MaxServerConns int
+	// MaxConnsPerPeer caps, the same way, the connections one peer host
+	// (one IP address) holds, so that one host cannot take them all.
+	// Default 1024.
+	MaxConnsPerPeer int
 	// IdleTimeout closes a server connection that has waited this long
 	// for its next request (clients redial). Default 2 minutes.
 	IdleTimeout time.Duration
@@ -66,6 +70,7 @@ const (
 	defaultMaxInflight    = 1024
 	defaultDialTimeout    = 5 * time.Second
 	defaultMaxServerConns = 4096
+	defaultMaxConnsPerPeer = 1024
 	defaultIdleTimeout    = 2 * time.Minute
 	defaultStallTimeout   = 5 * time.Second
 )
@@ -82,6 +87,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxServerConns <= 0 {
 		c.MaxServerConns = defaultMaxServerConns
+	}
+	if c.MaxConnsPerPeer <= 0 {
+		c.MaxConnsPerPeer = defaultMaxConnsPerPeer
 	}
 	if c.IdleTimeout <= 0 {
 		c.IdleTimeout = defaultIdleTimeout
@@ -135,13 +143,17 @@ type Engine struct {
 		closed    bool
 		listeners map[net.Listener]struct{}
 		conns     map[net.Conn]*connIdle
+		perPeer   map[string]int // connections by peer host
 	}
 }
 
 // connIdle is a server connection's state for the cap: when it began to
 // wait for its next request (unix nanos), 0 while it serves one, or
 // connGone once the cap closed it.
-type connIdle struct{ since atomic.Int64 }
+type connIdle struct {
+	since atomic.Int64
+	peer  string // its host
+}
 
 const connGone = -1
 
@@ -194,6 +206,7 @@ func New(cfg Config) *Engine {
 	e.ctx, e.cancel = context.WithCancelCause(context.Background())
 	e.mu.listeners = make(map[net.Listener]struct{})
 	e.mu.conns = make(map[net.Conn]*connIdle)
+	e.mu.perPeer = make(map[string]int)
 	return e
 }
 
@@ -267,36 +280,74 @@ func (e *Engine) Serve(ln net.Listener) error {
 }
 
 // trackConn registers a server connection so Close can close it, within
-// MaxServerConns: at the cap it closes the connection idle longest, and
-// refuses nc if none is. It fails with ErrClosed once the engine is.
+// MaxConnsPerPeer and MaxServerConns: at a cap it closes the connection
+// idle longest (of nc's peer host, for the first), and refuses nc if none
+// is. It fails with ErrClosed once the engine is.
 func (e *Engine) trackConn(nc net.Conn) (*connIdle, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.mu.closed {
 		return nil, ErrClosed
 	}
-	if len(e.mu.conns) >= e.cfg.MaxServerConns {
-		var oldest net.Conn
-		var since int64
-		for c, idle := range e.mu.conns {
-			if s := idle.since.Load(); s > 0 && (oldest == nil || s < since) {
-				oldest, since = c, s
-			}
-		}
-		// The connection may have started a request meanwhile: then it
-		// keeps serving and nc is refused.
-		if oldest == nil || !e.mu.conns[oldest].since.CompareAndSwap(since, connGone) {
-			e.met.droppedConn("refused")
-			return nil, fmt.Errorf("engine: %d server connections, none idle", len(e.mu.conns))
-		}
-		delete(e.mu.conns, oldest)
-		oldest.Close()
-		e.met.droppedConn("evicted")
+	peer := peerHost(nc.RemoteAddr())
+	if n := e.mu.perPeer[peer]; n >= e.cfg.MaxConnsPerPeer && !e.closeIdlest(peer) {
+		e.met.droppedConn("refused")
+		return nil, fmt.Errorf("engine: peer %s holds %d server connections, none idle", peer, n)
 	}
-	idle := &connIdle{}
+	if len(e.mu.conns) >= e.cfg.MaxServerConns && !e.closeIdlest("") {
+		e.met.droppedConn("refused")
+		return nil, fmt.Errorf("engine: %d server connections, none idle", len(e.mu.conns))
+	}
+	idle := &connIdle{peer: peer}
 	e.mu.conns[nc] = idle
+	e.mu.perPeer[peer]++
 	e.wg.Add(1)
 	return idle, nil
+}
+
+// closeIdlest closes the server connection idle longest, of peer's host
+// if not empty, and reports whether there was one. e.mu is held; the scan
+// is over at most MaxServerConns.
+func (e *Engine) closeIdlest(peer string) bool {
+	var oldest net.Conn
+	var since int64
+	for c, idle := range e.mu.conns {
+		if s := idle.since.Load(); s > 0 && (peer == "" || idle.peer == peer) && (oldest == nil || s < since) {
+			oldest, since = c, s
+		}
+	}
+	// The connection may have started a request meanwhile: then it keeps
+	// serving.
+	if oldest == nil || !e.mu.conns[oldest].since.CompareAndSwap(since, connGone) {
+		return false
+	}
+	e.forget(oldest)
+	oldest.Close()
+	e.met.droppedConn("evicted")
+	return true
+}
+
+// forget drops a tracked connection from the counts. e.mu is held.
+func (e *Engine) forget(nc net.Conn) {
+	idle, ok := e.mu.conns[nc]
+	if !ok {
+		return
+	}
+	delete(e.mu.conns, nc)
+	if e.mu.perPeer[idle.peer]--; e.mu.perPeer[idle.peer] <= 0 {
+		delete(e.mu.perPeer, idle.peer)
+	}
+}
+
+// peerHost is the host of a connection's remote address: its IP for TCP.
+func peerHost(a net.Addr) string {
+	if t, ok := a.(*net.TCPAddr); ok {
+		return t.IP.String()
+	}
+	if a == nil {
+		return "?"
+	}
+	return a.String()
 }
 
 // getScratch returns a staging buffer, waiting up to wait for one if
@@ -327,7 +378,7 @@ func (e *Engine) putScratch(b *[]byte) { e.scratch <- b } // never blocks: at mo
 
 func (e *Engine) untrackConn(nc net.Conn) {
 	e.mu.Lock()
-	delete(e.mu.conns, nc)
+	e.forget(nc)
 	e.mu.Unlock()
 	nc.Close()
 }
