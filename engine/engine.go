@@ -66,13 +66,13 @@ type Guard interface {
 }
 
 const (
-	defaultConnsPerPeer   = 4
-	defaultMaxInflight    = 1024
-	defaultDialTimeout    = 5 * time.Second
-	defaultMaxServerConns = 4096
+	defaultConnsPerPeer    = 4
+	defaultMaxInflight     = 1024
+	defaultDialTimeout     = 5 * time.Second
+	defaultMaxServerConns  = 4096
 	defaultMaxConnsPerPeer = 1024
-	defaultIdleTimeout    = 2 * time.Minute
-	defaultStallTimeout   = 5 * time.Second
+	defaultIdleTimeout     = 2 * time.Minute
+	defaultStallTimeout    = 5 * time.Second
 )
 
 func (c Config) withDefaults() Config {

@@ -49,4 +49,3 @@ func TestServerConnectionCapPerPeer(t *testing.T) {
 		t.Fatalf("a write at this host's cap: %v", err)
 	}
 }
-
