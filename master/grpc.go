@@ -744,7 +744,7 @@ func (m *masterService) List(ctx context.Context, req *pb.ListRequest) (*pb.List
 	if limit <= 0 || limit > MaxBatchKeys {
 		limit = defaultListPage
 	}
-	objs, truncated := m.s.fsm.list(req.Prefix, req.StartAfter, limit)
+	objs, truncated := m.s.list(req.Prefix, req.StartAfter, limit, m.s.cfg.Now())
 	return &pb.ListResponse{Objects: objs, Truncated: truncated}, nil
 }
 

@@ -102,6 +102,8 @@ type Server struct {
 	spilled chan struct{}
 	metrics *metrics
 	puts    *putTable
+	// listings is leader-local: the key order of paged Lists.
+	listings *listings
 
 	grpc   *grpc.Server
 	framed *framed.Server
@@ -175,7 +177,7 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable()}
+	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable(), listings: newListings()}
 	// Stop waits for the handlers, while raft still runs (see Close).
 	s.grpc = grpc.NewServer(append(leaderconn.ServerOptions(), grpc.UnaryInterceptor(s.intercept),
 		grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20), grpc.WaitForHandlers(true))...)
