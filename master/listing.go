@@ -17,20 +17,26 @@ import (
 // (measured: docs/benchmarks.md), over the master's memory target, for
 // what only paged listings use.
 //
-// The order of a prefix is built on its first page after the first (the
-// first page is a pass that keeps only its own keys) and kept for
-// listingAge: pages served from it list the objects that existed when it
-// was built and still exist, so a listing shows an object put since at
-// most that much later. At most maxListings prefixes are kept, each
-// holding a pointer per object (the objects stay alive until it goes).
+// A listing's first page is a pass that keeps only its own keys, and it
+// drops the prefix's kept order: its second page builds a new one, which
+// its later pages (and those of listings of the prefix begun before) use
+// for up to listingAge. So a listing lists every object that existed when
+// it began and still exists, and leaves out some put since; an object put
+// while a listing runs shows in it at most that much later. One build of
+// a prefix runs at a time (the others wait for it), and at most
+// maxListings prefixes keep an order, each a pointer per object (removed
+// ones stay alive until it goes).
 type listings struct {
 	mu       sync.Mutex
 	byPrefix map[string]*listing
+	gens     uint64 // the last generation handed out
 }
 
 type listing struct {
-	objs  []*object // in key order
+	gen   uint64    // of the order that may be kept: a first page begins a new one
+	objs  []*object // in key order; nil: none kept
 	built time.Time
+	ready chan struct{} // closed when the build in flight ends; nil: none is
 }
 
 const (
@@ -44,6 +50,7 @@ func newListings() *listings { return &listings{byPrefix: map[string]*listing{}}
 // prefix and sorts after after, in key order, and whether more follow.
 func (s *Server) list(prefix, after string, limit int, now time.Time) ([]*pb.ObjectInfo, bool) {
 	if after == "" {
+		s.listings.restart(prefix)
 		return s.fsm.list(prefix, after, limit)
 	}
 	objs := s.listings.order(s.fsm, prefix, now)
@@ -64,23 +71,58 @@ func (s *Server) list(prefix, after string, limit int, now time.Time) ([]*pb.Obj
 	return out, i < len(objs)
 }
 
-// order is the key order of the objects with prefix, built now if none
-// younger than listingAge is kept.
+// restart drops the kept order of prefix, and any build in flight, for a
+// listing that begins: its pages after the first see a new one.
+func (l *listings) restart(prefix string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if ls := l.byPrefix[prefix]; ls != nil {
+		l.gens++
+		ls.gen, ls.objs = l.gens, nil
+	}
+}
+
+// order is the key order of the objects with prefix: the kept one if it is
+// younger than listingAge, else the one a build in flight makes, else one
+// built now.
 func (l *listings) order(f *FSM, prefix string, now time.Time) []*object {
 	l.mu.Lock()
-	if ls := l.byPrefix[prefix]; ls != nil && now.Sub(ls.built) < listingAge {
+	ls := l.byPrefix[prefix]
+	for ls != nil && ls.ready != nil && ls.objs == nil {
+		ready := ls.ready
 		l.mu.Unlock()
-		return ls.objs
+		<-ready
+		l.mu.Lock()
+		ls = l.byPrefix[prefix]
 	}
+	if ls != nil && ls.objs != nil && now.Sub(ls.built) < listingAge {
+		objs := ls.objs
+		l.mu.Unlock()
+		return objs
+	}
+	if ls == nil {
+		ls = l.add(prefix)
+	}
+	gen, ready := ls.gen, make(chan struct{})
+	ls.objs, ls.ready = nil, ready
 	l.mu.Unlock()
+
 	objs := f.withPrefix(prefix)
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for p, ls := range l.byPrefix {
-		if now.Sub(ls.built) >= listingAge {
-			delete(l.byPrefix, p)
-		}
+	if ls.gen == gen && l.byPrefix[prefix] == ls { // no first page dropped it meanwhile
+		ls.objs, ls.built = objs, now
 	}
+	if ls.ready == ready {
+		ls.ready = nil
+	}
+	close(ready)
+	return objs
+}
+
+// add keeps a new entry for prefix, first dropping the oldest if
+// maxListings are kept. l.mu is held.
+func (l *listings) add(prefix string) *listing {
 	if len(l.byPrefix) >= maxListings {
 		var oldest string
 		for p, ls := range l.byPrefix {
@@ -90,8 +132,10 @@ func (l *listings) order(f *FSM, prefix string, now time.Time) []*object {
 		}
 		delete(l.byPrefix, oldest)
 	}
-	l.byPrefix[prefix] = &listing{objs: objs, built: now}
-	return objs
+	l.gens++
+	ls := &listing{gen: l.gens}
+	l.byPrefix[prefix] = ls
+	return ls
 }
 
 // withPrefix lists the objects whose key starts with prefix, in key order:
