@@ -50,10 +50,14 @@ func (e *evictEnv) admin() pb.AdminClient { return pb.NewAdminClient(e.m.conn) }
 
 // waitEvictable waits until the leader may evict: one lease TTL after it
 // took over.
-func (e *evictEnv) waitEvictable(t *testing.T) {
+func (e *evictEnv) waitEvictable(t *testing.T) { waitEvictable(t, e.m) }
+
+// waitEvictable waits until m, the leader, is past its first lease TTL:
+// it may evict, and knows every lease in force.
+func waitEvictable(t *testing.T, m *member) {
 	t.Helper()
 	waitFor(t, 30*time.Second, "the leader may evict", func() error {
-		if from := e.m.srv.evictableFrom(); time.Now().Before(from) {
+		if from := m.srv.evictableFrom(); m.srv.cfg.Now().Before(from) {
 			return fmt.Errorf("not before %v", from)
 		}
 		return nil

@@ -21,12 +21,7 @@ func r13Setup(t *testing.T, ttl time.Duration, k string) (*member, *pb.LookupRes
 	c := newCluster(t, 1, func(cfg *Config) { cfg.LeaseTTL = ttl })
 	m := c.leader()
 	register(t, m, "s", "ep", dram("a", 8<<20))
-	waitFor(t, 5*time.Second, "evictable", func() error {
-		if m.srv.cfg.Now().Before(m.srv.evictableFrom()) {
-			return errors.New("not yet")
-		}
-		return nil
-	})
+	waitEvictable(t, m)
 	if err := tryPut(rpcCtx(t), m, k, 64); err != nil {
 		t.Fatal(err)
 	}

@@ -1,7 +1,6 @@
 package master
 
 import (
-	"errors"
 	"testing"
 	"time"
 
@@ -74,12 +73,7 @@ func TestRePutWaitsForLookupLeases(t *testing.T) {
 	c := newCluster(t, 1, func(cfg *Config) { cfg.LeaseTTL = ttl })
 	m := c.leader()
 	register(t, m, "s", "ep", dram("a", 8<<20))
-	waitFor(t, 5*time.Second, "evictable", func() error {
-		if m.srv.cfg.Now().Before(m.srv.evictableFrom()) {
-			return errors.New("not yet")
-		}
-		return nil
-	})
+	waitEvictable(t, m)
 	for _, k := range []string{"looked", "read"} {
 		if err := tryPut(rpcCtx(t), m, k, 64); err != nil {
 			t.Fatal(err)
@@ -138,12 +132,7 @@ func TestBatchPutEndHoldsOnlyTheRePut(t *testing.T) {
 	c := newCluster(t, 1, func(cfg *Config) { cfg.LeaseTTL = ttl })
 	m := c.leader()
 	register(t, m, "s", "ep", dram("a", 8<<20))
-	waitFor(t, 10*time.Second, "evictable", func() error {
-		if m.srv.cfg.Now().Before(m.srv.evictableFrom()) {
-			return errors.New("not yet")
-		}
-		return nil
-	})
+	waitEvictable(t, m)
 	if err := tryPut(rpcCtx(t), m, "looked", 64); err != nil {
 		t.Fatal(err)
 	}
