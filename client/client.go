@@ -338,7 +338,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	// is (see removals): a stamp outdates the other keys of its stripes
 	// too, and puts are many. So a lookup in flight since before the other
 	// client's removal may still cache the old one: the master orders the
-	// two clients, by holding the put (see hold) until that lookup's lease
+	// two clients, by holding the put (see holding) until that lookup's lease
 	// has ended.
 	if len(placed) > 0 && c.descs != nil {
 		defer func() {

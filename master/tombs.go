@@ -10,9 +10,9 @@ import (
 // tombs remembers removed keys that clients may still answer from their
 // lookup caches (a lookup's descriptors are cached for the lease it got),
 // and until when. A new put of such a key is published at once, but its
-// writer hears so only once the time has passed (Server.awaitTombs): a
-// lookup that starts after a remove and a re-put have returned then never
-// answers the removed incarnation. A key is here only for a lease TTL
+// writer is told to report it done only once the time has passed
+// (Server.holds): a lookup that starts after a remove and a re-put have
+// returned then never answers the removed incarnation. A key is here only for a lease TTL
 // after its removal, so the set is as large as the removals of a TTL.
 type tombs struct {
 	until map[string]int64
