@@ -350,9 +350,11 @@ func (s *Server) endExpiredCopies(ctx context.Context, now time.Time) {
 // drop's commit may still see the old replica, and its checksum check
 // sends it to the next one if the space was reused.
 func (s *Server) leaseEnd(keys []string) time.Time {
-	t := s.evictableFrom() // the end of any lease an earlier leader granted
-	if end := time.Unix(0, s.fsm.leaseEnd(keys)); end.After(t) {
-		t = end
+	t := time.Unix(0, s.fsm.leaseEnd(keys))
+	// An earlier leader may have leased what was made before this one took
+	// over, to the end of its first lease TTL.
+	if since, from := s.leadership(); from.After(t) && s.fsm.oldest(keys) < since.UnixNano() {
+		t = from
 	}
 	return t
 }

@@ -228,18 +228,36 @@ func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 // evictableFrom is when this leader may evict: one lease TTL after it took
 // over, so no lease an earlier leader granted is broken.
 func (s *Server) evictableFrom() time.Time {
+	_, from := s.leadership()
+	return from
+}
+
+// leadership is when this leader took over, and when its first lease TTL
+// ends: until then an object made before it took over may be leased by an
+// earlier leader, and one made since only by this one, which knows.
+func (s *Server) leadership() (since, evictable time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.mu.leaderSince.Add(s.cfg.LeaseTTL)
+	return s.mu.leaderSince, s.mu.leaderSince.Add(s.cfg.LeaseTTL)
+}
+
+// awaitEvictable waits, for a put that found no room, until this leader
+// may evict what an earlier one may have leased, if that is before the
+// put's deadline. It reports whether it waited (false at once if the
+// leader may evict already).
+func (s *Server) awaitEvictable(ctx context.Context, deadline time.Time) bool {
+	_, from := s.leadership()
+	now := s.cfg.Now()
+	if !now.Before(from) || from.After(deadline) {
+		return false
+	}
+	return s.sleep(ctx, from.Sub(now)) == nil
 }
 
 // makeRoom evicts from the best segment for an object of size bytes until
 // it has a free range that large. It reports whether it made room.
 func (s *Server) makeRoom(ctx context.Context, size uint64, tier pb.Tier, host string) bool {
 	now := s.cfg.Now()
-	if now.Before(s.evictableFrom()) {
-		return false
-	}
 	// The pool forgets only in its slowest tier (faster ones demote into
 	// it), so room is made there first; the put then lands there.
 	ids := s.candidates(size, tier, host)
@@ -268,6 +286,10 @@ func (s *Server) roomIn(ctx context.Context, id string, size uint64, now time.Ti
 			return true
 		}
 		objs := s.fsm.completeOn(id)
+		if since, from := s.leadership(); now.Before(from) {
+			// Only what no earlier leader can have leased.
+			objs = filterObjects(objs, func(o evictable) bool { return o.created >= since.UnixNano() })
+		}
 		need := size - view.largestFree
 		if round > 0 {
 			need = size << round // fragmentation: free more each round

@@ -266,8 +266,10 @@ func TestEvictPressureConcurrent(t *testing.T) {
 	}
 }
 
-// TestEvictNotBeforeLeaseTTL: a new leader evicts nothing until one lease
-// TTL after it took over, so leases granted by an earlier leader hold.
+// TestEvictNotBeforeLeaseTTL: in its first lease TTL a leader evicts
+// nothing an earlier leader can have leased (what was made before it took
+// over): a put into a full segment waits for the TTL instead of failing,
+// and the sweep waits too.
 func TestEvictNotBeforeLeaseTTL(t *testing.T) {
 	t.Parallel()
 	e := newEvictEnv(t, func(cfg *Config) {
@@ -276,24 +278,55 @@ func TestEvictNotBeforeLeaseTTL(t *testing.T) {
 	})
 	m := e.m
 	batchPut(t, m, 64*kib, keyNames("k", 16)...)
-	if time.Now().Before(m.srv.evictableFrom()) {
-		_, err := m.master().PutStart(rpcCtx(t), &pb.PutStartRequest{Key: "early", Size: 64 * kib})
-		wantCode(t, err, codes.ResourceExhausted, "a put into a full segment before the leader may evict")
-		time.Sleep(100 * time.Millisecond) // two sweeps
-		if time.Now().Before(m.srv.evictableFrom()) && e.used(t) != segCap {
-			t.Fatal("the sweep evicted before the leader may evict")
+	// As if this leader took over now, from one that may have leased them.
+	m.srv.mu.Lock()
+	m.srv.mu.leaderSince = m.srv.cfg.Now()
+	m.srv.mu.Unlock()
+	from := m.srv.evictableFrom()
+	done := make(chan error, 1)
+	go func() { done <- tryPut(rpcCtx(t), m, "early", 64*kib) }()
+	for m.srv.cfg.Now().Before(from) {
+		if u := e.used(t); u < segCap && m.srv.cfg.Now().Before(from) {
+			t.Fatalf("used %d of %d before the leader may evict what an earlier one leased", u, segCap)
 		}
-	} else {
-		t.Log("setup outlasted the lease TTL; skipping the early checks")
+		select {
+		case err := <-done:
+			if m.srv.cfg.Now().Before(from) {
+				t.Fatalf("the put into a full segment was answered (%v) before the leader may evict", err)
+			}
+			done <- err
+		case <-time.After(50 * time.Millisecond):
+		}
 	}
-	e.waitEvictable(t)
-	waitFor(t, 5*time.Second, "the sweep brings the segment down", func() error {
-		if u := e.used(t); float64(u) > 0.45*segCap {
+	if err := <-done; err != nil {
+		t.Fatalf("the put that waited for the lease TTL: %v", err)
+	}
+	waitFor(t, 5*time.Second, "the segment down to its watermark", func() error {
+		if u := e.used(t); float64(u) > 0.5*segCap {
 			return fmt.Errorf("used %d", u)
 		}
 		return nil
 	})
 	putObject(t, m, "late", 64*kib)
+}
+
+// TestNewLeaderEvictsWhatItMade: in its first lease TTL a leader evicts
+// what it made itself (it knows every lease on that), so a put into a
+// pool it filled is not refused nor held.
+func TestNewLeaderEvictsWhatItMade(t *testing.T) {
+	t.Parallel()
+	e := newEvictEnv(t, func(cfg *Config) { cfg.LeaseTTL = time.Minute })
+	m := e.m
+	batchPut(t, m, 64*kib, keyNames("k", 16)...)
+	if !m.srv.cfg.Now().Before(m.srv.evictableFrom()) {
+		t.Fatal("setup outlasted a minute's lease TTL")
+	}
+	if err := tryPut(rpcCtx(t), m, "more", 64*kib); err != nil {
+		t.Fatalf("a put into a pool this leader filled, in its first lease TTL: %v", err)
+	}
+	if !m.srv.cfg.Now().Before(m.srv.evictableFrom()) {
+		t.Fatal("the put waited for the lease TTL")
+	}
 }
 
 // TestEvictHardPin: a hard-pinned object is never evicted, even when it is

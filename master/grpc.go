@@ -330,7 +330,9 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 	exts, used, err := m.s.place(ctx, item, want, it.Tier, place(it.Size, it.Tier), views)
 	for attempt := 0; attempt < maxRoomAttempts && errors.Is(err, ErrNoSpace); attempt++ {
 		// A put under memory pressure evicts instead of failing.
-		if !m.s.makeRoom(ctx, it.Size, it.Tier, host) {
+		// In its first lease TTL a leader evicts only what it made itself;
+		// the put then waits for the rest rather than fail.
+		if !m.s.makeRoom(ctx, it.Size, it.Tier, host) && !m.s.awaitEvictable(ctx, p.deadline) {
 			break
 		}
 		exts, used, err = m.s.place(ctx, item, want, it.Tier, m.s.candidates(it.Size, it.Tier, host), views)

@@ -2,6 +2,7 @@ package master
 
 import (
 	"cmp"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -45,8 +46,8 @@ func (f *FSM) complete(keys []string) []*object {
 	return out
 }
 
-// leaseEnd is when the last read lease on the objects of keys ends (unix
-// nanos; 0: none).
+// leaseEnd is when the last read lease this leader granted on the objects
+// of keys ends (unix nanos; 0: none).
 func (f *FSM) leaseEnd(keys []string) int64 {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
@@ -57,6 +58,20 @@ func (f *FSM) leaseEnd(keys []string) int64 {
 		}
 	}
 	return end
+}
+
+// oldest is when the oldest object of keys was made (unix nanos;
+// math.MaxInt64: none is there).
+func (f *FSM) oldest(keys []string) int64 {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	oldest := int64(math.MaxInt64)
+	for _, k := range keys {
+		if o := f.objects.get(k); o != nil {
+			oldest = min(oldest, o.created)
+		}
+	}
+	return oldest
 }
 
 // leasedAt reports which of keys have objects read-leased at now.

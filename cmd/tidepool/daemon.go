@@ -420,7 +420,7 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	engineAddr := fs.String("engine", defaultEngine, "store transfer engine address")
 	dram := fs.String("dram", "1GiB", "size of the store's DRAM tier")
 	ssd := fs.String("ssd", "1GiB", "size of the store's SSD tier, a file under --dir (0: none)")
-	leaseTTL := fs.Duration("lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get; the master evicts nothing for this long after it starts")
+	leaseTTL := fs.Duration("lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get; for this long after it becomes leader the master evicts only what it made itself")
 	var promoteAfter int
 	promoteFlag(fs, &promoteAfter)
 	var prefault bool
