@@ -362,13 +362,15 @@ func (s *Server) leaseEnd(keys []string) time.Time {
 // cachedEnds are, per key, until when a client may answer it from its
 // lookup cache (unix nanos): when the last lookup lease this leader granted
 // on it ends, or, in its first lease TTL, the end of any an earlier leader
-// may have granted. Nil if no key may be cached.
+// may have granted on an object made before it took over. Nil if no key
+// may be cached.
 func (s *Server) cachedEnds(keys []string) []int64 {
-	from := s.evictableFrom().UnixNano()
-	if from <= s.cfg.Now().UnixNano() {
-		from = 0
+	since, from := s.leadership()
+	var until int64 // no earlier leader's lease is left
+	if from.After(s.cfg.Now()) {
+		until = from.UnixNano()
 	}
-	return s.fsm.cachedUntil(keys, from)
+	return s.fsm.cachedUntil(keys, since.UnixNano(), until)
 }
 
 // moves reports whether a copy for reason replaces its source (demotion,

@@ -650,16 +650,19 @@ func selectSmallest[T any](s []T, k int, cmp func(a, b T) int) {
 }
 
 // cachedUntil is, per key, when the last lookup lease this leader granted
-// on it ends, and no earlier than from (unix nanos; 0: none). Nil if every
-// one is 0.
-func (f *FSM) cachedUntil(keys []string, from int64) []int64 {
+// on it ends, and, for an object made before since, no earlier than from
+// (unix nanos; 0: none). Nil if every one is 0.
+func (f *FSM) cachedUntil(keys []string, since, from int64) []int64 {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var out []int64
 	for i, k := range keys {
-		end := from
+		var end int64
 		if o := f.objects.get(k); o != nil {
-			end = max(end, o.cachedUntil())
+			end = o.cachedUntil()
+			if o.created < since {
+				end = max(end, from)
+			}
 		}
 		if end != 0 && out == nil {
 			out = make([]int64, len(keys))

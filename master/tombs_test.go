@@ -106,19 +106,30 @@ func TestRePutWaitsForLookupLeases(t *testing.T) {
 }
 
 // TestNewLeaderTombsEveryRemoval: in its first lease TTL a leader does not
-// know which keys an earlier one leased to lookups, so every removal holds
-// re-puts of its keys until that TTL is over.
+// know which keys an earlier one leased to lookups, so every removal of an
+// object made before it took over holds re-puts of the key until that TTL
+// is over; one it made itself, which no lookup leased, holds none.
 func TestNewLeaderTombsEveryRemoval(t *testing.T) {
 	t.Parallel()
 	c := newCluster(t, 1, func(cfg *Config) { cfg.LeaseTTL = 30 * time.Second })
 	m := c.leader()
 	register(t, m, "s", "ep", dram("a", 8<<20))
-	if err := tryPut(rpcCtx(t), m, "k", 64); err != nil {
+	if err := tryPut(rpcCtx(t), m, "old", 64); err != nil {
 		t.Fatal(err)
 	}
-	items(t, m, "remove", m.master().Remove, "k")
-	if got, want := m.srv.fsm.tombUntil([]string{"k"}), m.srv.evictableFrom().UnixNano(); got != want {
-		t.Errorf("tomb until %d, want the end of the leader's first TTL %d", got, want)
+	// As if this leader took over now, from one that may have leased it.
+	m.srv.mu.Lock()
+	m.srv.mu.leaderSince = m.srv.cfg.Now()
+	m.srv.mu.Unlock()
+	if err := tryPut(rpcCtx(t), m, "mine", 64); err != nil {
+		t.Fatal(err)
+	}
+	items(t, m, "remove", m.master().Remove, "old", "mine")
+	if got, want := m.srv.fsm.tombUntil([]string{"old"}), m.srv.evictableFrom().UnixNano(); got != want {
+		t.Errorf("tomb of an object an earlier leader may have leased until %d, want the end of the leader's first TTL %d", got, want)
+	}
+	if got := m.srv.fsm.tombUntil([]string{"mine"}); got != 0 {
+		t.Errorf("an object this leader made and no lookup leased has a tomb until %d", got)
 	}
 }
 
