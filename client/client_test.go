@@ -334,12 +334,13 @@ func TestClient(t *testing.T) {
 }
 
 // TestPoolLimits fills a small pool: a value larger than any segment is
-// ErrTooLarge, a value that does not fit now is ErrNoSpace, the objects
-// already stored are untouched, and removed space returns only after the
-// read leases on it end.
+// ErrTooLarge, a value that does not fit now (every object read-leased, so
+// none can be evicted) is ErrNoSpace, the objects already stored are
+// untouched, and removed space returns only after the read leases on it
+// end.
 func TestPoolLimits(t *testing.T) {
 	const capacity = 4 << 20
-	const lease = 2 * time.Second
+	const lease = 5 * time.Second
 	c := newCluster(t, clusterOpts{
 		stores: []storeSpec{{id: "s0", capacity: capacity}},
 		master: func(cfg *master.Config) { cfg.LeaseTTL = lease },
@@ -355,6 +356,11 @@ func TestPoolLimits(t *testing.T) {
 		vals[i] = value(uint64(i), 1<<20)
 		if err := cl.Put(ctx, fmt.Sprintf("full/%d", i), vals[i]); err != nil {
 			t.Fatalf("Put %d: %v", i, err)
+		}
+	}
+	for i, want := range vals { // leased by the reads
+		if got, err := cl.Get(ctx, fmt.Sprintf("full/%d", i)); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("Get full/%d: %d bytes, %v", i, len(got), err)
 		}
 	}
 	for _, size := range []int{1 << 20, 1} {
