@@ -559,8 +559,8 @@ class VLLMTest(_Cluster):
 @unittest.skipUnless(torch is not None, "needs torch (python3-torch)")
 class BackPressureTest(_Cluster):
     """A pool of 4 MiB of DRAM, no SSD, and a lease TTL longer than the
-    test: the master evicts nothing for one lease TTL after it starts, so
-    once the pool is full nothing is evictable and puts find no room."""
+    test: once the pool is full and its objects are read (leased for the
+    whole test), nothing is evictable and puts find no room."""
 
     UP_EXTRA = ("--dram", "4MiB", "--ssd", "0", "--lease-ttl", "10m")
 
@@ -593,7 +593,10 @@ class BackPressureTest(_Cluster):
         stored = [k for k, r in zip(keys, res) if r == OK]
         refused = [k for k, r in zip(keys, res) if r != OK]
         self.assertEqual(s.batch_is_exist(refused), [0] * len(refused))
-        # Nothing is evictable: every new put answers -200, whatever its path.
+        # Read, so leased: nothing is evictable, and every new put answers
+        # -200, whatever its path.
+        for k in stored:
+            self.assertEqual(len(s.get(k)), MiB)
         more = self.keys(4, "more")
         self.assertEqual(s.put_from(more[0], ptr, 64 * KiB), NO_AVAILABLE_HANDLE)
         self.assertEqual(s.put_from(more[1], sp, 64 * KiB), NO_AVAILABLE_HANDLE)
