@@ -353,8 +353,8 @@ func (s *Server) leaseEnd(keys []string) time.Time {
 	t := time.Unix(0, s.fsm.leaseEnd(keys))
 	// An earlier leader may have leased what was made before this one took
 	// over, to the end of its first lease TTL.
-	if since, from := s.leadership(); from.After(t) && s.fsm.oldest(keys) < since.UnixNano() {
-		t = from
+	if l := s.leadership(); l.evictable.After(t) && !(l.leading && s.fsm.madeIn(keys, l.term)) {
+		t = l.evictable
 	}
 	return t
 }
@@ -365,12 +365,16 @@ func (s *Server) leaseEnd(keys []string) time.Time {
 // may have granted on an object made before it took over. Nil if no key
 // may be cached.
 func (s *Server) cachedEnds(keys []string) []int64 {
-	since, from := s.leadership()
+	l := s.leadership()
 	var until int64 // no earlier leader's lease is left
-	if from.After(s.cfg.Now()) {
-		until = from.UnixNano()
+	if l.evictable.After(s.cfg.Now()) {
+		until = l.evictable.UnixNano()
 	}
-	return s.fsm.cachedUntil(keys, since.UnixNano(), until)
+	term := l.term
+	if !l.leading {
+		term = 0 // no term's objects are known to be this node's
+	}
+	return s.fsm.cachedUntil(keys, term, until)
 }
 
 // moves reports whether a copy for reason replaces its source (demotion,

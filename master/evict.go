@@ -227,31 +227,36 @@ func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 
 // evictableFrom is when this leader may evict: one lease TTL after it took
 // over, so no lease an earlier leader granted is broken.
-func (s *Server) evictableFrom() time.Time {
-	_, from := s.leadership()
-	return from
+func (s *Server) evictableFrom() time.Time { return s.leadership().evictable }
+
+// leadershipState is this node's leadership as eviction needs it.
+type leadershipState struct {
+	leading bool // a caught-up leader
+	term    uint64
+	// evictable is the end of its first lease TTL: until then an object
+	// an earlier leader saw complete may be leased by it, and only one
+	// made in this term (object.madeIn) is known to be leased by none but
+	// this leader.
+	evictable time.Time
 }
 
-// leadership is when this leader took over, and when its first lease TTL
-// ends: until then an object made before it took over may be leased by an
-// earlier leader, and one made since only by this one, which knows.
-func (s *Server) leadership() (since, evictable time.Time) {
+func (s *Server) leadership() leadershipState {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.mu.leaderSince, s.mu.leaderSince.Add(s.cfg.LeaseTTL)
+	return leadershipState{s.mu.leader, s.mu.leaderTerm, s.mu.leaderSince.Add(s.cfg.LeaseTTL)}
 }
 
 // awaitEvictable waits, for a put that found no room, until this leader
-// may evict what an earlier one may have leased, if that is before the
-// put's deadline. It reports whether it waited (false at once if the
-// leader may evict already).
+// may evict what an earlier one may have leased, if the put then still has
+// at least half its write time. It reports whether it waited (false at
+// once if the leader may evict already).
 func (s *Server) awaitEvictable(ctx context.Context, deadline time.Time) bool {
-	_, from := s.leadership()
+	l := s.leadership()
 	now := s.cfg.Now()
-	if !now.Before(from) || from.After(deadline) {
+	if !l.leading || !now.Before(l.evictable) || deadline.Sub(l.evictable) < s.cfg.PutTimeout/2 {
 		return false
 	}
-	return s.sleep(ctx, from.Sub(now)) == nil
+	return s.sleep(ctx, l.evictable.Sub(now)) == nil
 }
 
 // makeRoom evicts from the best segment for an object of size bytes until
@@ -286,9 +291,11 @@ func (s *Server) roomIn(ctx context.Context, id string, size uint64, now time.Ti
 			return true
 		}
 		objs := s.fsm.completeOn(id)
-		if since, from := s.leadership(); now.Before(from) {
+		if l := s.leadership(); !l.leading {
+			return false
+		} else if now.Before(l.evictable) {
 			// Only what no earlier leader can have leased.
-			objs = filterObjects(objs, func(o evictable) bool { return o.created >= since.UnixNano() })
+			objs = filterObjects(objs, func(o evictable) bool { return o.madeIn(l.term) })
 		}
 		need := size - view.largestFree
 		if round > 0 {

@@ -282,6 +282,7 @@ func TestEvictNotBeforeLeaseTTL(t *testing.T) {
 	m.srv.mu.Lock()
 	m.srv.mu.leaderSince = m.srv.cfg.Now()
 	m.srv.mu.Unlock()
+	publishedEarlier(m.srv.fsm)
 	from := m.srv.evictableFrom()
 	done := make(chan error, 1)
 	go func() { done <- tryPut(rpcCtx(t), m, "early", 64*kib) }()
@@ -308,6 +309,16 @@ func TestEvictNotBeforeLeaseTTL(t *testing.T) {
 		return nil
 	})
 	putObject(t, m, "late", 64*kib)
+}
+
+// publishedEarlier makes every object look published in an earlier term
+// than the leader's, as after a leader change.
+func publishedEarlier(f *FSM) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, o := range f.objects.all() {
+		o.setFlag(flagPublishedInTerm, false)
+	}
 }
 
 // TestNewLeaderEvictsWhatItMade: in its first lease TTL a leader evicts

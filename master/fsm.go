@@ -218,7 +218,7 @@ func (f *FSM) Apply(l *raft.Log) any {
 		}
 		errs := make([]error, len(op.Publish.Items))
 		for i, it := range op.Publish.Items {
-			errs[i] = f.publish(it, now)
+			errs[i] = f.publish(it, now, l.Term)
 		}
 		return errs
 	case *pb.Command_Release:

@@ -43,7 +43,16 @@ const (
 	flagHard    uint8 = 1 << iota // hard pinned: never evicted
 	flagHasRare                   // FSM.rares has its rare part
 	flagGone                      // out of the table
+	// flagPublishedInTerm: published in the term its put id names (put
+	// ids are term<<40 | seq), so no leader of an earlier term saw it
+	// complete, nor leased it.
+	flagPublishedInTerm
 )
+
+// madeIn reports whether the object became complete in raft term term.
+func (o *object) madeIn(term uint64) bool {
+	return o.flags&flagPublishedInTerm != 0 && o.putID>>40 == term
+}
 
 func (o *object) hard() bool    { return o.flags&flagHard != 0 }
 func (o *object) hasRare() bool { return o.flags&flagHasRare != 0 }

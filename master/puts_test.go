@@ -71,6 +71,7 @@ func TestPutPlacedBeforeFailover(t *testing.T) {
 		}
 		return nil
 	})
+	leader = c.leader() // a loaded machine may have elected another meanwhile
 	resp, err := leader.master().BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{
 		Key: "old1", PutId: started[1].PutId, Size: 4096, Replicas: started[1].Replicas, Reservations: started[1].Reservations,
 	}}})

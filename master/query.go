@@ -2,7 +2,6 @@ package master
 
 import (
 	"cmp"
-	"math"
 	"slices"
 	"strings"
 	"time"
@@ -60,18 +59,17 @@ func (f *FSM) leaseEnd(keys []string) int64 {
 	return end
 }
 
-// oldest is when the oldest object of keys was made (unix nanos;
-// math.MaxInt64: none is there).
-func (f *FSM) oldest(keys []string) int64 {
+// madeIn reports whether every object of keys that is there became
+// complete in raft term term.
+func (f *FSM) madeIn(keys []string, term uint64) bool {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	oldest := int64(math.MaxInt64)
 	for _, k := range keys {
-		if o := f.objects.get(k); o != nil {
-			oldest = min(oldest, o.created)
+		if o := f.objects.get(k); o != nil && !o.madeIn(term) {
+			return false
 		}
 	}
-	return oldest
+	return true
 }
 
 // leasedAt reports which of keys have objects read-leased at now.
@@ -372,7 +370,11 @@ type evictable struct {
 	tenant   string
 	used     int64 // the object's used, when scanned
 	lease    int64 // the end of its read lease, when scanned
+	inTerm   bool  // published in the term its put id names (see object.madeIn)
 }
+
+// madeIn reports whether the object became complete in raft term term.
+func (o evictable) madeIn(term uint64) bool { return o.inTerm && o.putID>>40 == term }
 
 // lastUse is an object's recency: the last access this leader saw, else
 // its creation.
@@ -423,7 +425,7 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 		e := evictable{
 			key: o.key(), size: o.size, created: o.created, hard: o.hard(), softPin: f.softPin(o), checksum: o.checksum,
 			putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[o.key()], tenant: f.tenantOf(o),
-			depth: f.depth(o, depths), used: o.used.Load(), lease: o.lease.Load(),
+			depth: f.depth(o, depths), used: o.used.Load(), lease: o.lease.Load(), inTerm: o.flags&flagPublishedInTerm != 0,
 		}
 		for _, r := range f.exts(o) {
 			if s := f.seg(r); s != nil {
@@ -650,9 +652,9 @@ func selectSmallest[T any](s []T, k int, cmp func(a, b T) int) {
 }
 
 // cachedUntil is, per key, when the last lookup lease this leader granted
-// on it ends, and, for an object made before since, no earlier than from
+// on it ends, and, for an object not made in term, no earlier than from
 // (unix nanos; 0: none). Nil if every one is 0.
-func (f *FSM) cachedUntil(keys []string, since, from int64) []int64 {
+func (f *FSM) cachedUntil(keys []string, term uint64, from int64) []int64 {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	var out []int64
@@ -660,7 +662,7 @@ func (f *FSM) cachedUntil(keys []string, since, from int64) []int64 {
 		var end int64
 		if o := f.objects.get(k); o != nil {
 			end = o.cachedUntil()
-			if o.created < since {
+			if !o.madeIn(term) {
 				end = max(end, from)
 			}
 		}

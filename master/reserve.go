@@ -107,7 +107,7 @@ func (s *segment) carve(id, off, n uint64) bool {
 // publish makes a put COMPLETE with the replicas it can carve out of
 // reservations. A key that is already complete is left as it is (objects
 // are immutable) and succeeds; its reserved space goes back at release.
-func (f *FSM) publish(it *pb.PublishItem, now int64) error {
+func (f *FSM) publish(it *pb.PublishItem, now int64, term uint64) error {
 	if o := f.objects.get(it.Key); o != nil {
 		if o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			return nil
@@ -142,7 +142,8 @@ func (f *FSM) publish(it *pb.PublishItem, now int64) error {
 		}
 		return fmt.Errorf("%w: %q (its space was released: the put expired)", ErrNotInProgress, it.Key)
 	}
-	f.newObject(it.Key, it.Size, it.Checksum, it.PutId, now, it.Parent, it.Tenant, exts)
+	o := f.newObject(it.Key, it.Size, it.Checksum, it.PutId, now, it.Parent, it.Tenant, exts)
+	o.setFlag(flagPublishedInTerm, it.PutId>>40 == term)
 	return nil
 }
 

@@ -107,29 +107,31 @@ func TestRePutWaitsForLookupLeases(t *testing.T) {
 
 // TestNewLeaderTombsEveryRemoval: in its first lease TTL a leader does not
 // know which keys an earlier one leased to lookups, so every removal of an
-// object made before it took over holds re-puts of the key until that TTL
-// is over; one it made itself, which no lookup leased, holds none.
+// object an earlier leader saw complete holds re-puts of the key until that
+// TTL is over; one it made itself, which no lookup leased, holds none.
 func TestNewLeaderTombsEveryRemoval(t *testing.T) {
 	t.Parallel()
 	c := newCluster(t, 1, func(cfg *Config) { cfg.LeaseTTL = 30 * time.Second })
 	m := c.leader()
 	register(t, m, "s", "ep", dram("a", 8<<20))
-	if err := tryPut(rpcCtx(t), m, "old", 64); err != nil {
-		t.Fatal(err)
+	for _, k := range []string{"mine", "old"} {
+		if err := tryPut(rpcCtx(t), m, k, 64); err != nil {
+			t.Fatal(err)
+		}
 	}
-	// As if this leader took over now, from one that may have leased it.
+	items(t, m, "remove", m.master().Remove, "mine")
+	if got := m.srv.fsm.tombUntil([]string{"mine"}); got != 0 {
+		t.Errorf("an object this leader made and no lookup leased has a tomb until %d", got)
+	}
+	// As if this leader took over now, in a new term, from one that may
+	// have leased what is there.
 	m.srv.mu.Lock()
 	m.srv.mu.leaderSince = m.srv.cfg.Now()
 	m.srv.mu.Unlock()
-	if err := tryPut(rpcCtx(t), m, "mine", 64); err != nil {
-		t.Fatal(err)
-	}
-	items(t, m, "remove", m.master().Remove, "old", "mine")
+	publishedEarlier(m.srv.fsm)
+	items(t, m, "remove", m.master().Remove, "old")
 	if got, want := m.srv.fsm.tombUntil([]string{"old"}), m.srv.evictableFrom().UnixNano(); got != want {
 		t.Errorf("tomb of an object an earlier leader may have leased until %d, want the end of the leader's first TTL %d", got, want)
-	}
-	if got := m.srv.fsm.tombUntil([]string{"mine"}); got != 0 {
-		t.Errorf("an object this leader made and no lookup leased has a tomb until %d", got)
 	}
 }
 
