@@ -45,24 +45,32 @@ func TestReview13TombHoles(t *testing.T) {
 		return mt.Blocks[0].Checksum, nil
 	}
 
-	t.Run("ExistsPut", func(t *testing.T) {
-		key := chainKeys(tokenBlocks(1300, 1))[0]
-		put(a, key, 0)
-		if sum, err := lookupSum(bystander, key); err != nil || sum != client.Checksum(incarnation(key, 0)) {
-			t.Fatalf("bystander lookup: %08x, %v", sum, err)
-		}
+	// rePutHeld removes key on a and puts it again there, and returns once
+	// the new one is published (a's put is held meanwhile), with the
+	// channel its put's result comes on.
+	rePutHeld := func(key string) chan error {
+		t.Helper()
 		if err := a.Remove(ctx, key); err != nil {
 			t.Fatal(err)
 		}
 		held := make(chan error, 1)
 		go func() { held <- a.Put(ctx, key, incarnation(key, 1)) }()
-		// Once a's put is published, b's put is answered Exists.
 		waitFor(t, 10*time.Second, func() error {
 			if n, err := b.BatchExists(ctx, []string{key}); err != nil || n != 1 {
 				return fmt.Errorf("not published yet (%d, %v)", n, err)
 			}
 			return nil
 		})
+		return held
+	}
+
+	t.Run("ExistsPut", func(t *testing.T) {
+		key := chainKeys(tokenBlocks(1300, 1))[0]
+		put(a, key, 0)
+		if sum, err := lookupSum(bystander, key); err != nil || sum != client.Checksum(incarnation(key, 0)) {
+			t.Fatalf("bystander lookup: %08x, %v", sum, err)
+		}
+		held := rePutHeld(key) // once it is published, b's put is answered Exists
 		start := time.Now()
 		put(b, key, 2)
 		took := time.Since(start)
@@ -85,17 +93,7 @@ func TestReview13TombHoles(t *testing.T) {
 		if _, err := lookupSum(bystander, key); err != nil {
 			t.Fatal(err)
 		}
-		if err := a.Remove(ctx, key); err != nil {
-			t.Fatal(err)
-		}
-		held := make(chan error, 1)
-		go func() { held <- a.Put(ctx, key, incarnation(key, 1)) }()
-		waitFor(t, 10*time.Second, func() error {
-			if n, err := b.BatchExists(ctx, []string{key}); err != nil || n != 1 {
-				return fmt.Errorf("not published yet (%d, %v)", n, err)
-			}
-			return nil
-		})
+		held := rePutHeld(key)
 		start := time.Now()
 		put(a, fresh, 0) // never removed: nothing to wait for
 		if took := time.Since(start); took > lease/3 {

@@ -279,10 +279,7 @@ func TestEvictNotBeforeLeaseTTL(t *testing.T) {
 	m := e.m
 	batchPut(t, m, 64*kib, keyNames("k", 16)...)
 	// As if this leader took over now, from one that may have leased them.
-	m.srv.mu.Lock()
-	m.srv.mu.leaderSince = m.srv.cfg.Now()
-	m.srv.mu.Unlock()
-	publishedEarlier(m.srv.fsm)
+	asIfNewLeader(m)
 	from := m.srv.evictableFrom()
 	done := make(chan error, 1)
 	go func() { done <- tryPut(rpcCtx(t), m, "early", 64*kib) }()
@@ -311,9 +308,14 @@ func TestEvictNotBeforeLeaseTTL(t *testing.T) {
 	putObject(t, m, "late", 64*kib)
 }
 
-// publishedEarlier makes every object look published in an earlier term
-// than the leader's, as after a leader change.
-func publishedEarlier(f *FSM) {
+// asIfNewLeader makes m look as if it took over now from an earlier
+// leader: its first lease TTL starts, and every object looks published in
+// an earlier term, so that leader may have leased it.
+func asIfNewLeader(m *member) {
+	m.srv.mu.Lock()
+	m.srv.mu.leaderSince = m.srv.cfg.Now()
+	m.srv.mu.Unlock()
+	f := m.srv.fsm
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for _, o := range f.objects.all() {

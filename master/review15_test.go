@@ -141,10 +141,7 @@ func TestReview15WaitedPutLeftNoTimeToWrite(t *testing.T) {
 	m := e.m
 	batchPut(t, m, 64*kib, keyNames("k", 16)...)
 	// As if this leader took over now, from one that may have leased them.
-	m.srv.mu.Lock()
-	m.srv.mu.leaderSince = m.srv.cfg.Now()
-	m.srv.mu.Unlock()
-	publishedEarlier(m.srv.fsm)
+	asIfNewLeader(m)
 	asked := time.Now()
 	r, err := m.master().PutStart(rpcCtx(t), &pb.PutStartRequest{Key: "late", Size: 64 * kib, Checksum: 1})
 	if status.Code(err) == codes.ResourceExhausted {

@@ -125,10 +125,7 @@ func TestNewLeaderTombsEveryRemoval(t *testing.T) {
 	}
 	// As if this leader took over now, in a new term, from one that may
 	// have leased what is there.
-	m.srv.mu.Lock()
-	m.srv.mu.leaderSince = m.srv.cfg.Now()
-	m.srv.mu.Unlock()
-	publishedEarlier(m.srv.fsm)
+	asIfNewLeader(m)
 	items(t, m, "remove", m.master().Remove, "old")
 	if got, want := m.srv.fsm.tombUntil([]string{"old"}), m.srv.evictableFrom().UnixNano(); got != want {
 		t.Errorf("tomb of an object an earlier leader may have leased until %d, want the end of the leader's first TTL %d", got, want)
