@@ -124,7 +124,15 @@ func (s *Server) drainStep(ctx context.Context, n nodeState) {
 	mine := func(id string) bool { return slices.Contains(n.segments, id) }
 	// Another replica counts only on a node that heartbeat recently: one
 	// on a silent node may be gone with it.
-	elsewhere := func(id string) bool { return !mine(id) && s.fresh(nodeOf[id]) }
+	others := func(o evictable) int {
+		var nodes []string
+		for _, id := range o.segments {
+			if n := nodeOf[id]; !mine(id) && s.fresh(n) && !slices.Contains(nodes, n) {
+				nodes = append(nodes, n)
+			}
+		}
+		return len(nodes)
+	}
 	var jobs []copyJob
 	var drops []drop
 	objs := s.fsm.completeObjects(func(string) bool { return true })
@@ -134,17 +142,21 @@ func (s *Server) drainStep(ctx context.Context, n nodeState) {
 		if i < 0 || o.copying {
 			continue
 		}
-		if slices.ContainsFunc(o.segments, elsewhere) {
+		// The replica is dropped if as many nodes as the put asked for keep
+		// one, or if some keep one and no other node can take a copy (the
+		// object is re-replicated once one can); else it moves.
+		kept := others(o)
+		var cands []string
+		if kept < o.want && len(jobs) < maxDrainPerSweep {
+			cands = s.candidatesBeside(o.size, tiers[o.segments[i]], o.segments, nodeOf)
+		}
+		switch {
+		case kept >= o.want || (kept > 0 && len(cands) == 0 && len(jobs) < maxDrainPerSweep):
 			if len(drops) < maxDrainPerSweep {
 				drops = append(drops, drop{o, o.segments[i]})
 			}
-			continue
-		}
-		if len(jobs) < maxDrainPerSweep {
-			jobs = append(jobs, copyJob{
-				key: o.key, putID: o.putID, source: o.segments[i], reason: pb.CopyReason_COPY_REASON_DRAIN,
-				candidates: s.candidates(o.size, tiers[o.segments[i]], ""),
-			})
+		case len(jobs) < maxDrainPerSweep:
+			jobs = append(jobs, copyJob{key: o.key, putID: o.putID, source: o.segments[i], reason: pb.CopyReason_COPY_REASON_DRAIN, candidates: cands})
 		}
 	}
 	dropped := s.dropReplicas(ctx, drops, "drain")

@@ -30,6 +30,7 @@ type FSM struct {
 	children map[string]int       // key -> objects naming it as their parent
 	inFlight map[*object]struct{} // objects of puts started by a PutStartCmd, not ended
 	copying  map[*object]struct{} // objects with copies in flight
+	under    map[*object]struct{} // complete objects on fewer nodes than their put asked for
 	rares    map[*object]*rare    // the rare fields of the objects that have any
 	segAt    []*segment           // by segment index (nil: gone; 0 is never used)
 	tenantIx map[string]uint16    // interned tenant names, by index
@@ -82,6 +83,7 @@ func (f *FSM) reset() {
 	f.children = map[string]int{}
 	f.inFlight = map[*object]struct{}{}
 	f.copying = map[*object]struct{}{}
+	f.under = map[*object]struct{}{}
 	f.rares = map[*object]*rare{}
 	f.segAt = []*segment{nil}
 	f.tenantIx = map[string]uint16{}
@@ -316,7 +318,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 	if len(exts) > 0 {
 		o := f.newObject(it.Key, it.Size, it.Checksum, putID, now, it.Parent, it.Tenant, exts)
 		o.setState(pb.ObjectState_OBJECT_STATE_PROCESSING)
-		f.edit(o, func(r *rare) { r.deadline = it.DeadlineUnixNano })
+		f.edit(o, func(r *rare) { r.deadline, r.want = it.DeadlineUnixNano, wanted(it.Replicas) })
 		return PutStartResult{Replicas: f.pbExtents(o), PutID: putID}
 	}
 	if len(f.segments) == 0 {
@@ -523,6 +525,7 @@ func (f *FSM) forget(o *object) {
 	o.setFlag(flagGone, true)
 	delete(f.inFlight, o)
 	delete(f.copying, o)
+	delete(f.under, o)
 	if p := o.parent(); p != "" {
 		if f.children[p]--; f.children[p] <= 0 {
 			delete(f.children, p)
@@ -745,7 +748,7 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 			Key: k, Size: o.size, Checksum: o.checksum, State: o.pbState(),
 			CreatedUnixNano: o.created, DeadlineUnixNano: f.deadline(o), Replicas: f.pbExtents(o), PutId: o.putID,
 			HardPinned: o.hard(), SoftPinUntilUnixNano: f.softPin(o),
-			Copies: f.copies(o), Parent: o.parent(), Tenant: f.tenantOf(o),
+			Copies: f.copies(o), Parent: o.parent(), Tenant: f.tenantOf(o), ReplicasWanted: uint32(f.want(o)),
 		})
 	}
 	for _, id := range sortedKeys(f.nodes) {
@@ -841,7 +844,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		o.setState(po.State)
 		o.setFlag(flagHard, po.HardPinned)
 		f.edit(o, func(r *rare) {
-			r.softPin, r.copies = po.SoftPinUntilUnixNano, copies
+			r.softPin, r.copies, r.want = po.SoftPinUntilUnixNano, copies, wanted(po.ReplicasWanted)
 			if o.is(pb.ObjectState_OBJECT_STATE_PROCESSING) { // older snapshots kept it on complete objects too
 				r.deadline = po.DeadlineUnixNano
 			}

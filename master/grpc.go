@@ -309,7 +309,7 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 		return fail(fmt.Errorf("%w: %d bytes, largest segment holds %d", ErrTooLarge, it.Size, largest))
 	}
 	t := m.s.puts
-	item := &pb.PublishItem{Key: it.Key, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant}
+	item := &pb.PublishItem{Key: it.Key, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant, ReplicasWanted: it.Replicas}
 	p := &pendingPut{item: item, deadline: now.Add(m.s.cfg.PutTimeout)}
 	t.mu.Lock()
 	if t.inProgress(it.Key, now) {
@@ -486,7 +486,12 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			errs[i] = fmt.Errorf("%w: PutEnd item of %q", ErrInvalidRequest, it.Key)
 			continue
 		}
-		pi := &pb.PublishItem{Key: it.Key, Size: it.Size, Checksum: it.Checksum, PutId: it.PutId, Parent: it.Parent, Tenant: it.Tenant, Reservations: it.Reservations}
+		// Another leader placed it: what it asked for is not known here,
+		// so it wants what was placed.
+		pi := &pb.PublishItem{
+			Key: it.Key, Size: it.Size, Checksum: it.Checksum, PutId: it.PutId, Parent: it.Parent, Tenant: it.Tenant,
+			Reservations: it.Reservations, ReplicasWanted: uint32(len(it.Replicas)),
+		}
 		for _, r := range it.Replicas {
 			pi.Replicas = append(pi.Replicas, &pb.Extent{Segment: r.Segment, Offset: r.Offset, Length: it.Size})
 		}
@@ -771,6 +776,8 @@ func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.St
 	}
 	_, complete, bytes := s.fsm.objectStats()
 	resp.Objects, resp.CompleteBytes = uint64(complete), bytes
+	rs := s.fsm.repairs()
+	resp.UnderReplicated, resp.Repairing = uint64(rs.under), uint64(rs.repairing)
 	return resp, nil
 }
 
@@ -906,4 +913,23 @@ func (m *masterService) ReportCorrupt(ctx context.Context, req *pb.CorruptReplic
 		m.s.metrics.corrupt()
 	}
 	return &pb.CorruptReplicaResponse{Dropped: dropped}, nil
+}
+
+// maxUnreachable bounds the segments of one UnreachableReport: those of a
+// batch's failed writes.
+const maxUnreachable = 256
+
+func (m *masterService) ReportUnreachable(ctx context.Context, req *pb.UnreachableReport) (*pb.UnreachableResponse, error) {
+	if len(req.Segments) > maxUnreachable {
+		return nil, fmt.Errorf("%w: %d segments in one report (at most %d)", ErrInvalidRequest, len(req.Segments), maxUnreachable)
+	}
+	if err := m.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	nodes := m.s.fsm.nodesOf(req.Segments)
+	if len(nodes) > 0 {
+		m.s.log.Warn("a client could not reach store nodes; placement avoids them until their heartbeats decide", "nodes", nodes)
+		m.s.avoid(nodes)
+	}
+	return &pb.UnreachableResponse{Nodes: nodes}, nil
 }

@@ -125,10 +125,47 @@ type rare struct {
 	softPin  int64    // soft pinned until then (unix nanos)
 	tenant   string   // a tenant beyond the interned ones
 	copies   []*pb.PendingCopy
+	want     uint8 // the nodes its put asked for replicas on, if more than one
 }
 
 func (r *rare) empty() bool {
-	return len(r.more) == 0 && r.deadline == 0 && r.softPin == 0 && r.tenant == "" && len(r.copies) == 0
+	return len(r.more) == 0 && r.deadline == 0 && r.softPin == 0 && r.tenant == "" && len(r.copies) == 0 && r.want == 0
+}
+
+// maxWanted bounds the replicas an object may ask for; the gRPC layer
+// refuses more.
+const maxWanted = 16
+
+// wanted is the want a rare part keeps for a put that asked for n
+// replicas: 0 for one (the default, kept in no rare part).
+func wanted(n uint32) uint8 {
+	if n <= 1 {
+		return 0
+	}
+	return uint8(min(n, maxWanted))
+}
+
+// want is how many nodes o's put asked for replicas on (at least 1).
+func (f *FSM) want(o *object) int {
+	if r := f.rareOf(o); r != nil && r.want > 1 {
+		return int(r.want)
+	}
+	return 1
+}
+
+// nodesHolding counts the distinct nodes exts lie on.
+func (f *FSM) nodesHolding(exts []extent) int {
+	n := 0
+	for i, e := range exts {
+		s := f.seg(e)
+		if s == nil {
+			continue
+		}
+		if !slices.ContainsFunc(exts[:i], func(x extent) bool { p := f.seg(x); return p != nil && p.node == s.node }) {
+			n++
+		}
+	}
+	return n
 }
 
 const objectHeader = unsafe.Sizeof(object{})
@@ -404,6 +441,15 @@ func (f *FSM) edit(o *object, fn func(r *rare)) {
 	}
 	mark(f.inFlight, o, o.is(pb.ObjectState_OBJECT_STATE_PROCESSING))
 	mark(f.copying, o, len(r.copies) > 0)
+	if r.want > 1 {
+		exts := r.more
+		if len(exts) == 0 && o.one[0].seg != 0 {
+			exts = o.one[:]
+		}
+		mark(f.under, o, o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) && f.nodesHolding(exts) < int(r.want))
+	} else {
+		delete(f.under, o)
+	}
 }
 
 func mark(set map[*object]struct{}, o *object, in bool) {

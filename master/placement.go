@@ -35,6 +35,13 @@ func (s *Server) candidates(size uint64, tier pb.Tier, clientHost string) []stri
 	// Segments that look full stay in: Apply first releases space whose
 	// leases have ended, which this view does not see yet.
 	views = slices.DeleteFunc(views, func(v segmentView) bool { return !s.alive(v.node) || v.closed() || v.capacity < size })
+	// Nodes a client could not reach stay out while another node is left:
+	// one client's report must not close the whole pool.
+	if avoided := s.avoided(); len(avoided) > 0 {
+		if rest := slices.DeleteFunc(slices.Clone(views), func(v segmentView) bool { return avoided[v.node] }); len(rest) > 0 {
+			views = rest
+		}
+	}
 	local := func(v segmentView) bool { return clientHost != "" && onHost(v.endpoint, clientHost) }
 	slices.SortStableFunc(views, func(a, b segmentView) int {
 		if (a.tier == tier) != (b.tier == tier) {
@@ -59,6 +66,15 @@ func (s *Server) candidates(size uint64, tier pb.Tier, clientHost string) []stri
 		ids[i] = v.id
 	}
 	return ids
+}
+
+// candidatesBeside is candidates for one more replica of an object on
+// segments: none on a node that holds one already, so the copy adds a
+// node. nodeOf maps segment ids to nodes.
+func (s *Server) candidatesBeside(size uint64, tier pb.Tier, segments []string, nodeOf map[string]string) []string {
+	return slices.DeleteFunc(s.candidates(size, tier, ""), func(id string) bool {
+		return slices.ContainsFunc(segments, func(held string) bool { return nodeOf[held] == nodeOf[id] })
+	})
 }
 
 // freerFirst compares free ratios (cap-used)/cap exactly, by

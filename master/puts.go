@@ -620,7 +620,7 @@ func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int
 		run.Reservations = append(run.Reservations, g.r.id)
 	}
 	for i := range count {
-		p := &pendingPut{item: &pb.PublishItem{Size: it.Size, Reservations: run.Reservations}, grant: true, deadline: deadline}
+		p := &pendingPut{item: &pb.PublishItem{Size: it.Size, Reservations: run.Reservations, ReplicasWanted: uint32(want)}, grant: true, deadline: deadline}
 		for _, g := range got {
 			p.item.Replicas = append(p.item.Replicas, &pb.Extent{Segment: g.r.segment, Offset: g.off + uint64(i)*n, Length: it.Size})
 			p.resv = append(p.resv, g.r)

@@ -371,6 +371,7 @@ type evictable struct {
 	used     int64 // the object's used, when scanned
 	lease    int64 // the end of its read lease, when scanned
 	inTerm   bool  // published in the term its put id names (see object.madeIn)
+	want     int   // the nodes its put asked for replicas on
 }
 
 // madeIn reports whether the object became complete in raft term term.
@@ -426,6 +427,7 @@ func (f *FSM) scan(keep func(*object) bool) []evictable {
 			key: o.key(), size: o.size, created: o.created, hard: o.hard(), softPin: f.softPin(o), checksum: o.checksum,
 			putID: o.putID, copying: len(f.copies(o)) > 0, children: f.children[o.key()], tenant: f.tenantOf(o),
 			depth: f.depth(o, depths), used: o.used.Load(), lease: o.lease.Load(), inTerm: o.flags&flagPublishedInTerm != 0,
+			want: f.want(o),
 		}
 		for _, r := range f.exts(o) {
 			if s := f.seg(r); s != nil {

@@ -144,6 +144,9 @@ func (f *FSM) publish(it *pb.PublishItem, now int64, term uint64) error {
 	}
 	o := f.newObject(it.Key, it.Size, it.Checksum, it.PutId, now, it.Parent, it.Tenant, exts)
 	o.setFlag(flagPublishedInTerm, it.PutId>>40 == term)
+	if w := wanted(it.ReplicasWanted); w > 0 {
+		f.edit(o, func(r *rare) { r.want = w })
+	}
 	return nil
 }
 

@@ -122,6 +122,7 @@ type Server struct {
 		promote     map[string]bool         // keys read often enough to promote
 		drains      map[string]*pb.DrainProgress
 		reclaim     map[string]reclaimList // segment -> written-back replicas puts may drop
+		avoided     map[string]time.Time   // node -> until when placement avoids it (see avoid)
 	}
 
 	// removals counts the keys in mu.removing, so that a lease need not
@@ -196,6 +197,7 @@ func New(cfg Config) (*Server, error) {
 	s.mu.promote = map[string]bool{}
 	s.mu.drains = map[string]*pb.DrainProgress{}
 	s.mu.reclaim = map[string]reclaimList{}
+	s.mu.avoided = map[string]time.Time{}
 	if err := s.startRaft(); err != nil {
 		s.closeStores()
 		return nil, err
@@ -512,6 +514,7 @@ func (s *Server) setLeader(leader bool) {
 	clear(s.mu.promote)
 	clear(s.mu.drains)
 	clear(s.mu.reclaim)
+	clear(s.mu.avoided)
 	s.puts.reset(s.mu.leaderTerm)
 	if leader {
 		// Every store gets a full TTL to reach the new leader.
@@ -561,6 +564,7 @@ func (s *Server) sweep() {
 	s.mu.Unlock()
 	s.endExpiredCopies(ctx, now)
 	s.prune()
+	defer s.repair(ctx)
 	defer s.drainNodes(ctx)
 	defer s.promote(ctx)
 	defer s.writeBack(ctx, now)
@@ -575,6 +579,7 @@ func (s *Server) sweep() {
 		s.mu.Lock()
 		delete(s.mu.lastSeen, id)
 		delete(s.mu.copyQueue, id)
+		delete(s.mu.avoided, id)
 		s.mu.Unlock()
 	}
 }

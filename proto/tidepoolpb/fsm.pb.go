@@ -40,6 +40,9 @@ const (
 	// A cold DRAM object gets an SSD replica ahead of need and keeps its
 	// DRAM one, so a put short of room can reclaim it at once.
 	CopyReason_COPY_REASON_WRITEBACK CopyReason = 4
+	// An object with fewer replicas than its put asked for (a store died, or
+	// a replica was corrupt) gains one on another node.
+	CopyReason_COPY_REASON_REPAIR CopyReason = 5
 )
 
 // Enum value maps for CopyReason.
@@ -50,6 +53,7 @@ var (
 		2: "COPY_REASON_PROMOTE",
 		3: "COPY_REASON_DRAIN",
 		4: "COPY_REASON_WRITEBACK",
+		5: "COPY_REASON_REPAIR",
 	}
 	CopyReason_value = map[string]int32{
 		"COPY_REASON_UNSPECIFIED": 0,
@@ -57,6 +61,7 @@ var (
 		"COPY_REASON_PROMOTE":     2,
 		"COPY_REASON_DRAIN":       3,
 		"COPY_REASON_WRITEBACK":   4,
+		"COPY_REASON_REPAIR":      5,
 	}
 )
 
@@ -544,9 +549,12 @@ type PublishItem struct {
 	Parent   string                 `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
 	Tenant   string                 `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	// The reservation of each replica, in order.
-	Reservations  []uint64 `protobuf:"varint,8,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Reservations []uint64 `protobuf:"varint,8,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
+	// The replicas the put asked for: fewer published ones (a store failed
+	// mid-put, too few nodes) are made up by re-replication.
+	ReplicasWanted uint32 `protobuf:"varint,9,opt,name=replicas_wanted,json=replicasWanted,proto3" json:"replicas_wanted,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *PublishItem) Reset() {
@@ -633,6 +641,13 @@ func (x *PublishItem) GetReservations() []uint64 {
 		return x.Reservations
 	}
 	return nil
+}
+
+func (x *PublishItem) GetReplicasWanted() uint32 {
+	if x != nil {
+		return x.ReplicasWanted
+	}
+	return 0
 }
 
 type PublishCmd struct {
@@ -2219,10 +2234,12 @@ type Object struct {
 	SoftPinUntilUnixNano int64          `protobuf:"varint,10,opt,name=soft_pin_until_unix_nano,json=softPinUntilUnixNano,proto3" json:"soft_pin_until_unix_nano,omitempty"`
 	Copies               []*PendingCopy `protobuf:"bytes,11,rep,name=copies,proto3" json:"copies,omitempty"`
 	// The key of the previous block of the object's chain, if any.
-	Parent        string `protobuf:"bytes,12,opt,name=parent,proto3" json:"parent,omitempty"`
-	Tenant        string `protobuf:"bytes,13,opt,name=tenant,proto3" json:"tenant,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Parent string `protobuf:"bytes,12,opt,name=parent,proto3" json:"parent,omitempty"`
+	Tenant string `protobuf:"bytes,13,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	// The replicas its put asked for, on distinct nodes; 0 or 1: one.
+	ReplicasWanted uint32 `protobuf:"varint,14,opt,name=replicas_wanted,json=replicasWanted,proto3" json:"replicas_wanted,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Object) Reset() {
@@ -2344,6 +2361,13 @@ func (x *Object) GetTenant() string {
 		return x.Tenant
 	}
 	return ""
+}
+
+func (x *Object) GetReplicasWanted() uint32 {
+	if x != nil {
+		return x.ReplicasWanted
+	}
+	return 0
 }
 
 type Node struct {
@@ -2696,7 +2720,7 @@ const file_fsm_proto_rawDesc = "" +
 	"\bmin_span\x18\x03 \x01(\x04R\aminSpan\x121\n" +
 	"\x15alloc_until_unix_nano\x18\x04 \x01(\x03R\x12allocUntilUnixNano\x125\n" +
 	"\x17release_after_unix_nano\x18\x05 \x01(\x03R\x14releaseAfterUnixNano\x122\n" +
-	"\areclaim\x18\x06 \x03(\v2\x18.tidepool.v1.ReclaimableR\areclaim\"\xeb\x01\n" +
+	"\areclaim\x18\x06 \x03(\v2\x18.tidepool.v1.ReclaimableR\areclaim\"\x94\x02\n" +
 	"\vPublishItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -2705,7 +2729,8 @@ const file_fsm_proto_rawDesc = "" +
 	"\x06put_id\x18\x05 \x01(\x04R\x05putId\x12\x16\n" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
 	"\x06tenant\x18\a \x01(\tR\x06tenant\x12\"\n" +
-	"\freservations\x18\b \x03(\x04R\freservations\"<\n" +
+	"\freservations\x18\b \x03(\x04R\freservations\x12'\n" +
+	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"<\n" +
 	"\n" +
 	"PublishCmd\x12.\n" +
 	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"[\n" +
@@ -2820,7 +2845,7 @@ const file_fsm_proto_rawDesc = "" +
 	"\x06Extent\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x03 \x01(\x04R\x06length\"\xd7\x03\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"\x80\x04\n" +
 	"\x06Object\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x1a\n" +
@@ -2836,7 +2861,8 @@ const file_fsm_proto_rawDesc = "" +
 	" \x01(\x03R\x14softPinUntilUnixNano\x120\n" +
 	"\x06copies\x18\v \x03(\v2\x18.tidepool.v1.PendingCopyR\x06copies\x12\x16\n" +
 	"\x06parent\x18\f \x01(\tR\x06parent\x12\x16\n" +
-	"\x06tenant\x18\r \x01(\tR\x06tenant\"\x83\x02\n" +
+	"\x06tenant\x18\r \x01(\tR\x06tenant\x12'\n" +
+	"\x0freplicas_wanted\x18\x0e \x01(\rR\x0ereplicasWanted\"\x83\x02\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x12\x14\n" +
@@ -2861,14 +2887,15 @@ const file_fsm_proto_rawDesc = "" +
 	"\x05tombs\x18\x06 \x03(\v2\x11.tidepool.v1.TombR\x05tombs\"@\n" +
 	"\x04Tomb\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12&\n" +
-	"\x0funtil_unix_nano\x18\x02 \x01(\x03R\runtilUnixNano*\x8c\x01\n" +
+	"\x0funtil_unix_nano\x18\x02 \x01(\x03R\runtilUnixNano*\xa4\x01\n" +
 	"\n" +
 	"CopyReason\x12\x1b\n" +
 	"\x17COPY_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12COPY_REASON_DEMOTE\x10\x01\x12\x17\n" +
 	"\x13COPY_REASON_PROMOTE\x10\x02\x12\x15\n" +
 	"\x11COPY_REASON_DRAIN\x10\x03\x12\x19\n" +
-	"\x15COPY_REASON_WRITEBACK\x10\x04B2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
+	"\x15COPY_REASON_WRITEBACK\x10\x04\x12\x16\n" +
+	"\x12COPY_REASON_REPAIR\x10\x05B2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
 
 var (
 	file_fsm_proto_rawDescOnce sync.Once

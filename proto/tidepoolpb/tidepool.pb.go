@@ -1500,6 +1500,98 @@ func (x *CorruptReplicaResponse) GetDropped() bool {
 	return false
 }
 
+// Segments a client could not reach to write a put: placement avoids
+// their nodes until the node TTL would have declared them dead, and the
+// client places the put again elsewhere.
+type UnreachableReport struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Segments      []string               `protobuf:"bytes,1,rep,name=segments,proto3" json:"segments,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnreachableReport) Reset() {
+	*x = UnreachableReport{}
+	mi := &file_tidepool_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnreachableReport) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnreachableReport) ProtoMessage() {}
+
+func (x *UnreachableReport) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnreachableReport.ProtoReflect.Descriptor instead.
+func (*UnreachableReport) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *UnreachableReport) GetSegments() []string {
+	if x != nil {
+		return x.Segments
+	}
+	return nil
+}
+
+type UnreachableResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The nodes placement now avoids.
+	Nodes         []string `protobuf:"bytes,1,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnreachableResponse) Reset() {
+	*x = UnreachableResponse{}
+	mi := &file_tidepool_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnreachableResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnreachableResponse) ProtoMessage() {}
+
+func (x *UnreachableResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnreachableResponse.ProtoReflect.Descriptor instead.
+func (*UnreachableResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *UnreachableResponse) GetNodes() []string {
+	if x != nil {
+		return x.Nodes
+	}
+	return nil
+}
+
 type StatusRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1508,7 +1600,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1520,7 +1612,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1533,7 +1625,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
 type MemberInfo struct {
@@ -1547,7 +1639,7 @@ type MemberInfo struct {
 
 func (x *MemberInfo) Reset() {
 	*x = MemberInfo{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1559,7 +1651,7 @@ func (x *MemberInfo) String() string {
 func (*MemberInfo) ProtoMessage() {}
 
 func (x *MemberInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1572,7 +1664,7 @@ func (x *MemberInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberInfo.ProtoReflect.Descriptor instead.
 func (*MemberInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *MemberInfo) GetId() string {
@@ -1619,7 +1711,7 @@ type SegmentInfo struct {
 
 func (x *SegmentInfo) Reset() {
 	*x = SegmentInfo{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1631,7 +1723,7 @@ func (x *SegmentInfo) String() string {
 func (*SegmentInfo) ProtoMessage() {}
 
 func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1644,7 +1736,7 @@ func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentInfo.ProtoReflect.Descriptor instead.
 func (*SegmentInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SegmentInfo) GetName() string {
@@ -1734,13 +1826,17 @@ type StatusResponse struct {
 	CompleteBytes   uint64                 `protobuf:"varint,6,opt,name=complete_bytes,json=completeBytes,proto3" json:"complete_bytes,omitempty"`
 	RaftCommitIndex uint64                 `protobuf:"varint,7,opt,name=raft_commit_index,json=raftCommitIndex,proto3" json:"raft_commit_index,omitempty"`
 	RaftTerm        uint64                 `protobuf:"varint,8,opt,name=raft_term,json=raftTerm,proto3" json:"raft_term,omitempty"`
+	// Complete objects on fewer nodes than their put asked for, and the
+	// re-replication copies running for them.
+	UnderReplicated uint64 `protobuf:"varint,9,opt,name=under_replicated,json=underReplicated,proto3" json:"under_replicated,omitempty"`
+	Repairing       uint64 `protobuf:"varint,10,opt,name=repairing,proto3" json:"repairing,omitempty"`
 	unknownFields   protoimpl.UnknownFields
 	sizeCache       protoimpl.SizeCache
 }
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1752,7 +1848,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1765,7 +1861,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *StatusResponse) GetLeaderId() string {
@@ -1824,6 +1920,20 @@ func (x *StatusResponse) GetRaftTerm() uint64 {
 	return 0
 }
 
+func (x *StatusResponse) GetUnderReplicated() uint64 {
+	if x != nil {
+		return x.UnderReplicated
+	}
+	return 0
+}
+
+func (x *StatusResponse) GetRepairing() uint64 {
+	if x != nil {
+		return x.Repairing
+	}
+	return 0
+}
+
 type LookupRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The block keys of one chain, first block first.
@@ -1844,7 +1954,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1856,7 +1966,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1869,7 +1979,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *LookupRequest) GetKeys() []string {
@@ -1932,7 +2042,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1944,7 +2054,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1957,7 +2067,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *LookupResponse) GetMatched() uint32 {
@@ -2041,7 +2151,7 @@ type ChildrenRequest struct {
 
 func (x *ChildrenRequest) Reset() {
 	*x = ChildrenRequest{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2053,7 +2163,7 @@ func (x *ChildrenRequest) String() string {
 func (*ChildrenRequest) ProtoMessage() {}
 
 func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2066,7 +2176,7 @@ func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChildrenRequest.ProtoReflect.Descriptor instead.
 func (*ChildrenRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ChildrenRequest) GetKey() string {
@@ -2095,7 +2205,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2107,7 +2217,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2120,7 +2230,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -2166,7 +2276,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2178,7 +2288,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2191,7 +2301,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -2279,7 +2389,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2291,7 +2401,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2304,7 +2414,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -2363,7 +2473,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2375,7 +2485,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2388,7 +2498,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *AdoptRequest) GetNode() string {
@@ -2428,7 +2538,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2440,7 +2550,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2453,7 +2563,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *AdoptResponse) GetAdopted() uint32 {
@@ -2477,7 +2587,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2489,7 +2599,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2502,7 +2612,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -2542,7 +2652,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2554,7 +2664,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2567,7 +2677,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -2616,7 +2726,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2628,7 +2738,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2641,7 +2751,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -2672,7 +2782,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2684,7 +2794,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2697,7 +2807,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{35}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -2747,7 +2857,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2759,7 +2869,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2772,7 +2882,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{36}
+	return file_tidepool_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -2835,7 +2945,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2847,7 +2957,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2860,7 +2970,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{37}
+	return file_tidepool_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -2894,7 +3004,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2906,7 +3016,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2919,7 +3029,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{38}
+	return file_tidepool_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -2942,7 +3052,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2954,7 +3064,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2967,7 +3077,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{39}
+	return file_tidepool_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -3013,7 +3123,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3025,7 +3135,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3038,7 +3148,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{40}
+	return file_tidepool_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -3106,7 +3216,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3118,7 +3228,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3131,7 +3241,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{41}
+	return file_tidepool_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -3166,7 +3276,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3178,7 +3288,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3191,7 +3301,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{42}
+	return file_tidepool_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -3229,7 +3339,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[43]
+	mi := &file_tidepool_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3241,7 +3351,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[43]
+	mi := &file_tidepool_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3254,7 +3364,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{43}
+	return file_tidepool_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -3405,7 +3515,11 @@ const file_tidepool_proto_rawDesc = "" +
 	"\asegment\x18\x02 \x01(\tR\asegment\x12\x1a\n" +
 	"\bchecksum\x18\x03 \x01(\rR\bchecksum\"2\n" +
 	"\x16CorruptReplicaResponse\x12\x18\n" +
-	"\adropped\x18\x01 \x01(\bR\adropped\"\x0f\n" +
+	"\adropped\x18\x01 \x01(\bR\adropped\"/\n" +
+	"\x11UnreachableReport\x12\x1a\n" +
+	"\bsegments\x18\x01 \x03(\tR\bsegments\"+\n" +
+	"\x13UnreachableResponse\x12\x14\n" +
+	"\x05nodes\x18\x01 \x03(\tR\x05nodes\"\x0f\n" +
 	"\rStatusRequest\"N\n" +
 	"\n" +
 	"MemberInfo\x12\x0e\n" +
@@ -3424,7 +3538,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\aobjects\x18\t \x01(\x04R\aobjects\x12\x1a\n" +
 	"\bdraining\x18\n" +
 	" \x01(\bR\bdraining\x12\x1a\n" +
-	"\breserved\x18\v \x01(\x04R\breserved\"\xc7\x02\n" +
+	"\breserved\x18\v \x01(\x04R\breserved\"\x90\x03\n" +
 	"\x0eStatusResponse\x12\x1b\n" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12%\n" +
 	"\x0eleader_address\x18\x02 \x01(\tR\rleaderAddress\x121\n" +
@@ -3433,7 +3547,10 @@ const file_tidepool_proto_rawDesc = "" +
 	"\aobjects\x18\x05 \x01(\x04R\aobjects\x12%\n" +
 	"\x0ecomplete_bytes\x18\x06 \x01(\x04R\rcompleteBytes\x12*\n" +
 	"\x11raft_commit_index\x18\a \x01(\x04R\x0fraftCommitIndex\x12\x1b\n" +
-	"\traft_term\x18\b \x01(\x04R\braftTerm\"\x84\x01\n" +
+	"\traft_term\x18\b \x01(\x04R\braftTerm\x12)\n" +
+	"\x10under_replicated\x18\t \x01(\x04R\x0funderReplicated\x12\x1c\n" +
+	"\trepairing\x18\n" +
+	" \x01(\x04R\trepairing\"\x84\x01\n" +
 	"\rLookupRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x1d\n" +
 	"\n" +
@@ -3563,7 +3680,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vObjectState\x12\x1c\n" +
 	"\x18OBJECT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17OBJECT_STATE_PROCESSING\x10\x01\x12\x19\n" +
-	"\x15OBJECT_STATE_COMPLETE\x10\x022\xa3\a\n" +
+	"\x15OBJECT_STATE_COMPLETE\x10\x022\xfa\a\n" +
 	"\x06Master\x12E\n" +
 	"\bPutStart\x12\x1c.tidepool.v1.PutStartRequest\x1a\x1b.tidepool.v1.PutStartResult\x12>\n" +
 	"\x06PutEnd\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12P\n" +
@@ -3575,7 +3692,8 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06Remove\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12;\n" +
 	"\x04List\x12\x18.tidepool.v1.ListRequest\x1a\x19.tidepool.v1.ListResponse\x12A\n" +
 	"\x06Status\x12\x1a.tidepool.v1.StatusRequest\x1a\x1b.tidepool.v1.StatusResponse\x12Q\n" +
-	"\rReportCorrupt\x12\x1b.tidepool.v1.CorruptReplica\x1a#.tidepool.v1.CorruptReplicaResponse\x12A\n" +
+	"\rReportCorrupt\x12\x1b.tidepool.v1.CorruptReplica\x1a#.tidepool.v1.CorruptReplicaResponse\x12U\n" +
+	"\x11ReportUnreachable\x12\x1e.tidepool.v1.UnreachableReport\x1a .tidepool.v1.UnreachableResponse\x12A\n" +
 	"\x06Lookup\x12\x1a.tidepool.v1.LookupRequest\x1a\x1b.tidepool.v1.LookupResponse\x12C\n" +
 	"\bChildren\x12\x1c.tidepool.v1.ChildrenRequest\x1a\x19.tidepool.v1.ListResponse2\x82\x03\n" +
 	"\bRegistry\x12G\n" +
@@ -3603,7 +3721,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 44)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 46)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -3627,30 +3745,32 @@ var file_tidepool_proto_goTypes = []any{
 	(*ListResponse)(nil),           // 19: tidepool.v1.ListResponse
 	(*CorruptReplica)(nil),         // 20: tidepool.v1.CorruptReplica
 	(*CorruptReplicaResponse)(nil), // 21: tidepool.v1.CorruptReplicaResponse
-	(*StatusRequest)(nil),          // 22: tidepool.v1.StatusRequest
-	(*MemberInfo)(nil),             // 23: tidepool.v1.MemberInfo
-	(*SegmentInfo)(nil),            // 24: tidepool.v1.SegmentInfo
-	(*StatusResponse)(nil),         // 25: tidepool.v1.StatusResponse
-	(*LookupRequest)(nil),          // 26: tidepool.v1.LookupRequest
-	(*LookupResponse)(nil),         // 27: tidepool.v1.LookupResponse
-	(*ChildrenRequest)(nil),        // 28: tidepool.v1.ChildrenRequest
-	(*SegmentSpec)(nil),            // 29: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 30: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 31: tidepool.v1.RegisterRequest
-	(*AdoptRequest)(nil),           // 32: tidepool.v1.AdoptRequest
-	(*AdoptResponse)(nil),          // 33: tidepool.v1.AdoptResponse
-	(*RegisterResponse)(nil),       // 34: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 35: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 36: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 37: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 38: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 39: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 40: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 41: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 42: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 43: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 44: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 45: tidepool.v1.DrainProgress
+	(*UnreachableReport)(nil),      // 22: tidepool.v1.UnreachableReport
+	(*UnreachableResponse)(nil),    // 23: tidepool.v1.UnreachableResponse
+	(*StatusRequest)(nil),          // 24: tidepool.v1.StatusRequest
+	(*MemberInfo)(nil),             // 25: tidepool.v1.MemberInfo
+	(*SegmentInfo)(nil),            // 26: tidepool.v1.SegmentInfo
+	(*StatusResponse)(nil),         // 27: tidepool.v1.StatusResponse
+	(*LookupRequest)(nil),          // 28: tidepool.v1.LookupRequest
+	(*LookupResponse)(nil),         // 29: tidepool.v1.LookupResponse
+	(*ChildrenRequest)(nil),        // 30: tidepool.v1.ChildrenRequest
+	(*SegmentSpec)(nil),            // 31: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 32: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 33: tidepool.v1.RegisterRequest
+	(*AdoptRequest)(nil),           // 34: tidepool.v1.AdoptRequest
+	(*AdoptResponse)(nil),          // 35: tidepool.v1.AdoptResponse
+	(*RegisterResponse)(nil),       // 36: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 37: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 38: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 39: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 40: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 41: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 42: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 43: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 44: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 45: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 46: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 47: tidepool.v1.DrainProgress
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -3673,19 +3793,19 @@ var file_tidepool_proto_depIdxs = []int32{
 	3,  // 17: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
 	18, // 18: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
 	0,  // 19: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
-	23, // 20: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
-	24, // 21: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
+	25, // 20: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
+	26, // 21: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
 	3,  // 22: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
 	0,  // 23: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	29, // 24: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	30, // 25: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	30, // 26: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
-	30, // 27: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	39, // 28: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	31, // 24: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	32, // 25: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	32, // 26: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
+	32, // 27: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	41, // 28: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
 	3,  // 29: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
 	3,  // 30: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
 	2,  // 31: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	38, // 32: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	40, // 32: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
 	0,  // 33: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
 	18, // 34: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
 	4,  // 35: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
@@ -3697,43 +3817,45 @@ var file_tidepool_proto_depIdxs = []int32{
 	12, // 41: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
 	12, // 42: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
 	17, // 43: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	22, // 44: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	24, // 44: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
 	20, // 45: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	26, // 46: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	28, // 47: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	31, // 48: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	37, // 49: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	35, // 50: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	32, // 51: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
-	37, // 52: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	41, // 53: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	12, // 54: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	42, // 55: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	44, // 56: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	5,  // 57: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	13, // 58: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	10, // 59: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
-	13, // 60: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 61: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	15, // 62: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	16, // 63: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	13, // 64: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	19, // 65: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	25, // 66: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	21, // 67: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	27, // 68: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	19, // 69: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	34, // 70: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	40, // 71: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	36, // 72: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	33, // 73: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
-	40, // 74: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	13, // 75: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	13, // 76: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	43, // 77: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	45, // 78: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	57, // [57:79] is the sub-list for method output_type
-	35, // [35:57] is the sub-list for method input_type
+	22, // 46: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
+	28, // 47: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	30, // 48: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	33, // 49: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	39, // 50: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	37, // 51: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	34, // 52: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	39, // 53: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	43, // 54: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	12, // 55: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	44, // 56: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	46, // 57: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	5,  // 58: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	13, // 59: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	10, // 60: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
+	13, // 61: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 62: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	15, // 63: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	16, // 64: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	13, // 65: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	19, // 66: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	27, // 67: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	21, // 68: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	23, // 69: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
+	29, // 70: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	19, // 71: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	36, // 72: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	42, // 73: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	38, // 74: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	35, // 75: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	42, // 76: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	13, // 77: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	13, // 78: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	45, // 79: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	47, // 80: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	58, // [58:81] is the sub-list for method output_type
+	35, // [35:58] is the sub-list for method input_type
 	35, // [35:35] is the sub-list for extension type_name
 	35, // [35:35] is the sub-list for extension extendee
 	0,  // [0:35] is the sub-list for field type_name
@@ -3750,7 +3872,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   44,
+			NumMessages:   46,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -24,19 +24,20 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Master_PutStart_FullMethodName      = "/tidepool.v1.Master/PutStart"
-	Master_PutEnd_FullMethodName        = "/tidepool.v1.Master/PutEnd"
-	Master_BatchPutEnd_FullMethodName   = "/tidepool.v1.Master/BatchPutEnd"
-	Master_PutRevoke_FullMethodName     = "/tidepool.v1.Master/PutRevoke"
-	Master_BatchPutStart_FullMethodName = "/tidepool.v1.Master/BatchPutStart"
-	Master_GetReplicas_FullMethodName   = "/tidepool.v1.Master/GetReplicas"
-	Master_Exists_FullMethodName        = "/tidepool.v1.Master/Exists"
-	Master_Remove_FullMethodName        = "/tidepool.v1.Master/Remove"
-	Master_List_FullMethodName          = "/tidepool.v1.Master/List"
-	Master_Status_FullMethodName        = "/tidepool.v1.Master/Status"
-	Master_ReportCorrupt_FullMethodName = "/tidepool.v1.Master/ReportCorrupt"
-	Master_Lookup_FullMethodName        = "/tidepool.v1.Master/Lookup"
-	Master_Children_FullMethodName      = "/tidepool.v1.Master/Children"
+	Master_PutStart_FullMethodName          = "/tidepool.v1.Master/PutStart"
+	Master_PutEnd_FullMethodName            = "/tidepool.v1.Master/PutEnd"
+	Master_BatchPutEnd_FullMethodName       = "/tidepool.v1.Master/BatchPutEnd"
+	Master_PutRevoke_FullMethodName         = "/tidepool.v1.Master/PutRevoke"
+	Master_BatchPutStart_FullMethodName     = "/tidepool.v1.Master/BatchPutStart"
+	Master_GetReplicas_FullMethodName       = "/tidepool.v1.Master/GetReplicas"
+	Master_Exists_FullMethodName            = "/tidepool.v1.Master/Exists"
+	Master_Remove_FullMethodName            = "/tidepool.v1.Master/Remove"
+	Master_List_FullMethodName              = "/tidepool.v1.Master/List"
+	Master_Status_FullMethodName            = "/tidepool.v1.Master/Status"
+	Master_ReportCorrupt_FullMethodName     = "/tidepool.v1.Master/ReportCorrupt"
+	Master_ReportUnreachable_FullMethodName = "/tidepool.v1.Master/ReportUnreachable"
+	Master_Lookup_FullMethodName            = "/tidepool.v1.Master/Lookup"
+	Master_Children_FullMethodName          = "/tidepool.v1.Master/Children"
 )
 
 // MasterClient is the client API for Master service.
@@ -67,6 +68,10 @@ type MasterClient interface {
 	// repaired (served from its other replicas) or, without one, forgotten
 	// instead of failing every get.
 	ReportCorrupt(ctx context.Context, in *CorruptReplica, opts ...grpc.CallOption) (*CorruptReplicaResponse, error)
+	// ReportUnreachable tells the leader of segments a put could not write
+	// to, so placement sends no more puts there before the node TTL decides
+	// whether the store is dead.
+	ReportUnreachable(ctx context.Context, in *UnreachableReport, opts ...grpc.CallOption) (*UnreachableResponse, error)
 	// Lookup answers how long a prefix of a chain of block keys is cached
 	// and leases exactly those blocks, in one round trip from the leader's
 	// memory, so a block promised to a reader is not evicted before the
@@ -195,6 +200,16 @@ func (c *masterClient) ReportCorrupt(ctx context.Context, in *CorruptReplica, op
 	return out, nil
 }
 
+func (c *masterClient) ReportUnreachable(ctx context.Context, in *UnreachableReport, opts ...grpc.CallOption) (*UnreachableResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UnreachableResponse)
+	err := c.cc.Invoke(ctx, Master_ReportUnreachable_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *masterClient) Lookup(ctx context.Context, in *LookupRequest, opts ...grpc.CallOption) (*LookupResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(LookupResponse)
@@ -243,6 +258,10 @@ type MasterServer interface {
 	// repaired (served from its other replicas) or, without one, forgotten
 	// instead of failing every get.
 	ReportCorrupt(context.Context, *CorruptReplica) (*CorruptReplicaResponse, error)
+	// ReportUnreachable tells the leader of segments a put could not write
+	// to, so placement sends no more puts there before the node TTL decides
+	// whether the store is dead.
+	ReportUnreachable(context.Context, *UnreachableReport) (*UnreachableResponse, error)
 	// Lookup answers how long a prefix of a chain of block keys is cached
 	// and leases exactly those blocks, in one round trip from the leader's
 	// memory, so a block promised to a reader is not evicted before the
@@ -293,6 +312,9 @@ func (UnimplementedMasterServer) Status(context.Context, *StatusRequest) (*Statu
 }
 func (UnimplementedMasterServer) ReportCorrupt(context.Context, *CorruptReplica) (*CorruptReplicaResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ReportCorrupt not implemented")
+}
+func (UnimplementedMasterServer) ReportUnreachable(context.Context, *UnreachableReport) (*UnreachableResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method ReportUnreachable not implemented")
 }
 func (UnimplementedMasterServer) Lookup(context.Context, *LookupRequest) (*LookupResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Lookup not implemented")
@@ -519,6 +541,24 @@ func _Master_ReportCorrupt_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Master_ReportUnreachable_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UnreachableReport)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MasterServer).ReportUnreachable(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Master_ReportUnreachable_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MasterServer).ReportUnreachable(ctx, req.(*UnreachableReport))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _Master_Lookup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(LookupRequest)
 	if err := dec(in); err != nil {
@@ -605,6 +645,10 @@ var Master_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ReportCorrupt",
 			Handler:    _Master_ReportCorrupt_Handler,
+		},
+		{
+			MethodName: "ReportUnreachable",
+			Handler:    _Master_ReportUnreachable_Handler,
 		},
 		{
 			MethodName: "Lookup",

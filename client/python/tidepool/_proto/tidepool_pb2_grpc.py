@@ -72,6 +72,11 @@ class MasterStub(object):
                 request_serializer=tidepool__pb2.CorruptReplica.SerializeToString,
                 response_deserializer=tidepool__pb2.CorruptReplicaResponse.FromString,
                 )
+        self.ReportUnreachable = channel.unary_unary(
+                '/tidepool.v1.Master/ReportUnreachable',
+                request_serializer=tidepool__pb2.UnreachableReport.SerializeToString,
+                response_deserializer=tidepool__pb2.UnreachableResponse.FromString,
+                )
         self.Lookup = channel.unary_unary(
                 '/tidepool.v1.Master/Lookup',
                 request_serializer=tidepool__pb2.LookupRequest.SerializeToString,
@@ -165,6 +170,15 @@ class MasterServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportUnreachable(self, request, context):
+        """ReportUnreachable tells the leader of segments a put could not write
+        to, so placement sends no more puts there before the node TTL decides
+        whether the store is dead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lookup(self, request, context):
         """Lookup answers how long a prefix of a chain of block keys is cached
         and leases exactly those blocks, in one round trip from the leader's
@@ -240,6 +254,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportCorrupt,
                     request_deserializer=tidepool__pb2.CorruptReplica.FromString,
                     response_serializer=tidepool__pb2.CorruptReplicaResponse.SerializeToString,
+            ),
+            'ReportUnreachable': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportUnreachable,
+                    request_deserializer=tidepool__pb2.UnreachableReport.FromString,
+                    response_serializer=tidepool__pb2.UnreachableResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -448,6 +467,23 @@ class Master(object):
         return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Master/ReportCorrupt',
             tidepool__pb2.CorruptReplica.SerializeToString,
             tidepool__pb2.CorruptReplicaResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ReportUnreachable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Master/ReportUnreachable',
+            tidepool__pb2.UnreachableReport.SerializeToString,
+            tidepool__pb2.UnreachableResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
