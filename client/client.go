@@ -7,6 +7,7 @@ import (
 	"hash/crc32"
 	"log/slog"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -209,22 +210,59 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	if o.Replicas > 0 {
 		replicas = uint32(min(o.Replicas, maxReplicas))
 	}
-	parent := func(i int) string {
-		switch {
-		case !o.Chain:
-			return ""
-		case i == 0:
-			return o.Parent
-		}
-		return keys[i-1]
-	}
-	errs := make([]error, len(keys))
 	if len(keys) != len(values) {
+		errs := make([]error, len(keys))
 		for i := range errs {
 			errs[i] = fmt.Errorf("%w: %d keys but %d values", ErrInvalidArgument, len(keys), len(values))
 		}
 		return errs
 	}
+	parents := make([]string, len(keys))
+	if o.Chain {
+		for i := range keys {
+			parents[i] = o.Parent
+			if i > 0 {
+				parents[i] = keys[i-1]
+			}
+		}
+	}
+	errs, lost := c.putBatch(ctx, keys, values, parents, replicas, true)
+	if len(lost) == 0 || ctx.Err() != nil {
+		return errs
+	}
+	// Some stores could not be reached: until their heartbeats stop and
+	// the master declares them dead, placement would keep sending puts
+	// there. Tell it, and place those puts once more, elsewhere.
+	c.reportUnreachable(ctx, lost)
+	var idx []int
+	for i := range keys {
+		if _, ok := lost[i]; ok {
+			idx = append(idx, i)
+		}
+	}
+	sub := func(all []string) []string {
+		out := make([]string, len(idx))
+		for j, i := range idx {
+			out[j] = all[i]
+		}
+		return out
+	}
+	vals := make([][]byte, len(idx))
+	for j, i := range idx {
+		vals[j] = values[i]
+	}
+	again, _ := c.putBatch(ctx, sub(keys), vals, sub(parents), replicas, false)
+	for j, i := range idx {
+		errs[i] = again[j]
+	}
+	return errs
+}
+
+// putBatch puts values[i] under keys[i] with parents[i], using pooled
+// grants if grants. It reports, for each put whose write found its store
+// unreachable, the segments it could not write to; that put is revoked.
+func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, parents []string, replicas uint32, grants bool) ([]error, map[int][]string) {
+	errs := make([]error, len(keys))
 	var held holding
 	defer held.wait(ctx, keys, errs)
 	items := map[int]*pb.PutStartRequest{}
@@ -237,13 +275,13 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		if errs[i] == nil {
 			items[i] = &pb.PutStartRequest{
 				Key: k, Size: uint64(len(values[i])), Tier: c.tier, Replicas: replicas,
-				Parent: parent(i), Tenant: c.tenant,
+				Parent: parents[i], Tenant: c.tenant,
 			}
 			idx = append(idx, i)
 		}
 	}
 	if len(idx) == 0 {
-		return errs
+		return errs, nil
 	}
 	// The checksums are computed while the values are on the wire: only
 	// BatchPutEnd needs them, and BatchPutStart, which waits for them.
@@ -286,9 +324,11 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	var startIdx []int
 	now := time.Now()
 	for _, i := range idx {
-		if g, ok := c.grants.take(shapeOf(items[i]), now, c.writeTimeout()); ok {
-			placed[i] = g
-			continue
+		if grants {
+			if g, ok := c.grants.take(shapeOf(items[i]), now, c.writeTimeout()); ok {
+				placed[i] = g
+				continue
+			}
 		}
 		start.Items = append(start.Items, items[i])
 		startIdx = append(startIdx, i)
@@ -362,7 +402,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		}
 	}
 	if len(tasks) == 0 {
-		return errs
+		return errs, nil
 	}
 	if err := batch.Submit(ctx); err == nil {
 		// Not ctx: Wait must see every task terminal (ctx cancels them), or
@@ -371,6 +411,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 	}
 	checksums()
 	var revoked puts
+	var lost map[int][]string
 	end := &pb.BatchPutEndRequest{}
 	var endIdx []int
 	shapes := map[shape]int{}
@@ -379,8 +420,15 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		if !ok {
 			continue
 		}
-		for _, t := range ts {
-			if err := t.Err(); err != nil && errs[i] == nil {
+		for j, t := range ts {
+			err := t.Err()
+			if errors.Is(err, engine.ErrUnavailable) {
+				if lost == nil {
+					lost = map[int][]string{}
+				}
+				lost[i] = append(lost[i], placed[i].replicas[j].Segment)
+			}
+			if err != nil && errs[i] == nil {
 				errs[i] = fmt.Errorf("%w: write %q: %w", ErrUnavailable, keys[i], err)
 			} else if t.State() != engine.Done && errs[i] == nil {
 				errs[i] = fmt.Errorf("%w: write %q did not finish (%s)", ErrUnavailable, keys[i], t.State())
@@ -404,7 +452,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		c.revoke(revoked.request())
 	}
 	if len(end.Items) == 0 {
-		return errs
+		return errs, lost
 	}
 	// Ask for grants for the next puts of a shape put repeatedly. The
 	// items go without their replicas, which the leader that placed them
@@ -428,7 +476,7 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		for _, i := range endIdx {
 			errs[i] = call.err
 		}
-		return errs
+		return errs, lost
 	}
 	resp := &pb.BatchPutEndResponse{Results: call.results, Unplaced: call.unplaced}
 	holds := call.holds(len(end.Items))
@@ -439,7 +487,29 @@ func (c *Client) BatchPutWith(ctx context.Context, keys []string, values [][]byt
 		}
 		held.add(i, holds[j])
 	}
-	return errs
+	return errs, lost
+}
+
+// reportUnreachable tells the leader of the segments some puts could not
+// write to, and gives back the pooled grants that point there. A failed
+// report costs only that placement may choose those stores again.
+func (c *Client) reportUnreachable(ctx context.Context, lost map[int][]string) {
+	var segs []string
+	for _, s := range lost {
+		for _, id := range s {
+			if !slices.Contains(segs, id) {
+				segs = append(segs, id)
+			}
+		}
+	}
+	c.revokeIDs(c.grants.dropOn(segs))
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) error {
+		_, err := m.ReportUnreachable(ctx, &pb.UnreachableReport{Segments: segs}, o...)
+		return err
+	})
+	c.log.Warn("could not reach stores to write puts; placing them elsewhere", "segments", segs, "report_err", err)
 }
 
 // holding collects the puts of a batch the master holds: a key removed

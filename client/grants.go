@@ -2,6 +2,7 @@ package client
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"time"
 
@@ -136,6 +137,24 @@ func (g *grantPool) drain() []uint64 {
 		}
 	}
 	clear(g.byShap)
+	return ids
+}
+
+// dropOn takes the grants with a replica on any of segments out of the
+// pool, and returns their put ids.
+func (g *grantPool) dropOn(segments []string) []uint64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var ids []uint64
+	for sh, q := range g.byShap {
+		g.byShap[sh] = slices.DeleteFunc(q, func(gr grant) bool {
+			on := slices.ContainsFunc(gr.replicas, func(r *pb.Replica) bool { return slices.Contains(segments, r.Segment) })
+			if on {
+				ids = append(ids, gr.id)
+			}
+			return on
+		})
+	}
 	return ids
 }
 
