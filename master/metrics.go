@@ -163,10 +163,12 @@ var (
 	descSegObjs  = prometheus.NewDesc("tidepool_segment_objects", "Objects with a replica on a store segment.", []string{"segment", "node", "tier"}, nil)
 	descLeader   = prometheus.NewDesc("tidepool_master_is_leader", "1 if this master is the raft leader.", nil, nil)
 	descTerm     = prometheus.NewDesc("tidepool_master_raft_term", "Current raft term.", nil, nil)
+	descUnder    = prometheus.NewDesc("tidepool_master_objects_under_replicated", "Complete objects on fewer nodes than their put asked for (a store died, a replica was corrupt): re-replication copies them.", nil, nil)
+	descRepairs  = prometheus.NewDesc("tidepool_master_repairs_in_flight", "Re-replication copies started and not yet ended.", nil, nil)
 )
 
 func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descObjects, descBytes, descCapacity, descUsed, descSegObjs, descLeader, descTerm} {
+	for _, d := range []*prometheus.Desc{descObjects, descBytes, descCapacity, descUsed, descSegObjs, descLeader, descTerm, descUnder, descRepairs} {
 		ch <- d
 	}
 }
@@ -189,4 +191,7 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(descLeader, prometheus.GaugeValue, leader)
 	ch <- prometheus.MustNewConstMetric(descTerm, prometheus.GaugeValue, float64(c.s.raft.CurrentTerm()))
+	rs := c.s.fsm.repairs()
+	ch <- prometheus.MustNewConstMetric(descUnder, prometheus.GaugeValue, float64(rs.under))
+	ch <- prometheus.MustNewConstMetric(descRepairs, prometheus.GaugeValue, float64(rs.repairing))
 }

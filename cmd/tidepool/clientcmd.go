@@ -190,7 +190,11 @@ func runStatus(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	fmt.Fprintf(e.stdout, "leader %s at %s, raft term %d, commit index %d\n", st.LeaderId, st.LeaderAddress, st.RaftTerm, st.RaftCommitIndex)
-	fmt.Fprintf(e.stdout, "%d objects, %s\n\n", st.Objects, human(st.CompleteBytes))
+	fmt.Fprintf(e.stdout, "%d objects, %s\n", st.Objects, human(st.CompleteBytes))
+	if st.UnderReplicated > 0 {
+		fmt.Fprintf(e.stdout, "re-replicating: %d objects on fewer nodes than their put asked for, %d copies running\n", st.UnderReplicated, st.Repairing)
+	}
+	fmt.Fprintln(e.stdout)
 	tw := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "MASTER\tADDRESS\tROLE")
 	for _, m := range st.Members {
