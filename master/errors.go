@@ -21,4 +21,7 @@ var (
 	ErrDrained        = errors.New("node was drained by an operator; it stays out of the pool until restarted")
 	ErrOutcomeUnknown = errors.New("leadership lost while committing: the change may or may not have been made")
 	ErrPutExpired     = errors.New("the put's deadline passed before it was placed")
+	// ErrQuorum: a membership change would leave the cluster without a
+	// quorum of masters that answer.
+	ErrQuorum = errors.New("would lose quorum")
 )

@@ -57,7 +57,7 @@ func code(err error) codes.Code {
 	case errors.Is(err, ErrTooLarge):
 		return codes.OutOfRange
 	case errors.Is(err, ErrPutInProgress), errors.Is(err, ErrNotInProgress), errors.Is(err, ErrPinned),
-		errors.Is(err, ErrCopyInProgress), errors.Is(err, ErrDraining), errors.Is(err, ErrDrained):
+		errors.Is(err, ErrCopyInProgress), errors.Is(err, ErrDraining), errors.Is(err, ErrDrained), errors.Is(err, ErrQuorum):
 		return codes.FailedPrecondition
 	case errors.Is(err, ErrNotLeader), errors.Is(err, ErrStoreGone):
 		return codes.Unavailable
@@ -762,7 +762,9 @@ func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.St
 	resp := &pb.StatusResponse{LeaderId: id, LeaderAddress: addr, RaftCommitIndex: s.raft.CommitIndex(), RaftTerm: s.raft.CurrentTerm()}
 	if cf := s.raft.GetConfiguration(); cf.Error() == nil {
 		for _, srv := range cf.Configuration().Servers {
-			resp.Members = append(resp.Members, &pb.MemberInfo{Id: string(srv.ID), Address: s.fsm.member(string(srv.ID)), Leader: string(srv.ID) == id})
+			resp.Members = append(resp.Members, &pb.MemberInfo{
+				Id: string(srv.ID), Address: s.fsm.member(string(srv.ID)), RaftAddress: string(srv.Address), Leader: string(srv.ID) == id,
+			})
 		}
 	}
 	leader := s.IsLeader()

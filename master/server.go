@@ -48,6 +48,9 @@ type Config struct {
 	// Advertise is the gRPC address clients and stores reach this master at;
 	// followers hand it out as the leader's address.
 	Advertise string
+	// Join starts a new master without bootstrapping a cluster: it waits
+	// for a leader to add it (Admin.AddMember). Peers must be empty.
+	Join bool
 	// Peers are the voters a new cluster starts with; empty means this node
 	// alone. Every peer must be given the same list.
 	Peers []raft.Server
@@ -151,6 +154,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Dir == "" {
 		return nil, errors.New("master: config needs a Dir")
 	}
+	if cfg.Join && len(cfg.Peers) > 0 {
+		return nil, errors.New("master: a master that joins a cluster starts with no peers")
+	}
 	cfg.LeaseTTL = orDefault(cfg.LeaseTTL, DefaultLeaseTTL)
 	cfg.PutTimeout = orDefault(cfg.PutTimeout, DefaultPutTimeout)
 	cfg.NodeTTL = orDefault(cfg.NodeTTL, DefaultNodeTTL)
@@ -210,8 +216,9 @@ func New(cfg Config) (*Server, error) {
 		}
 		s.metrics = m
 	}
-	s.wg.Add(1)
+	s.wg.Add(2)
 	go s.leaderLoop()
+	go s.announceLoop()
 	return s, nil
 }
 
@@ -268,7 +275,7 @@ func (s *Server) startRaft() error {
 		return fmt.Errorf("master: start raft: %w", err)
 	}
 	s.raft = r
-	if !existing {
+	if !existing && !s.cfg.Join {
 		peers := s.cfg.Peers
 		if len(peers) == 0 {
 			peers = []raft.Server{{ID: rc.LocalID, Address: s.trans.LocalAddr()}}

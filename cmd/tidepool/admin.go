@@ -22,7 +22,7 @@ import (
 
 func runAdmin(ctx context.Context, e *env, args []string) error {
 	if len(args) == 0 {
-		return fmt.Errorf("%w: want a subcommand: rails, evict, pin, unpin or drain", errUsage)
+		return fmt.Errorf("%w: want a subcommand: rails, evict, pin, unpin, drain or members", errUsage)
 	}
 	switch args[0] {
 	case "rails":
@@ -35,8 +35,10 @@ func runAdmin(ctx context.Context, e *env, args []string) error {
 		return runAdminUnpin(ctx, e, args[1:])
 	case "drain":
 		return runAdminDrain(ctx, e, args[1:])
+	case "members":
+		return runAdminMembers(ctx, e, args[1:])
 	}
-	return fmt.Errorf("%w: unknown admin subcommand %q (want rails, evict, pin, unpin or drain)", errUsage, args[0])
+	return fmt.Errorf("%w: unknown admin subcommand %q (want rails, evict, pin, unpin, drain or members)", errUsage, args[0])
 }
 
 // runAdminRails prints the rail table a daemon serves at /debug/rails.
@@ -264,4 +266,64 @@ stays out of the pool until it is restarted. --cancel stops a drain.`, args, 1, 
 		return fmt.Errorf("drain of %s did not finish: %d objects left", pos[0], last.ObjectsLeft)
 	}
 	return nil
+}
+
+func runAdminMembers(ctx context.Context, e *env, args []string) error {
+	ctx, call, pos, done, err := adminCommand(ctx, e, time.Minute, "members", "[list | add ID RAFTADDR GRPCADDR | remove ID]",
+		`List the masters (raft voters), add one, or remove one. A master to add is started first with
+--join (and no --peers); add makes it a voter once it answers at GRPCADDR, and it catches up from
+the leader. Both changes are refused if afterwards the masters that answer would not make a quorum
+(a majority of the voters): the cluster would stop taking writes. To replace a master, add the new
+one, then remove the old.`, args, 0, 4, nil)
+	if err != nil {
+		return err
+	}
+	defer done()
+	verb := "list"
+	if len(pos) > 0 {
+		verb = pos[0]
+	}
+	var resp *pb.MembersResponse
+	switch {
+	case verb == "list" && len(pos) <= 1:
+		err = call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) (err error) {
+			resp, err = a.Members(ctx, &pb.MembersRequest{}, o...)
+			return err
+		})
+	case verb == "add" && len(pos) == 4:
+		err = call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) (err error) {
+			resp, err = a.AddMember(ctx, &pb.AddMemberRequest{Id: pos[1], RaftAddress: pos[2], GrpcAddress: pos[3]}, o...)
+			return err
+		})
+	case verb == "remove" && len(pos) == 2:
+		err = call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) (err error) {
+			resp, err = a.RemoveMember(ctx, &pb.RemoveMemberRequest{Id: pos[1]}, o...)
+			return err
+		})
+	default:
+		return fmt.Errorf("%w: want members list, members add ID RAFTADDR GRPCADDR or members remove ID", errUsage)
+	}
+	if err != nil {
+		return err
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "MASTER\tGRPC\tRAFT\tROLE\tANSWERS")
+	for _, m := range resp.Members {
+		role, answers := "follower", "yes"
+		if m.Leader {
+			role = "leader"
+		}
+		if !m.Reachable {
+			answers = "no"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", m.Id, orDash(m.Address), m.RaftAddress, role, answers)
+	}
+	return tw.Flush()
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }

@@ -129,6 +129,7 @@ func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails 
 // masterFlags are the flags of `tidepool master`, shared with `up`.
 type masterFlags struct {
 	id, dir, listen, advertise, raftAddr, peers string
+	join                                        bool
 	leaseTTL, putTimeout, nodeTTL               time.Duration
 	highWatermark, evictRatio                   float64
 	placement                                   string
@@ -143,6 +144,7 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&m.advertise, "advertise", "", "gRPC address others reach this master at (default --listen)")
 	fs.StringVar(&m.raftAddr, "raft", defaultRaft, "address for raft traffic between masters")
 	fs.StringVar(&m.peers, "peers", "", "initial voters of a new cluster as id=raftaddr,...; empty: this master alone")
+	fs.BoolVar(&m.join, "join", false, "start without a cluster and wait to be added to one (tidepool admin members add); needs no --peers")
 	fs.DurationVar(&m.leaseTTL, "lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get")
 	fs.DurationVar(&m.putTimeout, "put-timeout", master.DefaultPutTimeout, "revoke a put neither ended nor revoked after this")
 	fs.DurationVar(&m.nodeTTL, "node-ttl", master.DefaultNodeTTL, "declare a store dead after this long without a heartbeat")
@@ -168,7 +170,7 @@ func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (maste
 		ID: m.id, Dir: m.dir, RaftAddr: m.raftAddr, Advertise: m.advertise,
 		LeaseTTL: m.leaseTTL, PutTimeout: m.putTimeout, NodeTTL: m.nodeTTL,
 		HighWatermark: m.highWatermark, EvictRatio: m.evictRatio, Placement: m.placement,
-		PromoteAfter: m.promoteAfter, NoWriteBack: m.noWriteBack,
+		PromoteAfter: m.promoteAfter, NoWriteBack: m.noWriteBack, Join: m.join,
 		Registerer: reg, Logger: log.With("component", "master"),
 	}
 	switch {
@@ -182,6 +184,9 @@ func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (maste
 	}
 	if m.highWatermark <= 0 || m.highWatermark > 1 || m.evictRatio < 0 || m.evictRatio >= m.highWatermark {
 		return cfg, fmt.Errorf("%w: --high-watermark must be in (0, 1] and --evict-ratio in [0, high watermark)", errUsage)
+	}
+	if m.join && m.peers != "" {
+		return cfg, fmt.Errorf("%w: --join and --peers exclude each other: a joining master is added by the leader", errUsage)
 	}
 	for _, p := range strings.Split(m.peers, ",") {
 		if p = strings.TrimSpace(p); p == "" {

@@ -4,13 +4,17 @@
 // codes.Unavailable and names the leader in the "tidepool-leader" trailer,
 // and Conn retries there. When a master is down or no leader is known yet
 // (an election is running), Conn tries the next one with backoff until the
-// call's context ends.
+// call's context ends. A Conn in use learns the masters added since it was
+// dialled: every refreshEvery it asks the leader for the members, so a
+// daemon keeps reaching the cluster after the masters it was given are
+// replaced.
 package leaderconn
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -21,6 +25,14 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/tidepool-kv/tidepool/master/framed"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+const (
+	// refreshEvery is how often a Conn in use asks for the members.
+	refreshEvery = 10 * time.Second
+	// maxAddrs bounds the addresses a Conn rotates through.
+	maxAddrs = 16
 )
 
 // Trailer names the trailer in which followers return the leader's address.
@@ -33,11 +45,15 @@ const DefaultRetryFor = 20 * time.Second
 type Conn struct {
 	mu struct {
 		sync.Mutex
-		addrs  []string
-		next   int
-		leader string
-		conns  map[string]*master
+		addrs      []string
+		next       int
+		leader     string
+		conns      map[string]*master
+		refreshed  time.Time // when a refresh last started
+		refreshing bool
+		closed     bool
 	}
+	wg sync.WaitGroup // the refresh running
 }
 
 // master is the connections to one master: its unary calls framed, its
@@ -56,6 +72,7 @@ func Dial(addrs []string) (*Conn, error) {
 	c.mu.addrs = append([]string(nil), addrs...)
 	c.mu.conns = map[string]*master{}
 	c.mu.leader = addrs[0]
+	c.mu.refreshed = time.Now()
 	return c, nil
 }
 
@@ -80,6 +97,9 @@ func (c *Conn) Do(ctx context.Context, call Call) error {
 		var trailer metadata.MD
 		err = call(ctx, cc, grpc.Trailer(&trailer))
 		if status.Code(err) != codes.Unavailable {
+			if err == nil {
+				c.maybeRefresh(cc)
+			}
 			return err
 		}
 		if l := trailer.Get(Trailer); len(l) > 0 && l[0] != "" && l[0] != addr {
@@ -122,7 +142,43 @@ func (c *Conn) current() (string, grpc.ClientConnInterface, error) {
 func (c *Conn) setLeader(addr string) {
 	c.mu.Lock()
 	c.mu.leader = addr
+	c.addLocked([]string{addr})
 	c.mu.Unlock()
+}
+
+// addLocked adds addresses to the rotation, up to maxAddrs; c.mu is held.
+func (c *Conn) addLocked(addrs []string) {
+	for _, a := range addrs {
+		if a != "" && len(c.mu.addrs) < maxAddrs && !slices.Contains(c.mu.addrs, a) {
+			c.mu.addrs = append(c.mu.addrs, a)
+		}
+	}
+}
+
+// maybeRefresh asks the master at cc, which just answered, for the
+// members, in the background, at most every refreshEvery.
+func (c *Conn) maybeRefresh(cc grpc.ClientConnInterface) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.mu.closed || c.mu.refreshing || time.Since(c.mu.refreshed) < refreshEvery {
+		return
+	}
+	c.mu.refreshing, c.mu.refreshed = true, time.Now()
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		st, err := pb.NewMasterClient(cc).Status(ctx, &pb.StatusRequest{})
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.mu.refreshing = false
+		if err == nil {
+			for _, m := range st.Members {
+				c.addLocked([]string{m.Address})
+			}
+		}
+	}()
 }
 
 // rotate moves on from a master that failed, unless another call already did.
@@ -144,6 +200,10 @@ func (c *Conn) addrs() []string {
 
 // Close closes every connection.
 func (c *Conn) Close() error {
+	c.mu.Lock()
+	c.mu.closed = true
+	c.mu.Unlock()
+	c.wg.Wait() // a refresh uses a connection
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var errs []error

@@ -1629,10 +1629,15 @@ func (*StatusRequest) Descriptor() ([]byte, []int) {
 }
 
 type MemberInfo struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
-	Address       string                 `protobuf:"bytes,2,opt,name=address,proto3" json:"address,omitempty"`
-	Leader        bool                   `protobuf:"varint,3,opt,name=leader,proto3" json:"leader,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// The master's gRPC address; empty until it has told the leader.
+	Address     string `protobuf:"bytes,2,opt,name=address,proto3" json:"address,omitempty"`
+	Leader      bool   `protobuf:"varint,3,opt,name=leader,proto3" json:"leader,omitempty"`
+	RaftAddress string `protobuf:"bytes,4,opt,name=raft_address,json=raftAddress,proto3" json:"raft_address,omitempty"`
+	// In Members: the master answered a Status call from the one answering
+	// (the leader) just now.
+	Reachable     bool `protobuf:"varint,5,opt,name=reachable,proto3" json:"reachable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1688,6 +1693,205 @@ func (x *MemberInfo) GetLeader() bool {
 	return false
 }
 
+func (x *MemberInfo) GetRaftAddress() string {
+	if x != nil {
+		return x.RaftAddress
+	}
+	return ""
+}
+
+func (x *MemberInfo) GetReachable() bool {
+	if x != nil {
+		return x.Reachable
+	}
+	return false
+}
+
+type MembersRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MembersRequest) Reset() {
+	*x = MembersRequest{}
+	mi := &file_tidepool_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MembersRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MembersRequest) ProtoMessage() {}
+
+func (x *MembersRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MembersRequest.ProtoReflect.Descriptor instead.
+func (*MembersRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
+}
+
+// AddMemberRequest adds a master, started with --join, as a raft voter.
+type AddMemberRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	RaftAddress   string                 `protobuf:"bytes,2,opt,name=raft_address,json=raftAddress,proto3" json:"raft_address,omitempty"`
+	GrpcAddress   string                 `protobuf:"bytes,3,opt,name=grpc_address,json=grpcAddress,proto3" json:"grpc_address,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AddMemberRequest) Reset() {
+	*x = AddMemberRequest{}
+	mi := &file_tidepool_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AddMemberRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AddMemberRequest) ProtoMessage() {}
+
+func (x *AddMemberRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AddMemberRequest.ProtoReflect.Descriptor instead.
+func (*AddMemberRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *AddMemberRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *AddMemberRequest) GetRaftAddress() string {
+	if x != nil {
+		return x.RaftAddress
+	}
+	return ""
+}
+
+func (x *AddMemberRequest) GetGrpcAddress() string {
+	if x != nil {
+		return x.GrpcAddress
+	}
+	return ""
+}
+
+type RemoveMemberRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RemoveMemberRequest) Reset() {
+	*x = RemoveMemberRequest{}
+	mi := &file_tidepool_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RemoveMemberRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RemoveMemberRequest) ProtoMessage() {}
+
+func (x *RemoveMemberRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RemoveMemberRequest.ProtoReflect.Descriptor instead.
+func (*RemoveMemberRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *RemoveMemberRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type MembersResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Members       []*MemberInfo          `protobuf:"bytes,1,rep,name=members,proto3" json:"members,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MembersResponse) Reset() {
+	*x = MembersResponse{}
+	mi := &file_tidepool_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MembersResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MembersResponse) ProtoMessage() {}
+
+func (x *MembersResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MembersResponse.ProtoReflect.Descriptor instead.
+func (*MembersResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *MembersResponse) GetMembers() []*MemberInfo {
+	if x != nil {
+		return x.Members
+	}
+	return nil
+}
+
 type SegmentInfo struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Name     string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -1711,7 +1915,7 @@ type SegmentInfo struct {
 
 func (x *SegmentInfo) Reset() {
 	*x = SegmentInfo{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1723,7 +1927,7 @@ func (x *SegmentInfo) String() string {
 func (*SegmentInfo) ProtoMessage() {}
 
 func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1736,7 +1940,7 @@ func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentInfo.ProtoReflect.Descriptor instead.
 func (*SegmentInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SegmentInfo) GetName() string {
@@ -1836,7 +2040,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1848,7 +2052,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1861,7 +2065,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *StatusResponse) GetLeaderId() string {
@@ -1954,7 +2158,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1966,7 +2170,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1979,7 +2183,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *LookupRequest) GetKeys() []string {
@@ -2042,7 +2246,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2054,7 +2258,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2067,7 +2271,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *LookupResponse) GetMatched() uint32 {
@@ -2151,7 +2355,7 @@ type ChildrenRequest struct {
 
 func (x *ChildrenRequest) Reset() {
 	*x = ChildrenRequest{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2163,7 +2367,7 @@ func (x *ChildrenRequest) String() string {
 func (*ChildrenRequest) ProtoMessage() {}
 
 func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2176,7 +2380,7 @@ func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChildrenRequest.ProtoReflect.Descriptor instead.
 func (*ChildrenRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ChildrenRequest) GetKey() string {
@@ -2205,7 +2409,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2217,7 +2421,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2230,7 +2434,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -2276,7 +2480,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2288,7 +2492,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2301,7 +2505,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -2389,7 +2593,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2401,7 +2605,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2414,7 +2618,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -2473,7 +2677,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2485,7 +2689,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2498,7 +2702,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *AdoptRequest) GetNode() string {
@@ -2538,7 +2742,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2550,7 +2754,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2563,7 +2767,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *AdoptResponse) GetAdopted() uint32 {
@@ -2587,7 +2791,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2599,7 +2803,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2612,7 +2816,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -2652,7 +2856,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2664,7 +2868,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2677,7 +2881,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{35}
+	return file_tidepool_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -2726,7 +2930,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2738,7 +2942,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2751,7 +2955,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{36}
+	return file_tidepool_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -2782,7 +2986,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2794,7 +2998,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2807,7 +3011,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{37}
+	return file_tidepool_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -2857,7 +3061,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2869,7 +3073,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2882,7 +3086,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{38}
+	return file_tidepool_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -2945,7 +3149,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2957,7 +3161,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2970,7 +3174,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{39}
+	return file_tidepool_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -3004,7 +3208,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3016,7 +3220,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3029,7 +3233,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{40}
+	return file_tidepool_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -3052,7 +3256,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3064,7 +3268,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3077,7 +3281,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{41}
+	return file_tidepool_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -3123,7 +3327,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3135,7 +3339,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3148,7 +3352,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{42}
+	return file_tidepool_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -3216,7 +3420,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[43]
+	mi := &file_tidepool_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3228,7 +3432,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[43]
+	mi := &file_tidepool_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3241,7 +3445,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{43}
+	return file_tidepool_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -3276,7 +3480,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[44]
+	mi := &file_tidepool_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3288,7 +3492,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[44]
+	mi := &file_tidepool_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3301,7 +3505,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{44}
+	return file_tidepool_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -3339,7 +3543,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[45]
+	mi := &file_tidepool_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3351,7 +3555,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[45]
+	mi := &file_tidepool_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3364,7 +3568,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{45}
+	return file_tidepool_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -3520,12 +3724,23 @@ const file_tidepool_proto_rawDesc = "" +
 	"\bsegments\x18\x01 \x03(\tR\bsegments\"+\n" +
 	"\x13UnreachableResponse\x12\x14\n" +
 	"\x05nodes\x18\x01 \x03(\tR\x05nodes\"\x0f\n" +
-	"\rStatusRequest\"N\n" +
+	"\rStatusRequest\"\x8f\x01\n" +
 	"\n" +
 	"MemberInfo\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12\x16\n" +
-	"\x06leader\x18\x03 \x01(\bR\x06leader\"\xa6\x02\n" +
+	"\x06leader\x18\x03 \x01(\bR\x06leader\x12!\n" +
+	"\fraft_address\x18\x04 \x01(\tR\vraftAddress\x12\x1c\n" +
+	"\treachable\x18\x05 \x01(\bR\treachable\"\x10\n" +
+	"\x0eMembersRequest\"h\n" +
+	"\x10AddMemberRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12!\n" +
+	"\fraft_address\x18\x02 \x01(\tR\vraftAddress\x12!\n" +
+	"\fgrpc_address\x18\x03 \x01(\tR\vgrpcAddress\"%\n" +
+	"\x13RemoveMemberRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"D\n" +
+	"\x0fMembersResponse\x121\n" +
+	"\amembers\x18\x01 \x03(\v2\x17.tidepool.v1.MemberInfoR\amembers\"\xa6\x02\n" +
 	"\vSegmentInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12%\n" +
@@ -3701,12 +3916,15 @@ const file_tidepool_proto_rawDesc = "" +
 	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
 	"\x0eSegmentObjects\x12\".tidepool.v1.SegmentObjectsRequest\x1a#.tidepool.v1.SegmentObjectsResponse\x12>\n" +
 	"\x05Adopt\x12\x19.tidepool.v1.AdoptRequest\x1a\x1a.tidepool.v1.AdoptResponse\x12F\n" +
-	"\x05Leave\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\x84\x02\n" +
+	"\x05Leave\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\xe4\x03\n" +
 	"\x05Admin\x12:\n" +
 	"\x03Pin\x12\x17.tidepool.v1.PinRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12=\n" +
 	"\x05Unpin\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n" +
 	"\x05Evict\x12\x19.tidepool.v1.EvictRequest\x1a\x1a.tidepool.v1.EvictResponse\x12@\n" +
-	"\x05Drain\x12\x19.tidepool.v1.DrainRequest\x1a\x1a.tidepool.v1.DrainProgress0\x01B2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
+	"\x05Drain\x12\x19.tidepool.v1.DrainRequest\x1a\x1a.tidepool.v1.DrainProgress0\x01\x12D\n" +
+	"\aMembers\x12\x1b.tidepool.v1.MembersRequest\x1a\x1c.tidepool.v1.MembersResponse\x12H\n" +
+	"\tAddMember\x12\x1d.tidepool.v1.AddMemberRequest\x1a\x1c.tidepool.v1.MembersResponse\x12N\n" +
+	"\fRemoveMember\x12 .tidepool.v1.RemoveMemberRequest\x1a\x1c.tidepool.v1.MembersResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
 
 var (
 	file_tidepool_proto_rawDescOnce sync.Once
@@ -3721,7 +3939,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 46)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 50)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -3749,28 +3967,32 @@ var file_tidepool_proto_goTypes = []any{
 	(*UnreachableResponse)(nil),    // 23: tidepool.v1.UnreachableResponse
 	(*StatusRequest)(nil),          // 24: tidepool.v1.StatusRequest
 	(*MemberInfo)(nil),             // 25: tidepool.v1.MemberInfo
-	(*SegmentInfo)(nil),            // 26: tidepool.v1.SegmentInfo
-	(*StatusResponse)(nil),         // 27: tidepool.v1.StatusResponse
-	(*LookupRequest)(nil),          // 28: tidepool.v1.LookupRequest
-	(*LookupResponse)(nil),         // 29: tidepool.v1.LookupResponse
-	(*ChildrenRequest)(nil),        // 30: tidepool.v1.ChildrenRequest
-	(*SegmentSpec)(nil),            // 31: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 32: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 33: tidepool.v1.RegisterRequest
-	(*AdoptRequest)(nil),           // 34: tidepool.v1.AdoptRequest
-	(*AdoptResponse)(nil),          // 35: tidepool.v1.AdoptResponse
-	(*RegisterResponse)(nil),       // 36: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 37: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 38: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 39: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 40: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 41: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 42: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 43: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 44: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 45: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 46: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 47: tidepool.v1.DrainProgress
+	(*MembersRequest)(nil),         // 26: tidepool.v1.MembersRequest
+	(*AddMemberRequest)(nil),       // 27: tidepool.v1.AddMemberRequest
+	(*RemoveMemberRequest)(nil),    // 28: tidepool.v1.RemoveMemberRequest
+	(*MembersResponse)(nil),        // 29: tidepool.v1.MembersResponse
+	(*SegmentInfo)(nil),            // 30: tidepool.v1.SegmentInfo
+	(*StatusResponse)(nil),         // 31: tidepool.v1.StatusResponse
+	(*LookupRequest)(nil),          // 32: tidepool.v1.LookupRequest
+	(*LookupResponse)(nil),         // 33: tidepool.v1.LookupResponse
+	(*ChildrenRequest)(nil),        // 34: tidepool.v1.ChildrenRequest
+	(*SegmentSpec)(nil),            // 35: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 36: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 37: tidepool.v1.RegisterRequest
+	(*AdoptRequest)(nil),           // 38: tidepool.v1.AdoptRequest
+	(*AdoptResponse)(nil),          // 39: tidepool.v1.AdoptResponse
+	(*RegisterResponse)(nil),       // 40: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 41: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 42: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 43: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 44: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 45: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 46: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 47: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 48: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 49: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 50: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 51: tidepool.v1.DrainProgress
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -3792,73 +4014,80 @@ var file_tidepool_proto_depIdxs = []int32{
 	1,  // 16: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
 	3,  // 17: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
 	18, // 18: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	0,  // 19: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
-	25, // 20: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
-	26, // 21: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
-	3,  // 22: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
-	0,  // 23: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	31, // 24: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	32, // 25: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	32, // 26: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
-	32, // 27: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	41, // 28: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
-	3,  // 29: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
-	3,  // 30: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
-	2,  // 31: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	40, // 32: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
-	0,  // 33: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	18, // 34: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 35: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	12, // 36: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	9,  // 37: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
-	12, // 38: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 39: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	12, // 40: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	12, // 41: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	12, // 42: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	17, // 43: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	24, // 44: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	20, // 45: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	22, // 46: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
-	28, // 47: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	30, // 48: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	33, // 49: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	39, // 50: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	37, // 51: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	34, // 52: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
-	39, // 53: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	43, // 54: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	12, // 55: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	44, // 56: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	46, // 57: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	5,  // 58: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	13, // 59: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	10, // 60: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
-	13, // 61: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 62: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	15, // 63: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	16, // 64: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	13, // 65: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	19, // 66: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	27, // 67: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	21, // 68: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	23, // 69: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
-	29, // 70: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	19, // 71: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	36, // 72: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	42, // 73: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	38, // 74: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	35, // 75: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
-	42, // 76: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	13, // 77: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	13, // 78: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	45, // 79: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	47, // 80: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	58, // [58:81] is the sub-list for method output_type
-	35, // [35:58] is the sub-list for method input_type
-	35, // [35:35] is the sub-list for extension type_name
-	35, // [35:35] is the sub-list for extension extendee
-	0,  // [0:35] is the sub-list for field type_name
+	25, // 19: tidepool.v1.MembersResponse.members:type_name -> tidepool.v1.MemberInfo
+	0,  // 20: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
+	25, // 21: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
+	30, // 22: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
+	3,  // 23: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
+	0,  // 24: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
+	35, // 25: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	36, // 26: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	36, // 27: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
+	36, // 28: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	45, // 29: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 30: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 31: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 32: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	44, // 33: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 34: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	18, // 35: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	4,  // 36: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	12, // 37: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	9,  // 38: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
+	12, // 39: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 40: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	12, // 41: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	12, // 42: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	12, // 43: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	17, // 44: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	24, // 45: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	20, // 46: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	22, // 47: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
+	32, // 48: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	34, // 49: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	37, // 50: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	43, // 51: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	41, // 52: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	38, // 53: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	43, // 54: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	47, // 55: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	12, // 56: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	48, // 57: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	50, // 58: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	26, // 59: tidepool.v1.Admin.Members:input_type -> tidepool.v1.MembersRequest
+	27, // 60: tidepool.v1.Admin.AddMember:input_type -> tidepool.v1.AddMemberRequest
+	28, // 61: tidepool.v1.Admin.RemoveMember:input_type -> tidepool.v1.RemoveMemberRequest
+	5,  // 62: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	13, // 63: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	10, // 64: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
+	13, // 65: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 66: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	15, // 67: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	16, // 68: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	13, // 69: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	19, // 70: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	31, // 71: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	21, // 72: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	23, // 73: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
+	33, // 74: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	19, // 75: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	40, // 76: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	46, // 77: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	42, // 78: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	39, // 79: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	46, // 80: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	13, // 81: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	13, // 82: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	49, // 83: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	51, // 84: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	29, // 85: tidepool.v1.Admin.Members:output_type -> tidepool.v1.MembersResponse
+	29, // 86: tidepool.v1.Admin.AddMember:output_type -> tidepool.v1.MembersResponse
+	29, // 87: tidepool.v1.Admin.RemoveMember:output_type -> tidepool.v1.MembersResponse
+	62, // [62:88] is the sub-list for method output_type
+	36, // [36:62] is the sub-list for method input_type
+	36, // [36:36] is the sub-list for extension type_name
+	36, // [36:36] is the sub-list for extension extendee
+	0,  // [0:36] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -3872,7 +4101,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   46,
+			NumMessages:   50,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

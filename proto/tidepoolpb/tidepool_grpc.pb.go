@@ -944,10 +944,13 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Admin_Pin_FullMethodName   = "/tidepool.v1.Admin/Pin"
-	Admin_Unpin_FullMethodName = "/tidepool.v1.Admin/Unpin"
-	Admin_Evict_FullMethodName = "/tidepool.v1.Admin/Evict"
-	Admin_Drain_FullMethodName = "/tidepool.v1.Admin/Drain"
+	Admin_Pin_FullMethodName          = "/tidepool.v1.Admin/Pin"
+	Admin_Unpin_FullMethodName        = "/tidepool.v1.Admin/Unpin"
+	Admin_Evict_FullMethodName        = "/tidepool.v1.Admin/Evict"
+	Admin_Drain_FullMethodName        = "/tidepool.v1.Admin/Drain"
+	Admin_Members_FullMethodName      = "/tidepool.v1.Admin/Members"
+	Admin_AddMember_FullMethodName    = "/tidepool.v1.Admin/AddMember"
+	Admin_RemoveMember_FullMethodName = "/tidepool.v1.Admin/RemoveMember"
 )
 
 // AdminClient is the client API for Admin service.
@@ -963,6 +966,16 @@ type AdminClient interface {
 	// streaming progress. Closing the stream does not stop the drain; the
 	// leader (or the next one) finishes it.
 	Drain(ctx context.Context, in *DrainRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[DrainProgress], error)
+	// Members lists the masters (raft voters), and which of them answer.
+	Members(ctx context.Context, in *MembersRequest, opts ...grpc.CallOption) (*MembersResponse, error)
+	// AddMember makes a master a voter, once it answers at its gRPC address;
+	// refused if the cluster would then lack a quorum of masters that
+	// answer. For a voter already in the cluster it records its gRPC
+	// address (masters call it so on the leader, so every address is known).
+	AddMember(ctx context.Context, in *AddMemberRequest, opts ...grpc.CallOption) (*MembersResponse, error)
+	// RemoveMember takes a voter out; refused if the remaining voters that
+	// answer would not make a quorum of the rest.
+	RemoveMember(ctx context.Context, in *RemoveMemberRequest, opts ...grpc.CallOption) (*MembersResponse, error)
 }
 
 type adminClient struct {
@@ -1022,6 +1035,36 @@ func (c *adminClient) Drain(ctx context.Context, in *DrainRequest, opts ...grpc.
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Admin_DrainClient = grpc.ServerStreamingClient[DrainProgress]
 
+func (c *adminClient) Members(ctx context.Context, in *MembersRequest, opts ...grpc.CallOption) (*MembersResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(MembersResponse)
+	err := c.cc.Invoke(ctx, Admin_Members_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) AddMember(ctx context.Context, in *AddMemberRequest, opts ...grpc.CallOption) (*MembersResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(MembersResponse)
+	err := c.cc.Invoke(ctx, Admin_AddMember_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) RemoveMember(ctx context.Context, in *RemoveMemberRequest, opts ...grpc.CallOption) (*MembersResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(MembersResponse)
+	err := c.cc.Invoke(ctx, Admin_RemoveMember_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServer is the server API for Admin service.
 // All implementations must embed UnimplementedAdminServer
 // for forward compatibility.
@@ -1035,6 +1078,16 @@ type AdminServer interface {
 	// streaming progress. Closing the stream does not stop the drain; the
 	// leader (or the next one) finishes it.
 	Drain(*DrainRequest, grpc.ServerStreamingServer[DrainProgress]) error
+	// Members lists the masters (raft voters), and which of them answer.
+	Members(context.Context, *MembersRequest) (*MembersResponse, error)
+	// AddMember makes a master a voter, once it answers at its gRPC address;
+	// refused if the cluster would then lack a quorum of masters that
+	// answer. For a voter already in the cluster it records its gRPC
+	// address (masters call it so on the leader, so every address is known).
+	AddMember(context.Context, *AddMemberRequest) (*MembersResponse, error)
+	// RemoveMember takes a voter out; refused if the remaining voters that
+	// answer would not make a quorum of the rest.
+	RemoveMember(context.Context, *RemoveMemberRequest) (*MembersResponse, error)
 	mustEmbedUnimplementedAdminServer()
 }
 
@@ -1056,6 +1109,15 @@ func (UnimplementedAdminServer) Evict(context.Context, *EvictRequest) (*EvictRes
 }
 func (UnimplementedAdminServer) Drain(*DrainRequest, grpc.ServerStreamingServer[DrainProgress]) error {
 	return status.Errorf(codes.Unimplemented, "method Drain not implemented")
+}
+func (UnimplementedAdminServer) Members(context.Context, *MembersRequest) (*MembersResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Members not implemented")
+}
+func (UnimplementedAdminServer) AddMember(context.Context, *AddMemberRequest) (*MembersResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method AddMember not implemented")
+}
+func (UnimplementedAdminServer) RemoveMember(context.Context, *RemoveMemberRequest) (*MembersResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method RemoveMember not implemented")
 }
 func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
 func (UnimplementedAdminServer) testEmbeddedByValue()               {}
@@ -1143,6 +1205,60 @@ func _Admin_Drain_Handler(srv interface{}, stream grpc.ServerStream) error {
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Admin_DrainServer = grpc.ServerStreamingServer[DrainProgress]
 
+func _Admin_Members_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(MembersRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).Members(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_Members_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).Members(ctx, req.(*MembersRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_AddMember_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AddMemberRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).AddMember(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_AddMember_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).AddMember(ctx, req.(*AddMemberRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_RemoveMember_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RemoveMemberRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).RemoveMember(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_RemoveMember_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).RemoveMember(ctx, req.(*RemoveMemberRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -1161,6 +1277,18 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Evict",
 			Handler:    _Admin_Evict_Handler,
+		},
+		{
+			MethodName: "Members",
+			Handler:    _Admin_Members_Handler,
+		},
+		{
+			MethodName: "AddMember",
+			Handler:    _Admin_AddMember_Handler,
+		},
+		{
+			MethodName: "RemoveMember",
+			Handler:    _Admin_RemoveMember_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

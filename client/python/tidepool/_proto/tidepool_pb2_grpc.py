@@ -761,6 +761,21 @@ class AdminStub(object):
                 request_serializer=tidepool__pb2.DrainRequest.SerializeToString,
                 response_deserializer=tidepool__pb2.DrainProgress.FromString,
                 )
+        self.Members = channel.unary_unary(
+                '/tidepool.v1.Admin/Members',
+                request_serializer=tidepool__pb2.MembersRequest.SerializeToString,
+                response_deserializer=tidepool__pb2.MembersResponse.FromString,
+                )
+        self.AddMember = channel.unary_unary(
+                '/tidepool.v1.Admin/AddMember',
+                request_serializer=tidepool__pb2.AddMemberRequest.SerializeToString,
+                response_deserializer=tidepool__pb2.MembersResponse.FromString,
+                )
+        self.RemoveMember = channel.unary_unary(
+                '/tidepool.v1.Admin/RemoveMember',
+                request_serializer=tidepool__pb2.RemoveMemberRequest.SerializeToString,
+                response_deserializer=tidepool__pb2.MembersResponse.FromString,
+                )
 
 
 class AdminServicer(object):
@@ -794,6 +809,31 @@ class AdminServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Members(self, request, context):
+        """Members lists the masters (raft voters), and which of them answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddMember(self, request, context):
+        """AddMember makes a master a voter, once it answers at its gRPC address;
+        refused if the cluster would then lack a quorum of masters that
+        answer. For a voter already in the cluster it records its gRPC
+        address (masters call it so on the leader, so every address is known).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveMember(self, request, context):
+        """RemoveMember takes a voter out; refused if the remaining voters that
+        answer would not make a quorum of the rest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -816,6 +856,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=tidepool__pb2.DrainRequest.FromString,
                     response_serializer=tidepool__pb2.DrainProgress.SerializeToString,
+            ),
+            'Members': grpc.unary_unary_rpc_method_handler(
+                    servicer.Members,
+                    request_deserializer=tidepool__pb2.MembersRequest.FromString,
+                    response_serializer=tidepool__pb2.MembersResponse.SerializeToString,
+            ),
+            'AddMember': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddMember,
+                    request_deserializer=tidepool__pb2.AddMemberRequest.FromString,
+                    response_serializer=tidepool__pb2.MembersResponse.SerializeToString,
+            ),
+            'RemoveMember': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveMember,
+                    request_deserializer=tidepool__pb2.RemoveMemberRequest.FromString,
+                    response_serializer=tidepool__pb2.MembersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -893,5 +948,56 @@ class Admin(object):
         return grpc.experimental.unary_stream(request, target, '/tidepool.v1.Admin/Drain',
             tidepool__pb2.DrainRequest.SerializeToString,
             tidepool__pb2.DrainProgress.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Members(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Admin/Members',
+            tidepool__pb2.MembersRequest.SerializeToString,
+            tidepool__pb2.MembersResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def AddMember(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Admin/AddMember',
+            tidepool__pb2.AddMemberRequest.SerializeToString,
+            tidepool__pb2.MembersResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RemoveMember(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Admin/RemoveMember',
+            tidepool__pb2.RemoveMemberRequest.SerializeToString,
+            tidepool__pb2.MembersResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

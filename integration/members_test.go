@@ -1,0 +1,187 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// joiner is a master started with --join: it serves, but is in no cluster
+// until the leader adds it.
+type joiner struct {
+	*proc
+	id, grpc, raft, http string
+}
+
+func startJoiner(t *testing.T, ctx context.Context, id string) *joiner {
+	t.Helper()
+	j := &joiner{id: id, grpc: freeAddr(t), raft: freeAddr(t), http: freeAddr(t)}
+	j.proc = startProc(t, "master "+id, "master", "--id", id, "--dir", t.TempDir(), "--join",
+		"--listen", j.grpc, "--raft", j.raft, "--http", j.http)
+	// Not ready (no leader) before it is added: wait for it to serve.
+	if err := poll(ctx, readyTimeout, func() error {
+		if j.exited() {
+			return fmt.Errorf("%s exited: %v", id, j.err)
+		}
+		resp, err := httpClient.Get("http://" + j.http + "/healthz")
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("/healthz: %s", resp.Status)
+		}
+		return nil
+	}); err != nil {
+		t.Fatalf("joining master %s: %v", id, err)
+	}
+	return j
+}
+
+// TestGrowAndReplaceMasters: a one-master cluster under put load grows to
+// three with `admin members add`, then one master is replaced (a fourth
+// added, the first removed and stopped). The store and the client were
+// given the first master's address alone; nothing acknowledged is lost,
+// and a change that would lose quorum is refused.
+func TestGrowAndReplaceMasters(t *testing.T) {
+	if testing.Short() {
+		t.Skip("changes raft membership under load")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	m1 := startMaster(t, ctx, t.TempDir())
+	startStore(t, ctx, "s1", m1.grpc, "dram:512MiB")
+	c := newClient(t, m1.grpc)
+
+	var (
+		mu    sync.Mutex
+		acked []string
+		fails []string
+		stop  = make(chan struct{})
+		wg    sync.WaitGroup
+	)
+	for w := range 4 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				k := fmt.Sprintf("w%d/%06d", w, i)
+				pctx, pcancel := context.WithTimeout(ctx, 30*time.Second)
+				err := c.Put(pctx, k, faultValue(k, 16<<10))
+				pcancel()
+				mu.Lock()
+				if err == nil {
+					acked = append(acked, k)
+				} else {
+					fails = append(fails, err.Error())
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	progress := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(acked)
+	}
+	// Puts go on through each step.
+	advancing := func(step string) {
+		t.Helper()
+		from := progress()
+		waitFor(t, 30*time.Second, func() error {
+			if n := progress(); n < from+50 {
+				return fmt.Errorf("%s: %d puts acknowledged since, want 50", step, n-from)
+			}
+			return nil
+		})
+	}
+	advancing("one master")
+
+	members := func(masters string) string {
+		t.Helper()
+		return string(mustCLI(t, ctx, nil, "admin", "members", "--masters", masters).stdout)
+	}
+	var joined []*joiner
+	for _, id := range []string{"m2", "m3"} {
+		j := startJoiner(t, ctx, id)
+		joined = append(joined, j)
+		mustCLI(t, ctx, nil, "admin", "members", "add", id, j.raft, j.grpc, "--masters", m1.grpc)
+		advancing("after adding " + id)
+	}
+	waitFor(t, 30*time.Second, func() error {
+		out := members(m1.grpc)
+		for _, a := range []string{m1.grpc, joined[0].grpc, joined[1].grpc} {
+			if !strings.Contains(out, a) {
+				return fmt.Errorf("members do not list %s yet:\n%s", a, out)
+			}
+		}
+		if strings.Contains(out, " no\n") {
+			return fmt.Errorf("a master does not answer:\n%s", out)
+		}
+		return nil
+	})
+	// Every master's address is known to every master.
+	for _, j := range joined {
+		out := string(mustCLI(t, ctx, nil, "status", "--masters", j.grpc).stdout)
+		for _, a := range []string{m1.grpc, joined[0].grpc, joined[1].grpc} {
+			if !strings.Contains(out, a) {
+				t.Fatalf("status through %s does not show %s:\n%s", j.id, a, out)
+			}
+		}
+	}
+
+	// Removing two of three would leave one voter of a cluster whose other
+	// master is stopped: refused.
+	joined[1].kill(t)
+	r := cli(t, ctx, nil, "admin", "members", "remove", "m2", "--masters", m1.grpc)
+	if r.code == 0 || !strings.Contains(r.stderr, "quorum") {
+		t.Fatalf("removing m2 with m3 stopped: %v, want a refusal for quorum", r)
+	}
+	mustCLI(t, ctx, nil, "admin", "members", "remove", "m3", "--masters", m1.grpc)
+	advancing("after removing the stopped m3")
+
+	// Replace m1: add m4, remove m1, stop it. The store and the client
+	// learn the masters from the members the leader reports every 10 s
+	// (leaderconn's refresh); give them that period.
+	m4 := startJoiner(t, ctx, "m4")
+	mustCLI(t, ctx, nil, "admin", "members", "add", "m4", m4.raft, m4.grpc, "--masters", m1.grpc)
+	learned := time.Now().Add(12 * time.Second)
+	waitFor(t, 30*time.Second, func() error {
+		if time.Now().Before(learned) {
+			return fmt.Errorf("the refresh period has not passed")
+		}
+		return nil
+	})
+	advancing("with m1, m2 and m4")
+	mustCLI(t, ctx, nil, "admin", "members", "remove", "m1", "--masters", joined[0].grpc+","+m4.grpc)
+	m1.term(t, 10*time.Second)
+	advancing("after m1 was replaced")
+	out := members(joined[0].grpc + "," + m4.grpc)
+	if strings.Contains(out, "m1") || !strings.Contains(out, "m4") {
+		t.Fatalf("members after replacing m1:\n%s", out)
+	}
+
+	close(stop)
+	wg.Wait()
+	mu.Lock()
+	keys := append([]string(nil), acked...)
+	t.Logf("%d puts acknowledged, %d failed: %q", len(keys), len(fails), fails)
+	mu.Unlock()
+	for chunk := range slices.Chunk(keys, 4096) {
+		got, errs := c.BatchGet(ctx, chunk)
+		for i, k := range chunk {
+			if errs[i] != nil || !bytes.Equal(got[i], faultValue(k, 16<<10)) {
+				t.Fatalf("acknowledged %s: %d bytes, %v", k, len(got[i]), errs[i])
+			}
+		}
+	}
+}
