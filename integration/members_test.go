@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -181,6 +182,84 @@ func TestGrowAndReplaceMasters(t *testing.T) {
 		for i, k := range chunk {
 			if errs[i] != nil || !bytes.Equal(got[i], faultValue(k, 16<<10)) {
 				t.Fatalf("acknowledged %s: %d bytes, %v", k, len(got[i]), errs[i])
+			}
+		}
+	}
+}
+
+// TestUpLocalCluster: `tidepool up --masters 3 --stores 2` runs a local HA
+// cluster of five processes that serves puts and gets, survives the
+// leader's SIGKILL, and stops whole on one SIGTERM.
+func TestUpLocalCluster(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	u := startUp(t, ctx, t.TempDir(), "--masters", "3", "--stores", "2", "--dram", "64MiB", "--ssd", "0")
+	var st string
+	waitFor(t, 10*time.Second, func() error { // followers send the leader their addresses
+		st = string(mustCLI(t, ctx, nil, "status", "--masters", u.grpc).stdout)
+		if n := strings.Count(st, "127.0.0.1:"); n < 1+3+2 {
+			return fmt.Errorf("status of the local cluster:\n%s", st)
+		}
+		return nil
+	})
+	for _, seg := range []string{"store-0/", "store-1/"} {
+		if !strings.Contains(st, seg) {
+			t.Fatalf("status shows no %s segment:\n%s", seg, st)
+		}
+	}
+	put := func(key string) {
+		t.Helper()
+		mustCLI(t, ctx, strings.NewReader(key), "put", key, "-", "--masters", u.grpc)
+		if got := mustCLI(t, ctx, nil, "get", key, "--masters", u.grpc).stdout; string(got) != key {
+			t.Fatalf("get %s: %q", key, got)
+		}
+	}
+	put("before")
+	// The leader's pid is in up's log: kill it.
+	leader := ""
+	waitFor(t, 20*time.Second, func() error {
+		for _, line := range strings.Split(string(mustCLI(t, ctx, nil, "admin", "members", "--masters", u.grpc).stdout), "\n") {
+			if f := strings.Fields(line); len(f) == 5 && f[3] == "leader" {
+				leader = f[0]
+				return nil
+			}
+		}
+		return fmt.Errorf("no leader yet")
+	})
+	pid := 0
+	for _, line := range strings.Split(u.out.String(), "\n") {
+		if strings.Contains(line, "msg=started process="+leader+" ") {
+			fmt.Sscanf(line[strings.Index(line, "pid="):], "pid=%d", &pid)
+		}
+	}
+	if pid == 0 {
+		t.Fatalf("no pid of %s in up's output:\n%s", leader, u.out.String())
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, func() error {
+		r := cli(t, ctx, strings.NewReader("after"), "put", "after", "-", "--masters", u.grpc)
+		if r.code != 0 {
+			return fmt.Errorf("put after the leader's kill: %v", r)
+		}
+		return nil
+	})
+	if got := mustCLI(t, ctx, nil, "get", "before", "--masters", u.grpc).stdout; string(got) != "before" {
+		t.Fatalf("get before after the failover: %q", got)
+	}
+	if code := u.term(t, 30*time.Second); code != 0 {
+		t.Fatalf("up exited %d on SIGTERM", code)
+	}
+	if !strings.Contains(u.out.String(), "exited; the rest of the cluster keeps running") {
+		t.Fatalf("up did not report the killed master:\n%s", u.out.String())
+	}
+	for _, line := range strings.Split(u.out.String(), "\n") {
+		var p int
+		if i := strings.Index(line, "msg=started process="); i >= 0 {
+			fmt.Sscanf(line[strings.Index(line, "pid="):], "pid=%d", &p)
+			if p > 0 && syscall.Kill(p, 0) == nil {
+				t.Fatalf("process %d still runs after up exited", p)
 			}
 		}
 	}

@@ -31,7 +31,7 @@ const (
 	changeTimeout = 30 * time.Second
 	// announceEvery is how often a follower whose gRPC address the FSM
 	// lacks sends it to the leader.
-	announceEvery = 2 * time.Second
+	announceEvery = 500 * time.Millisecond
 	// maxMemberID bounds a master's id.
 	maxMemberID = 64
 )

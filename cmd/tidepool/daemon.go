@@ -45,9 +45,9 @@ func newLogger(e *env, level string) (*slog.Logger, error) {
 // daemon is what every daemon command sets up: its logger, its metrics
 // registry and the address of its HTTP endpoints.
 type daemon struct {
-	http string
-	log  *slog.Logger
-	reg  *prometheus.Registry
+	http, level string
+	log         *slog.Logger
+	reg         *prometheus.Registry
 }
 
 // parseDaemon adds --http and --log-level to fs, parses args and sets up
@@ -64,7 +64,7 @@ func parseDaemon(e *env, fs *flag.FlagSet, args []string, httpDefault string) (*
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	return &daemon{http: *httpAddr, log: log, reg: reg}, nil
+	return &daemon{http: *httpAddr, level: *level, log: log, reg: reg}, nil
 }
 
 // maxHTTPConns bounds the connections of a daemon's HTTP server.
@@ -418,7 +418,11 @@ func registered(n *store.Node) error {
 }
 
 func runUp(ctx context.Context, e *env, args []string) error {
-	fs := newFlags("up", "[flags]", "Run an all-in-one local cluster: one master and one store in this process.", e.stderr)
+	fs := newFlags("up", "[flags]", `Run an all-in-one local cluster: one master and one store in this process. With --masters N
+or --stores M above 1, a local HA cluster instead: N masters and M stores, each its own process
+with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.stderr)
+	nMasters := fs.Int("masters", 1, "masters of the local cluster (1, 3, 5: a raft group; each a process of its own when above 1)")
+	nStores := fs.Int("stores", 1, "store nodes of the local cluster (each a process of its own when above 1)")
 	dir := fs.String("dir", "tidepool-data", "directory for the master's raft log and snapshots")
 	listen := fs.String("listen", defaultMaster, "master address (gRPC, and the same calls framed)")
 	raftAddr := fs.String("raft", defaultRaft, "master raft address")
@@ -433,6 +437,12 @@ func runUp(ctx context.Context, e *env, args []string) error {
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
 		return err
+	}
+	if *nMasters > 1 || *nStores > 1 {
+		return runCluster(ctx, e, d, clusterSpec{
+			masters: *nMasters, stores: *nStores, dir: *dir, listen: *listen, raft: *raftAddr, engine: *engineAddr,
+			dram: *dram, ssd: *ssd, leaseTTL: *leaseTTL, promoteAfter: promoteAfter, prefault: prefault,
+		})
 	}
 	log, reg := d.log, d.reg
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
