@@ -219,8 +219,9 @@ never hard pins); --to-watermark F evicts least recently used objects until ever
 func runAdminDrain(ctx context.Context, e *env, args []string) error {
 	var cancelDrain, quiet bool
 	ctx, call, pos, done, err := adminCommand(ctx, e, 24*time.Hour, "drain", "NODE [--cancel] [-q]",
-		`Move every object off store NODE, then take it out of the pool: replicas of objects that have
-another one elsewhere are dropped, the rest are copied to other nodes (same tier first). Placement
+		`Move every object off store NODE, then take it out of the pool: replicas of objects that keep
+as many replicas elsewhere as their put asked for are dropped, the rest are copied to other nodes
+(same tier first). Placement
 skips NODE at once. Progress prints about once a second; interrupting the command does not stop the
 drain (the master finishes it; run the command again to watch). Once drained, the store process
 stays out of the pool until it is restarted. --cancel stops a drain.`, args, 1, 1, func(fs *flag.FlagSet) {
