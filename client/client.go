@@ -143,6 +143,14 @@ func (c *Client) master(ctx context.Context, fn func(pb.MasterClient, ...grpc.Ca
 	}))
 }
 
+// masterOnce is master for a call that must not take effect twice (see
+// leaderconn.Conn.DoOnce).
+func (c *Client) masterOnce(ctx context.Context, fn func(pb.MasterClient, ...grpc.CallOption) error) error {
+	return rpcError(c.masters.DoOnce(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error {
+		return fn(pb.NewMasterClient(cc), opts...)
+	}))
+}
+
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Checksum is the CRC-32C that Tidepool stores with every value.

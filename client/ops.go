@@ -29,7 +29,9 @@ func (c *Client) Exists(ctx context.Context, key string) (bool, error) {
 }
 
 // Remove deletes the object. Its space is reused only after every read
-// lease on it has ended.
+// lease on it has ended. A removal that fails with ErrUnavailable because
+// the leader went away with it in flight may or may not have happened: it
+// is not retried, as a retry could remove a put made meanwhile.
 func (c *Client) Remove(ctx context.Context, key string) error {
 	return c.BatchRemove(ctx, []string{key})[0]
 }
@@ -140,7 +142,9 @@ func (c *Client) BatchRemove(ctx context.Context, keys []string) []error {
 	for start := 0; start < len(query); start += maxBatch {
 		part := query[start:min(start+maxBatch, len(query))]
 		var resp *pb.ItemsResponse
-		err := c.master(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
+		// Not retried once it may have reached the leader: a retry after
+		// another client put the key again would remove that put.
+		err := c.masterOnce(ctx, func(m pb.MasterClient, o ...grpc.CallOption) (err error) {
 			resp, err = m.Remove(ctx, &pb.KeysRequest{Keys: part}, o...)
 			return err
 		})

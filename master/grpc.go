@@ -85,10 +85,10 @@ func (s *Server) toStatus(ctx context.Context, err error) error {
 		return nil
 	}
 	if errors.Is(err, ErrNotLeader) {
+		// The trailer, empty while no leader is known, also tells the
+		// client that a master refused the call: it did not take effect.
 		id, addr := s.Leader()
-		if addr != "" {
-			_ = grpc.SetTrailer(ctx, metadata.Pairs(LeaderTrailer, addr))
-		}
+		_ = grpc.SetTrailer(ctx, metadata.Pairs(LeaderTrailer, addr))
 		return status.Errorf(codes.Unavailable, "master %s is not the leader (leader: %s at %q)", s.cfg.ID, id, addr)
 	}
 	return status.Error(code(err), err.Error())

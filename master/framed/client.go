@@ -82,7 +82,7 @@ func (c *Client) Invoke(ctx context.Context, method string, args, reply any, opt
 		return c.fallback.Invoke(ctx, method, args, reply, opts...)
 	}
 	if err != nil {
-		return err
+		return unsent{err}
 	}
 	a, err := cc.call(ctx, method, args)
 	if err != nil {
@@ -348,7 +348,7 @@ func (cc *clientConn) call(ctx context.Context, method string, args any) (answer
 	cc.mu.Lock()
 	if err := cc.mu.err; err != nil {
 		cc.mu.Unlock()
-		return answer{}, cc.lost(err)
+		return answer{}, unsent{cc.lost(err)}
 	}
 	cc.mu.next++
 	id := cc.mu.next
@@ -390,6 +390,21 @@ func (cc *clientConn) giveUp(ctx context.Context, id uint64) {
 	if cc.forget(id) && !errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		cc.cancel(id)
 	}
+}
+
+// unsent is the error of a call whose request never left this client, so
+// it cannot have taken effect: a caller may retry even a call that must
+// not take effect twice.
+type unsent struct{ error }
+
+func (u unsent) GRPCStatus() *status.Status { return status.Convert(u.error) }
+func (u unsent) Unwrap() error              { return u.error }
+
+// NotSent reports whether err is that of a call whose request was never
+// sent.
+func NotSent(err error) bool {
+	var u unsent
+	return errors.As(err, &u)
 }
 
 // lost is the error of a call whose connection ended for why.

@@ -81,7 +81,17 @@ type Call func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.Ca
 
 // Do runs call against the leader, following redirects and retrying while
 // masters are unreachable or leaderless.
-func (c *Conn) Do(ctx context.Context, call Call) error {
+func (c *Conn) Do(ctx context.Context, call Call) error { return c.do(ctx, call, false) }
+
+// DoOnce is Do for a call that must not take effect twice, as a removal
+// (a key removed, put again, then removed again by a retry, loses the new
+// put). It tries another master only where the call cannot have taken
+// effect: a master refused it (its answer carries the leader trailer), or
+// its request was never sent. A connection lost with the call in flight
+// returns that error: the outcome is unknown.
+func (c *Conn) DoOnce(ctx context.Context, call Call) error { return c.do(ctx, call, true) }
+
+func (c *Conn) do(ctx context.Context, call Call, once bool) error {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, DefaultRetryFor)
@@ -100,6 +110,9 @@ func (c *Conn) Do(ctx context.Context, call Call) error {
 			if err == nil {
 				c.maybeRefresh(cc)
 			}
+			return err
+		}
+		if _, refused := trailer[Trailer]; once && !refused && !framed.NotSent(err) {
 			return err
 		}
 		if l := trailer.Get(Trailer); len(l) > 0 && l[0] != "" && l[0] != addr {
