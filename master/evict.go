@@ -243,8 +243,19 @@ type leadershipState struct {
 func (s *Server) leadership() leadershipState {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return leadershipState{s.mu.leader, s.mu.leaderTerm, s.mu.leaderSince.Add(s.cfg.LeaseTTL)}
+	return leadershipState{s.mu.leader, s.mu.leaderTerm, s.mu.leaderSince.Add(s.cfg.LeaseTTL + stepDownLag)}
 }
+
+// leaderLeaseTimeout is raft's: a leader that has not heard from a quorum
+// for this long steps down. It checks every leaderLeaseTimeout, so an old
+// leader cut off from the others may go on granting read leases for up to
+// stepDownLag after its last contact, which is about when the others may
+// elect a new one: a new leader counts its first lease TTL from that much
+// later.
+const (
+	leaderLeaseTimeout = 250 * time.Millisecond
+	stepDownLag        = 2 * leaderLeaseTimeout
+)
 
 // awaitEvictable waits, for a put that found no room, until this leader
 // may evict what an earlier one may have leased, if the put then still has

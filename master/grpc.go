@@ -780,6 +780,11 @@ func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.St
 	resp.Objects, resp.CompleteBytes = uint64(complete), bytes
 	rs := s.fsm.repairs()
 	resp.UnderReplicated, resp.Repairing = uint64(rs.under), uint64(rs.repairing)
+	if leader {
+		s.mu.Lock()
+		resp.LeaderSinceUnixNano = s.mu.leaderSince.UnixNano()
+		s.mu.Unlock()
+	}
 	return resp, nil
 }
 

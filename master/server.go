@@ -1,6 +1,7 @@
 package master
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -45,6 +46,9 @@ type Config struct {
 	Dir string
 	// RaftAddr is the address raft listens on when Transport is nil.
 	RaftAddr string
+	// RaftAdvertise is the raft address peers reach this master at;
+	// default RaftAddr.
+	RaftAdvertise string
 	// Advertise is the gRPC address clients and stores reach this master at;
 	// followers hand it out as the leader's address.
 	Advertise string
@@ -245,15 +249,11 @@ func (s *Server) startRaft() error {
 	}
 	s.trans = s.cfg.Transport
 	if s.trans == nil {
-		addr, err := net.ResolveTCPAddr("tcp", s.cfg.RaftAddr)
+		stream, err := listenRaft(s.cfg.RaftAddr, cmp.Or(s.cfg.RaftAdvertise, s.cfg.RaftAddr))
 		if err != nil {
-			return fmt.Errorf("master: raft address %q: %w", s.cfg.RaftAddr, err)
+			return err
 		}
-		tt, err := raft.NewTCPTransportWithLogger(s.cfg.RaftAddr, addr, 4, 10*time.Second, hlog)
-		if err != nil {
-			return fmt.Errorf("master: raft transport on %s: %w", s.cfg.RaftAddr, err)
-		}
-		s.trans = tt
+		s.trans = raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{Stream: stream, MaxPool: 4, Timeout: 10 * time.Second, Logger: hlog})
 	}
 	rc := raft.DefaultConfig()
 	rc.LocalID = raft.ServerID(s.cfg.ID)
@@ -261,7 +261,7 @@ func (s *Server) startRaft() error {
 	rc.NotifyCh = s.notify
 	rc.HeartbeatTimeout = 500 * time.Millisecond
 	rc.ElectionTimeout = 500 * time.Millisecond
-	rc.LeaderLeaseTimeout = 250 * time.Millisecond
+	rc.LeaderLeaseTimeout = leaderLeaseTimeout
 	// Not BatchApplyCh: raft never answers what is still in that buffer
 	// when it shuts down, and a handler whose proposal waits there would
 	// outlive Close (review10_test.go); it gave puts at concurrency 8 about

@@ -129,6 +129,7 @@ func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails 
 // masterFlags are the flags of `tidepool master`, shared with `up`.
 type masterFlags struct {
 	id, dir, listen, advertise, raftAddr, peers string
+	raftAdvertise                               string
 	join                                        bool
 	leaseTTL, putTimeout, nodeTTL               time.Duration
 	highWatermark, evictRatio                   float64
@@ -142,7 +143,8 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&m.dir, "dir", "tidepool-master", "directory for the raft log and snapshots")
 	fs.StringVar(&m.listen, "listen", defaultMaster, "address for clients and stores (gRPC, and the same calls framed)")
 	fs.StringVar(&m.advertise, "advertise", "", "gRPC address others reach this master at (default --listen)")
-	fs.StringVar(&m.raftAddr, "raft", defaultRaft, "address for raft traffic between masters")
+	fs.StringVar(&m.raftAddr, "raft", defaultRaft, "address for raft traffic between masters; outgoing raft connections leave from its host")
+	fs.StringVar(&m.raftAdvertise, "raft-advertise", "", "raft address the other masters reach this one at, as named in --peers (default --raft)")
 	fs.StringVar(&m.peers, "peers", "", "initial voters of a new cluster as id=raftaddr,...; empty: this master alone")
 	fs.BoolVar(&m.join, "join", false, "start without a cluster and wait to be added to one (tidepool admin members add); needs no --peers")
 	fs.DurationVar(&m.leaseTTL, "lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get")
@@ -167,7 +169,7 @@ func promoteFlag(fs *flag.FlagSet, n *int) {
 
 func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (master.Config, error) {
 	cfg := master.Config{
-		ID: m.id, Dir: m.dir, RaftAddr: m.raftAddr, Advertise: m.advertise,
+		ID: m.id, Dir: m.dir, RaftAddr: m.raftAddr, RaftAdvertise: m.raftAdvertise, Advertise: m.advertise,
 		LeaseTTL: m.leaseTTL, PutTimeout: m.putTimeout, NodeTTL: m.nodeTTL,
 		HighWatermark: m.highWatermark, EvictRatio: m.evictRatio, Placement: m.placement,
 		PromoteAfter: m.promoteAfter, NoWriteBack: m.noWriteBack, Join: m.join,

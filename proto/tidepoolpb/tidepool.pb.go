@@ -2034,8 +2034,11 @@ type StatusResponse struct {
 	// re-replication copies running for them.
 	UnderReplicated uint64 `protobuf:"varint,9,opt,name=under_replicated,json=underReplicated,proto3" json:"under_replicated,omitempty"`
 	Repairing       uint64 `protobuf:"varint,10,opt,name=repairing,proto3" json:"repairing,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// When the answering master became a leader able to serve (unix nanos);
+	// 0 unless it leads.
+	LeaderSinceUnixNano int64 `protobuf:"varint,11,opt,name=leader_since_unix_nano,json=leaderSinceUnixNano,proto3" json:"leader_since_unix_nano,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *StatusResponse) Reset() {
@@ -2134,6 +2137,13 @@ func (x *StatusResponse) GetUnderReplicated() uint64 {
 func (x *StatusResponse) GetRepairing() uint64 {
 	if x != nil {
 		return x.Repairing
+	}
+	return 0
+}
+
+func (x *StatusResponse) GetLeaderSinceUnixNano() int64 {
+	if x != nil {
+		return x.LeaderSinceUnixNano
 	}
 	return 0
 }
@@ -3753,7 +3763,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\aobjects\x18\t \x01(\x04R\aobjects\x12\x1a\n" +
 	"\bdraining\x18\n" +
 	" \x01(\bR\bdraining\x12\x1a\n" +
-	"\breserved\x18\v \x01(\x04R\breserved\"\x90\x03\n" +
+	"\breserved\x18\v \x01(\x04R\breserved\"\xc5\x03\n" +
 	"\x0eStatusResponse\x12\x1b\n" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12%\n" +
 	"\x0eleader_address\x18\x02 \x01(\tR\rleaderAddress\x121\n" +
@@ -3765,7 +3775,8 @@ const file_tidepool_proto_rawDesc = "" +
 	"\traft_term\x18\b \x01(\x04R\braftTerm\x12)\n" +
 	"\x10under_replicated\x18\t \x01(\x04R\x0funderReplicated\x12\x1c\n" +
 	"\trepairing\x18\n" +
-	" \x01(\x04R\trepairing\"\x84\x01\n" +
+	" \x01(\x04R\trepairing\x123\n" +
+	"\x16leader_since_unix_nano\x18\v \x01(\x03R\x13leaderSinceUnixNano\"\x84\x01\n" +
 	"\rLookupRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x1d\n" +
 	"\n" +
