@@ -452,6 +452,7 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 		end.Items = append(end.Items, &pb.PutEndItem{
 			Key: it.Key, PutId: placed[i].id, Size: it.Size, Checksum: it.Checksum,
 			Replicas: placed[i].replicas, Reservations: placed[i].reservations, Parent: it.Parent, Tenant: it.Tenant,
+			ReplicasWanted: it.Replicas,
 		})
 		endIdx = append(endIdx, i)
 		shapes[shapeOf(it)]++

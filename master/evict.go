@@ -126,15 +126,17 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 	return n, bytes, nil
 }
 
-// free gives up victims' room on one segment: an object with a replica
-// elsewhere loses only this one (an SSD copy of a DRAM object, a second
-// replica), the rest are evicted. It returns what was evicted.
+// free gives up victims' room on one segment: an object that keeps its
+// replica count without this replica loses only this one (an SSD copy of
+// a DRAM object on its node, a replica beyond the count), the rest are
+// evicted whole: dropping below the count would only start a repair copy
+// into the room just freed. It returns what was evicted.
 func (s *Server) free(ctx context.Context, seg segmentView, victims []evictable, allowSoft bool, reason string) (n int, bytes uint64, err error) {
 	only := victims[:0:0]
 	var drops []drop
 	nodeOf := s.segmentNodes()
 	for _, o := range victims {
-		if s.keepsAnother(o, seg.id, nodeOf) {
+		if s.keepsCount(o, seg.id, nodeOf) {
 			drops = append(drops, drop{o, seg.id})
 			continue
 		}

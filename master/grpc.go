@@ -486,11 +486,11 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			errs[i] = fmt.Errorf("%w: PutEnd item of %q", ErrInvalidRequest, it.Key)
 			continue
 		}
-		// Another leader placed it: what it asked for is not known here,
-		// so it wants what was placed.
+		// Another leader placed it: the client says what it asked for (an
+		// older one does not: then what was placed).
 		pi := &pb.PublishItem{
 			Key: it.Key, Size: it.Size, Checksum: it.Checksum, PutId: it.PutId, Parent: it.Parent, Tenant: it.Tenant,
-			Reservations: it.Reservations, ReplicasWanted: uint32(len(it.Replicas)),
+			Reservations: it.Reservations, ReplicasWanted: max(it.ReplicasWanted, uint32(len(it.Replicas))),
 		}
 		for _, r := range it.Replicas {
 			pi.Replicas = append(pi.Replicas, &pb.Extent{Segment: r.Segment, Offset: r.Offset, Length: it.Size})
@@ -759,7 +759,10 @@ func (m *masterService) List(ctx context.Context, req *pb.ListRequest) (*pb.List
 func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.StatusResponse, error) {
 	s := m.s
 	id, addr := s.Leader()
-	resp := &pb.StatusResponse{LeaderId: id, LeaderAddress: addr, RaftCommitIndex: s.raft.CommitIndex(), RaftTerm: s.raft.CurrentTerm()}
+	resp := &pb.StatusResponse{
+		LeaderId: id, LeaderAddress: addr, RaftCommitIndex: s.raft.CommitIndex(), RaftTerm: s.raft.CurrentTerm(),
+		SelfId: s.cfg.ID, SelfRaftAddress: string(s.trans.LocalAddr()),
+	}
 	if cf := s.raft.GetConfiguration(); cf.Error() == nil {
 		for _, srv := range cf.Configuration().Servers {
 			resp.Members = append(resp.Members, &pb.MemberInfo{

@@ -60,9 +60,15 @@ func (s *Server) members(ctx context.Context) (*pb.MembersResponse, error) {
 
 // voters is the raft configuration's voters, by id.
 func (s *Server) voters() ([]raft.Server, error) {
+	v, _, err := s.configuration()
+	return v, err
+}
+
+// configuration is the raft configuration's voters, by id, and its index.
+func (s *Server) configuration() ([]raft.Server, uint64, error) {
 	f := s.raft.GetConfiguration()
 	if err := f.Error(); err != nil {
-		return nil, fmt.Errorf("%w: raft configuration: %v", ErrNotLeader, err)
+		return nil, 0, fmt.Errorf("%w: raft configuration: %v", ErrNotLeader, err)
 	}
 	var out []raft.Server
 	for _, srv := range f.Configuration().Servers {
@@ -71,7 +77,7 @@ func (s *Server) voters() ([]raft.Server, error) {
 		}
 	}
 	slices.SortFunc(out, func(a, b raft.Server) int { return cmp.Compare(a.ID, b.ID) })
-	return out, nil
+	return out, f.Index(), nil
 }
 
 // probeAll reports which of servers answer now: this one does; the others
@@ -131,6 +137,17 @@ func validMember(id, raftAddr, grpcAddr string) error {
 	return nil
 }
 
+// sameAddr reports whether two host:port addresses name one endpoint
+// (a name and the address it resolves to do).
+func sameAddr(a, b string) bool {
+	if a == b {
+		return true
+	}
+	ta, errA := net.ResolveTCPAddr("tcp", a)
+	tb, errB := net.ResolveTCPAddr("tcp", b)
+	return errA == nil && errB == nil && ta.IP.Equal(tb.IP) && ta.Port == tb.Port
+}
+
 // AddMember adds a voter, or records a voter's gRPC address.
 func (a *adminService) AddMember(ctx context.Context, req *pb.AddMemberRequest) (*pb.MembersResponse, error) {
 	s := a.s
@@ -140,13 +157,17 @@ func (a *adminService) AddMember(ctx context.Context, req *pb.AddMemberRequest) 
 	if err := s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	servers, err := s.voters()
+	// One change at a time, each against the configuration it checked:
+	// two removals that each keep a quorum may not together.
+	s.memberMu.Lock()
+	defer s.memberMu.Unlock()
+	servers, index, err := s.configuration()
 	if err != nil {
 		return nil, err
 	}
 	for _, srv := range servers {
 		switch {
-		case string(srv.ID) == req.Id && string(srv.Address) == req.RaftAddress:
+		case string(srv.ID) == req.Id && sameAddr(string(srv.Address), req.RaftAddress):
 			if err := s.recordMember(ctx, req.Id, req.GrpcAddress); err != nil {
 				return nil, err
 			}
@@ -161,15 +182,22 @@ func (a *adminService) AddMember(ctx context.Context, req *pb.AddMemberRequest) 
 	if err != nil {
 		return nil, fmt.Errorf("%w: master %s does not answer at %s (start it with --join first): %v", ErrQuorum, req.Id, req.GrpcAddress, err)
 	}
-	if lid, _ := s.raft.LeaderWithID(); st.LeaderId != "" && st.LeaderId != string(lid) {
-		return nil, fmt.Errorf("%w: the master at %s follows leader %s of another cluster", ErrInvalidRequest, req.GrpcAddress, st.LeaderId)
+	// A voter the cluster cannot reach at its raft address would count
+	// against the quorum from the start.
+	switch {
+	case st.SelfId != req.Id:
+		return nil, fmt.Errorf("%w: the master at %s is %q, not %q", ErrInvalidRequest, req.GrpcAddress, st.SelfId, req.Id)
+	case !sameAddr(st.SelfRaftAddress, req.RaftAddress):
+		return nil, fmt.Errorf("%w: master %s advertises raft address %s, not %s", ErrInvalidRequest, req.Id, st.SelfRaftAddress, req.RaftAddress)
+	case st.LeaderId != "" || st.RaftTerm > 0:
+		return nil, fmt.Errorf("%w: the master at %s is in a cluster already (term %d, leader %q); start it with --join on an empty --dir", ErrInvalidRequest, req.GrpcAddress, st.RaftTerm, st.LeaderId)
 	}
 	up := s.probeAll(ctx, servers)
 	if live := countTrue(up) + 1; live < quorum(len(servers)+1) {
 		return nil, fmt.Errorf("%w: %d of %d masters would answer, %d needed", ErrQuorum, live, len(servers)+1, quorum(len(servers)+1))
 	}
 	s.log.Info("adding a master", "id", req.Id, "raft", req.RaftAddress, "grpc", req.GrpcAddress)
-	if err := s.raft.AddVoter(raft.ServerID(req.Id), raft.ServerAddress(req.RaftAddress), 0, changeTimeout).Error(); err != nil {
+	if err := s.raft.AddVoter(raft.ServerID(req.Id), raft.ServerAddress(req.RaftAddress), index, changeTimeout).Error(); err != nil {
 		return nil, raftErr(err)
 	}
 	if err := s.recordMember(ctx, req.Id, req.GrpcAddress); err != nil {
@@ -187,7 +215,9 @@ func (a *adminService) RemoveMember(ctx context.Context, req *pb.RemoveMemberReq
 	if err := s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	servers, err := s.voters()
+	s.memberMu.Lock()
+	defer s.memberMu.Unlock()
+	servers, index, err := s.configuration()
 	if err != nil {
 		return nil, err
 	}
@@ -204,7 +234,7 @@ func (a *adminService) RemoveMember(ctx context.Context, req *pb.RemoveMemberReq
 		return nil, fmt.Errorf("%w: %d of the %d remaining masters answer, %d needed", ErrQuorum, live, len(rest), quorum(len(rest)))
 	}
 	s.log.Info("removing a master", "id", req.Id)
-	if err := s.raft.RemoveServer(raft.ServerID(req.Id), 0, changeTimeout).Error(); err != nil {
+	if err := s.raft.RemoveServer(raft.ServerID(req.Id), index, changeTimeout).Error(); err != nil {
 		return nil, raftErr(err)
 	}
 	// A leader that removed itself steps down: the next one keeps the
@@ -250,6 +280,15 @@ func (s *Server) announceLoop() {
 	defer s.wg.Done()
 	tick := time.NewTicker(announceEvery)
 	defer tick.Stop()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { // a call to a hung leader must not hold up Close
+		select {
+		case <-s.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
 	for {
 		select {
 		case <-s.stop:
@@ -264,22 +303,34 @@ func (s *Server) announceLoop() {
 		if lid == "" || addr == "" {
 			continue
 		}
-		if err := s.announce(addr); err != nil {
+		if err := s.announce(ctx, addr); err != nil {
 			s.log.Debug("send the leader this master's address", "leader", addr, "err", err)
 		}
 	}
 }
 
-func (s *Server) announce(leader string) error {
-	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
+func (s *Server) announce(ctx context.Context, leader string) error {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
+	// The raft address as the configuration names this master (--peers
+	// may use a name where the transport reports an IP).
+	servers, err := s.voters()
+	if err != nil {
+		return err
+	}
+	raftAddr := string(s.trans.LocalAddr())
+	for _, srv := range servers {
+		if string(srv.ID) == s.cfg.ID {
+			raftAddr = string(srv.Address)
+		}
+	}
 	conn, err := grpc.NewClient(leader, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
 	_, err = pb.NewAdminClient(conn).AddMember(ctx, &pb.AddMemberRequest{
-		Id: s.cfg.ID, RaftAddress: string(s.trans.LocalAddr()), GrpcAddress: s.cfg.Advertise,
+		Id: s.cfg.ID, RaftAddress: raftAddr, GrpcAddress: s.cfg.Advertise,
 	})
 	return err
 }

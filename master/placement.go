@@ -35,13 +35,6 @@ func (s *Server) candidates(size uint64, tier pb.Tier, clientHost string) []stri
 	// Segments that look full stay in: Apply first releases space whose
 	// leases have ended, which this view does not see yet.
 	views = slices.DeleteFunc(views, func(v segmentView) bool { return !s.alive(v.node) || v.closed() || v.capacity < size })
-	// Nodes a client could not reach stay out while another node is left:
-	// one client's report must not close the whole pool.
-	if avoided := s.avoided(); len(avoided) > 0 {
-		if rest := slices.DeleteFunc(slices.Clone(views), func(v segmentView) bool { return avoided[v.node] }); len(rest) > 0 {
-			views = rest
-		}
-	}
 	local := func(v segmentView) bool { return clientHost != "" && onHost(v.endpoint, clientHost) }
 	slices.SortStableFunc(views, func(a, b segmentView) int {
 		if (a.tier == tier) != (b.tier == tier) {
@@ -60,6 +53,12 @@ func (s *Server) candidates(size uint64, tier pb.Tier, clientHost string) []stri
 	})
 	if s.cfg.Placement == RandomOfTwo {
 		s.sampleTwo(views, tier)
+	}
+	// Nodes a client could not reach go last: used only where too few
+	// others have room for a put's replicas or a copy. One client's report
+	// must neither close the pool nor cut replica counts.
+	if avoided := s.avoided(); len(avoided) > 0 {
+		slices.SortStableFunc(views, func(a, b segmentView) int { return cmp.Compare(btoi(avoided[a.node]), btoi(avoided[b.node])) })
 	}
 	ids := make([]string, len(views))
 	for i, v := range views {

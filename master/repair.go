@@ -22,6 +22,10 @@ const (
 	maxRepairPerSweep = 256
 	// maxRepairing bounds those running at once.
 	maxRepairing = 1024
+	// repairScan bounds the objects one sweep considers: some may have
+	// nowhere to go (no node left without a replica), and those must not
+	// stop the rest; the set's random order lets later sweeps see others.
+	repairScan = 4096
 )
 
 // repairState is what re-replication has left: objects below their
@@ -47,7 +51,7 @@ func (f *FSM) repairs() repairState {
 }
 
 // underReplicated lists up to limit objects below their replica count
-// with no copy running, in no order.
+// with no copy running, in the set's (random) order.
 func (f *FSM) underReplicated(limit int) []evictable {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
@@ -76,13 +80,17 @@ func (s *Server) repair(ctx context.Context) {
 	if st.under == 0 || st.repairing >= maxRepairing {
 		return
 	}
-	objs := s.fsm.underReplicated(min(maxRepairPerSweep, maxRepairing-st.repairing))
+	limit := min(maxRepairPerSweep, maxRepairing-st.repairing)
+	objs := s.fsm.underReplicated(repairScan)
 	views, nodeOf := map[string]segmentView{}, map[string]string{}
 	for _, v := range s.fsm.segmentViews() {
 		views[v.id], nodeOf[v.id] = v, v.node
 	}
 	var jobs []copyJob
 	for _, o := range objs {
+		if len(jobs) == limit {
+			break
+		}
 		if j, ok := s.repairJob(o, views, nodeOf); ok {
 			jobs = append(jobs, j)
 		}
@@ -113,9 +121,13 @@ func (s *Server) repairJob(o evictable, views map[string]segmentView, nodeOf map
 	if source == "" {
 		return copyJob{}, false // no replica is known to be readable now
 	}
+	// Nor into a segment the copy would take past where write-back and
+	// eviction start: a full pool's tiering would drop it again.
 	tier := views[source].tier
+	mark := s.cfg.HighWatermark - 2*s.cfg.EvictRatio
 	cands := slices.DeleteFunc(s.candidatesBeside(o.size, tier, o.segments, nodeOf), func(id string) bool {
-		return views[id].tier != tier && !colder(views[id].tier, tier)
+		v := views[id]
+		return (v.tier != tier && !colder(v.tier, tier)) || float64(v.used+o.size) > mark*float64(v.capacity)
 	})
 	if len(cands) == 0 {
 		return copyJob{}, false

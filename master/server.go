@@ -136,6 +136,8 @@ type Server struct {
 	// take mu to learn that nothing is being removed.
 	removals atomic.Int64
 
+	memberMu sync.Mutex // one membership change at a time
+
 	rngMu sync.Mutex
 	rng   *rand.Rand // placement sampling; leader-local, never in Apply
 
@@ -707,10 +709,23 @@ func (s *Server) fresh(node string) bool {
 // default interval.
 const freshFor = 3 * time.Second
 
-// keepsAnother reports whether o has a replica outside segment on a node
-// that heartbeat recently, so dropping the one on segment loses nothing.
-func (s *Server) keepsAnother(o evictable, segment string, nodeOf map[string]string) bool {
-	return slices.ContainsFunc(o.segments, func(id string) bool { return id != segment && s.fresh(nodeOf[id]) })
+// keepsCount reports whether dropping o's replica on segment leaves it on
+// as many nodes as its put asked for (or on as many as it has, if fewer),
+// counting only nodes that heartbeat recently, and on one at least: a
+// DRAM replica with an SSD copy on its own node, or a replica beyond the
+// count.
+func (s *Server) keepsCount(o evictable, segment string, nodeOf map[string]string) bool {
+	var before, after []string
+	for _, id := range o.segments {
+		n := nodeOf[id]
+		if !slices.Contains(before, n) {
+			before = append(before, n)
+		}
+		if id != segment && s.fresh(n) && !slices.Contains(after, n) {
+			after = append(after, n)
+		}
+	}
+	return len(after) >= max(1, min(o.want, len(before)))
 }
 
 // segmentNodes maps segment ids to their nodes.

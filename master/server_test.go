@@ -330,7 +330,7 @@ func TestServerSingleNode(t *testing.T) {
 		if st.LeaderId != "m0" || st.LeaderAddress != m.addr || st.RaftTerm == 0 || st.RaftCommitIndex == 0 {
 			t.Fatalf("status = %v", st)
 		}
-		if len(st.Members) != 1 || !proto.Equal(st.Members[0], &pb.MemberInfo{Id: "m0", Address: m.addr, Leader: true}) {
+		if len(st.Members) != 1 || !proto.Equal(st.Members[0], &pb.MemberInfo{Id: "m0", Address: m.addr, Leader: true, RaftAddress: st.SelfRaftAddress}) {
 			t.Fatalf("members = %v", st.Members)
 		}
 	})
@@ -411,6 +411,13 @@ func TestServerSingleNode(t *testing.T) {
 	})
 
 	t.Run("bad input", func(t *testing.T) {
+		// Past the first lease TTL, a put short of room is answered at
+		// once, not held until the leader may evict; obj, leased again,
+		// may not be evicted for it.
+		waitEvictable(t, m)
+		if _, err := mc.GetReplicas(rpcCtx(t), &pb.KeysRequest{Keys: []string{"obj"}}); err != nil {
+			t.Fatal(err)
+		}
 		long := strings.Repeat("k", MaxKeyLen+1)
 		for _, tc := range []struct {
 			name string

@@ -83,19 +83,35 @@ func (s *Server) demote(ctx context.Context, from segmentView, victims []evictab
 	var jobs []copyJob
 	var drops []drop
 	byKey := map[string]evictable{}
+	// A replica goes to a slower tier of its own node, or of one holding
+	// none: moved onto another node that holds the object, it would leave
+	// the object on fewer nodes than its put asked for.
+	slowerBeside := func(o evictable) []string {
+		return slices.DeleteFunc(s.slowerSegments(from.tier, o.size, from.node), func(id string) bool {
+			return nodeOf[id] != from.node && slices.ContainsFunc(o.segments, func(held string) bool { return nodeOf[held] == nodeOf[id] })
+		})
+	}
 	for _, o := range victims {
 		slower := slices.ContainsFunc(o.segments, func(id string) bool { return colder(tiers[id], from.tier) && s.fresh(nodeOf[id]) })
-		if slower {
+		var cands []string
+		if slower && !s.keepsCount(o, from.id, nodeOf) && len(jobs) < maxCopiesPerRound {
+			cands = slowerBeside(o)
+		}
+		if slower && len(cands) == 0 {
 			// If the colder replica went meanwhile, the next sweep copies.
+			// Below the count only if nowhere else can take it: the
+			// object keeps its colder replica rather than go whole.
 			drops = append(drops, drop{o, from.id})
 			continue
 		}
 		if len(jobs) == maxCopiesPerRound {
 			continue // the next round demotes the rest
 		}
-		cands := s.slowerSegments(from.tier, o.size, from.node)
+		if len(cands) == 0 {
+			cands = slowerBeside(o)
+		}
 		if len(cands) == 0 && s.roomForDemotion(ctx, from, o.size) {
-			cands = s.slowerSegments(from.tier, o.size, from.node)
+			cands = slowerBeside(o)
 		}
 		if len(cands) == 0 {
 			unplaced = append(unplaced, o)

@@ -125,11 +125,13 @@ func runCluster(ctx context.Context, e *env, d *daemon, spec clusterSpec) error 
 	}
 	out := &lockedWriter{w: e.stderr}
 	var children []*child
-	stopAll := func() {
-		for _, c := range children {
+	// Stores first, while the masters are there to let them leave the
+	// pool; then the masters.
+	stop := func(group []*child) {
+		for _, c := range group {
 			_ = c.cmd.Process.Signal(syscall.SIGTERM)
 		}
-		for _, c := range children {
+		for _, c := range group {
 			select {
 			case <-c.done:
 			case <-time.After(15 * time.Second):
@@ -138,6 +140,10 @@ func runCluster(ctx context.Context, e *env, d *daemon, spec clusterSpec) error 
 				<-c.done
 			}
 		}
+	}
+	stopAll := func() {
+		stop(children[min(len(children), spec.masters):])
+		stop(children[:min(len(children), spec.masters)])
 	}
 	for i, argv := range argvs {
 		c, err := startChild(self, names[i], https[i], argv, out)
@@ -197,8 +203,10 @@ func startChild(bin, name, httpAddr string, argv []string, out io.Writer) (*chil
 	c := &child{name: name, http: httpAddr, cmd: exec.Command(bin, argv...), done: make(chan struct{})}
 	pr, pw := io.Pipe()
 	c.cmd.Stdout, c.cmd.Stderr = pw, pw
-	// Should this process die, take the cluster with it.
-	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	// Should this process die, take the cluster with it. A process group
+	// of its own, so a terminal's Ctrl-C reaches `up` alone, which stops
+	// the processes in order.
+	c.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	if err := c.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}

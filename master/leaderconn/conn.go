@@ -46,6 +46,7 @@ type Conn struct {
 	mu struct {
 		sync.Mutex
 		addrs      []string
+		dialled    []string // the addresses Dial was given: always in addrs
 		next       int
 		leader     string
 		conns      map[string]*master
@@ -53,7 +54,9 @@ type Conn struct {
 		refreshing bool
 		closed     bool
 	}
-	wg sync.WaitGroup // the refresh running
+	wg     sync.WaitGroup // the refresh running
+	ctx    context.Context
+	cancel context.CancelFunc // ends a refresh at Close
 }
 
 // master is the connections to one master: its unary calls framed, its
@@ -69,7 +72,9 @@ func Dial(addrs []string) (*Conn, error) {
 		return nil, errors.New("no master addresses given")
 	}
 	c := &Conn{}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.mu.addrs = append([]string(nil), addrs...)
+	c.mu.dialled = slices.Clone(addrs)
 	c.mu.conns = map[string]*master{}
 	c.mu.leader = addrs[0]
 	c.mu.refreshed = time.Now()
@@ -180,17 +185,30 @@ func (c *Conn) maybeRefresh(cc grpc.ClientConnInterface) {
 	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		ctx, cancel := context.WithTimeout(c.ctx, 2*time.Second)
 		defer cancel()
 		st, err := pb.NewMasterClient(cc).Status(ctx, &pb.StatusRequest{})
 		c.mu.Lock()
 		defer c.mu.Unlock()
 		c.mu.refreshing = false
-		if err == nil {
-			for _, m := range st.Members {
-				c.addLocked([]string{m.Address})
+		if err != nil || len(st.Members) == 0 {
+			return
+		}
+		// The members now, then what Dial was given (a name for them, or
+		// a master to ask when all else fails): a removed master drops out.
+		var addrs []string
+		for _, m := range st.Members {
+			if m.Address != "" && !slices.Contains(addrs, m.Address) {
+				addrs = append(addrs, m.Address)
 			}
 		}
+		for _, a := range c.mu.dialled {
+			if !slices.Contains(addrs, a) {
+				addrs = append(addrs, a)
+			}
+		}
+		c.mu.addrs = addrs[:min(len(addrs), maxAddrs)]
+		c.mu.next = 0
 	}()
 }
 
@@ -216,6 +234,7 @@ func (c *Conn) Close() error {
 	c.mu.Lock()
 	c.mu.closed = true
 	c.mu.Unlock()
+	c.cancel()
 	c.wg.Wait() // a refresh uses a connection
 	c.mu.Lock()
 	defer c.mu.Unlock()

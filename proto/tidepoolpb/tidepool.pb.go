@@ -583,9 +583,11 @@ type PutEndItem struct {
 	Parent   string                 `protobuf:"bytes,6,opt,name=parent,proto3" json:"parent,omitempty"`
 	Tenant   string                 `protobuf:"bytes,7,opt,name=tenant,proto3" json:"tenant,omitempty"`
 	// With replicas: the reservation each was placed in, as PutStart answered.
-	Reservations  []uint64 `protobuf:"varint,8,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Reservations []uint64 `protobuf:"varint,8,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
+	// The replicas the put asked for, for a leader that did not place it.
+	ReplicasWanted uint32 `protobuf:"varint,9,opt,name=replicas_wanted,json=replicasWanted,proto3" json:"replicas_wanted,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *PutEndItem) Reset() {
@@ -672,6 +674,13 @@ func (x *PutEndItem) GetReservations() []uint64 {
 		return x.Reservations
 	}
 	return nil
+}
+
+func (x *PutEndItem) GetReplicasWanted() uint32 {
+	if x != nil {
+		return x.ReplicasWanted
+	}
+	return 0
 }
 
 type BatchPutEndRequest struct {
@@ -2037,8 +2046,11 @@ type StatusResponse struct {
 	// When the answering master became a leader able to serve (unix nanos);
 	// 0 unless it leads.
 	LeaderSinceUnixNano int64 `protobuf:"varint,11,opt,name=leader_since_unix_nano,json=leaderSinceUnixNano,proto3" json:"leader_since_unix_nano,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// The answering master's raft id, and the raft address it advertises.
+	SelfId          string `protobuf:"bytes,12,opt,name=self_id,json=selfId,proto3" json:"self_id,omitempty"`
+	SelfRaftAddress string `protobuf:"bytes,13,opt,name=self_raft_address,json=selfRaftAddress,proto3" json:"self_raft_address,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *StatusResponse) Reset() {
@@ -2146,6 +2158,20 @@ func (x *StatusResponse) GetLeaderSinceUnixNano() int64 {
 		return x.LeaderSinceUnixNano
 	}
 	return 0
+}
+
+func (x *StatusResponse) GetSelfId() string {
+	if x != nil {
+		return x.SelfId
+	}
+	return ""
+}
+
+func (x *StatusResponse) GetSelfRaftAddress() string {
+	if x != nil {
+		return x.SelfRaftAddress
+	}
+	return ""
 }
 
 type LookupRequest struct {
@@ -3659,7 +3685,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x14BatchPutStartRequest\x122\n" +
 	"\x05items\x18\x01 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x05items\"N\n" +
 	"\x15BatchPutStartResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.tidepool.v1.PutStartResultR\aresults\"\xeb\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.tidepool.v1.PutStartResultR\aresults\"\x94\x02\n" +
 	"\n" +
 	"PutEndItem\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x15\n" +
@@ -3669,7 +3695,8 @@ const file_tidepool_proto_rawDesc = "" +
 	"\breplicas\x18\x05 \x03(\v2\x14.tidepool.v1.ReplicaR\breplicas\x12\x16\n" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
 	"\x06tenant\x18\a \x01(\tR\x06tenant\x12\"\n" +
-	"\freservations\x18\b \x03(\x04R\freservations\"y\n" +
+	"\freservations\x18\b \x03(\x04R\freservations\x12'\n" +
+	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"y\n" +
 	"\x12BatchPutEndRequest\x12-\n" +
 	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\x124\n" +
 	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\"\xac\x01\n" +
@@ -3763,7 +3790,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\aobjects\x18\t \x01(\x04R\aobjects\x12\x1a\n" +
 	"\bdraining\x18\n" +
 	" \x01(\bR\bdraining\x12\x1a\n" +
-	"\breserved\x18\v \x01(\x04R\breserved\"\xc5\x03\n" +
+	"\breserved\x18\v \x01(\x04R\breserved\"\x8a\x04\n" +
 	"\x0eStatusResponse\x12\x1b\n" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12%\n" +
 	"\x0eleader_address\x18\x02 \x01(\tR\rleaderAddress\x121\n" +
@@ -3776,7 +3803,9 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x10under_replicated\x18\t \x01(\x04R\x0funderReplicated\x12\x1c\n" +
 	"\trepairing\x18\n" +
 	" \x01(\x04R\trepairing\x123\n" +
-	"\x16leader_since_unix_nano\x18\v \x01(\x03R\x13leaderSinceUnixNano\"\x84\x01\n" +
+	"\x16leader_since_unix_nano\x18\v \x01(\x03R\x13leaderSinceUnixNano\x12\x17\n" +
+	"\aself_id\x18\f \x01(\tR\x06selfId\x12*\n" +
+	"\x11self_raft_address\x18\r \x01(\tR\x0fselfRaftAddress\"\x84\x01\n" +
 	"\rLookupRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x1d\n" +
 	"\n" +
