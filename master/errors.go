@@ -24,4 +24,7 @@ var (
 	// ErrQuorum: a membership change would leave the cluster without a
 	// quorum of masters that answer.
 	ErrQuorum = errors.New("would lose quorum")
+	// ErrLogDisk: the disk under this master's raft log is full or
+	// failing; it takes no writes until the disk recovers.
+	ErrLogDisk = errors.New("the raft log's disk is full or failing")
 )

@@ -52,7 +52,7 @@ func code(err error) codes.Code {
 		return codes.NotFound
 	case errors.Is(err, ErrInvalidRequest):
 		return codes.InvalidArgument
-	case errors.Is(err, ErrNoSpace), errors.Is(err, ErrNoSegments):
+	case errors.Is(err, ErrNoSpace), errors.Is(err, ErrNoSegments), errors.Is(err, ErrLogDisk):
 		return codes.ResourceExhausted
 	case errors.Is(err, ErrTooLarge):
 		return codes.OutOfRange
@@ -787,6 +787,9 @@ func (m *masterService) Status(ctx context.Context, _ *pb.StatusRequest) (*pb.St
 		s.mu.Lock()
 		resp.LeaderSinceUnixNano = s.mu.leaderSince.UnixNano()
 		s.mu.Unlock()
+	}
+	if err := s.diskError(); err != nil {
+		resp.RaftLogError = err.Error()
 	}
 	return resp, nil
 }

@@ -165,10 +165,11 @@ var (
 	descTerm     = prometheus.NewDesc("tidepool_master_raft_term", "Current raft term.", nil, nil)
 	descUnder    = prometheus.NewDesc("tidepool_master_objects_under_replicated", "Complete objects on fewer nodes than their put asked for (a store died, a replica was corrupt): re-replication copies them.", nil, nil)
 	descRepairs  = prometheus.NewDesc("tidepool_master_repairs_in_flight", "Re-replication copies started and not yet ended.", nil, nil)
+	descLogDisk  = prometheus.NewDesc("tidepool_master_raft_log_disk_failing", "1 while the raft log's disk is full or failing (flushes fail) and this master refuses writes.", nil, nil)
 )
 
 func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descObjects, descBytes, descCapacity, descUsed, descSegObjs, descLeader, descTerm, descUnder, descRepairs} {
+	for _, d := range []*prometheus.Desc{descObjects, descBytes, descCapacity, descUsed, descSegObjs, descLeader, descTerm, descUnder, descRepairs, descLogDisk} {
 		ch <- d
 	}
 }
@@ -194,4 +195,9 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 	rs := c.s.fsm.repairs()
 	ch <- prometheus.MustNewConstMetric(descUnder, prometheus.GaugeValue, float64(rs.under))
 	ch <- prometheus.MustNewConstMetric(descRepairs, prometheus.GaugeValue, float64(rs.repairing))
+	failing := 0.0
+	if c.s.diskError() != nil {
+		failing = 1
+	}
+	ch <- prometheus.MustNewConstMetric(descLogDisk, prometheus.GaugeValue, failing)
 }

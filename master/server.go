@@ -130,6 +130,7 @@ type Server struct {
 		drains      map[string]*pb.DrainProgress
 		reclaim     map[string]reclaimList // segment -> written-back replicas puts may drop
 		avoided     map[string]time.Time   // node -> until when placement avoids it (see avoid)
+		diskFailing bool                   // the raft log's disk, at the last watchDisk
 	}
 
 	// removals counts the keys in mu.removing, so that a lease need not
@@ -407,6 +408,9 @@ func (s *Server) apply(ctx context.Context, cmd *pb.Command) (any, error) {
 		return nil, fmt.Errorf("%w: master closing", ErrNotLeader)
 	default:
 	}
+	if err := s.diskError(); err != nil {
+		return nil, err
+	}
 	cmd.NowUnixNano = s.cfg.Now().UnixNano()
 	data, err := proto.Marshal(cmd)
 	if err != nil {
@@ -457,6 +461,7 @@ func (s *Server) leaderLoop() {
 			}
 			s.setLeader(leader)
 		case <-tick.C:
+			s.watchDisk()
 			if s.IsLeader() {
 				s.sweep()
 			}
@@ -541,6 +546,42 @@ func (s *Server) setLeader(leader bool) {
 		defer cancel()
 		if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_Member{Member: &pb.MemberCmd{Id: s.cfg.ID, Address: s.cfg.Advertise}}}); err != nil {
 			s.log.Warn("record leader address", "err", err)
+		}
+	}
+}
+
+// diskError is ErrLogDisk, with the reason, while the raft log's disk
+// fails; a commit would only stall until it timed out.
+func (s *Server) diskError() error {
+	err, since, fails := s.logs.DiskError()
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("%w on master %s since %s (%d failed flushes, the last: %v); it takes writes again once a flush succeeds",
+		ErrLogDisk, s.cfg.ID, since.UTC().Format(time.RFC3339), fails, err)
+}
+
+// watchDisk logs the raft log's disk failing and recovering, and hands
+// leadership to another master while it fails: a follower's disk may be
+// fine.
+func (s *Server) watchDisk() {
+	err := s.diskError()
+	s.mu.Lock()
+	was := s.mu.diskFailing
+	s.mu.diskFailing = err != nil
+	s.mu.Unlock()
+	switch {
+	case err != nil && !was:
+		s.log.Error("raft log disk failing: refusing writes", "err", err)
+	case err == nil && was:
+		s.log.Info("raft log disk recovered: taking writes again")
+	}
+	if err == nil || !s.IsLeader() {
+		return
+	}
+	if servers, err := s.voters(); err == nil && len(servers) > 1 {
+		if err := s.raft.LeadershipTransfer().Error(); err != nil {
+			s.log.Warn("hand leadership to a master with a healthy disk", "err", err)
 		}
 	}
 }

@@ -191,6 +191,9 @@ func runStatus(ctx context.Context, e *env, args []string) error {
 	}
 	fmt.Fprintf(e.stdout, "leader %s at %s, raft term %d, commit index %d\n", st.LeaderId, st.LeaderAddress, st.RaftTerm, st.RaftCommitIndex)
 	fmt.Fprintf(e.stdout, "%d objects, %s\n", st.Objects, human(st.CompleteBytes))
+	if st.RaftLogError != "" {
+		fmt.Fprintf(e.stdout, "refusing writes: %s\n", st.RaftLogError)
+	}
 	if st.UnderReplicated > 0 {
 		fmt.Fprintf(e.stdout, "re-replicating: %d objects on fewer nodes than their put asked for, %d copies running\n", st.UnderReplicated, st.Repairing)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 	"sync/atomic"
 
 	"github.com/cockroachdb/pebble/v2"
@@ -33,6 +34,52 @@ type Store struct {
 		// both 0 when the log is empty.
 		first, last uint64
 	}
+
+	disk diskHealth
+}
+
+// diskHealth is what pebble's background work says of the disk. A flush
+// or compaction that fails (a disk full or failing) is retried by pebble
+// while commits go on into the WAL, whose files are written ahead (see
+// primeWAL), until the memtables fill and every commit stalls. The error
+// stays until a flush succeeds again, so the master can refuse writes at
+// once, saying why, rather than let them time out.
+type diskHealth struct {
+	mu    sync.Mutex
+	err   error
+	since time.Time
+	fails int
+}
+
+func (h *diskHealth) failed(err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.err == nil {
+		h.since = time.Now()
+	}
+	h.err = err
+	h.fails++
+}
+
+// flushed clears the error once a flush succeeds. A failed one reports
+// through BackgroundError; a flush that wrote no table ends with pebble's
+// (unexported) "empty table" error, and it succeeded.
+func (h *diskHealth) flushed(info pebble.FlushInfo) {
+	if !info.Done || (info.Err != nil && info.Err.Error() != "pebble: empty table") {
+		return
+	}
+	h.mu.Lock()
+	h.err, h.fails = nil, 0
+	h.mu.Unlock()
+}
+
+// DiskError reports the error of the last failed flush or compaction, when
+// the failing started and how many failed, while no flush has succeeded
+// since; nil while the disk is healthy.
+func (s *Store) DiskError() (err error, since time.Time, fails int) {
+	s.disk.mu.Lock()
+	defer s.disk.mu.Unlock()
+	return s.disk.err, s.disk.since, s.disk.fails
 }
 
 // memTableSize is pebble's memtable, and so about how much log a WAL file
@@ -41,6 +88,7 @@ const memTableSize = 4 << 20
 
 // Open opens or creates a Store in dir.
 func Open(dir string) (*Store, error) {
+	s := &Store{}
 	opts := &pebble.Options{
 		// The raft log is write-mostly and reads hit recent entries, which
 		// live in the memtable; keep memory use modest.
@@ -48,12 +96,18 @@ func Open(dir string) (*Store, error) {
 		MemTableSize:       memTableSize,
 		FormatMajorVersion: pebble.FormatNewest,
 		Logger:             quietLogger{pebble.DefaultLogger},
+		// Not pebble's logging listener: a full disk made it print each
+		// retry, thousands a second. The master reports DiskError.
+		EventListener: &pebble.EventListener{
+			BackgroundError: s.disk.failed,
+			FlushEnd:        s.disk.flushed,
+		},
 	}
 	db, err := pebble.Open(dir, opts)
 	if err != nil {
 		return nil, fmt.Errorf("logstore: opening %s: %w", dir, err)
 	}
-	s := &Store{db: db}
+	s.db = db
 	first, last, err := s.bounds()
 	if err != nil {
 		_ = db.Close()

@@ -2049,8 +2049,11 @@ type StatusResponse struct {
 	// The answering master's raft id, and the raft address it advertises.
 	SelfId          string `protobuf:"bytes,12,opt,name=self_id,json=selfId,proto3" json:"self_id,omitempty"`
 	SelfRaftAddress string `protobuf:"bytes,13,opt,name=self_raft_address,json=selfRaftAddress,proto3" json:"self_raft_address,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Why the answering master refuses writes, if its raft log's disk is
+	// full or failing.
+	RaftLogError  string `protobuf:"bytes,14,opt,name=raft_log_error,json=raftLogError,proto3" json:"raft_log_error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StatusResponse) Reset() {
@@ -2170,6 +2173,13 @@ func (x *StatusResponse) GetSelfId() string {
 func (x *StatusResponse) GetSelfRaftAddress() string {
 	if x != nil {
 		return x.SelfRaftAddress
+	}
+	return ""
+}
+
+func (x *StatusResponse) GetRaftLogError() string {
+	if x != nil {
+		return x.RaftLogError
 	}
 	return ""
 }
@@ -3790,7 +3800,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\aobjects\x18\t \x01(\x04R\aobjects\x12\x1a\n" +
 	"\bdraining\x18\n" +
 	" \x01(\bR\bdraining\x12\x1a\n" +
-	"\breserved\x18\v \x01(\x04R\breserved\"\x8a\x04\n" +
+	"\breserved\x18\v \x01(\x04R\breserved\"\xb0\x04\n" +
 	"\x0eStatusResponse\x12\x1b\n" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12%\n" +
 	"\x0eleader_address\x18\x02 \x01(\tR\rleaderAddress\x121\n" +
@@ -3805,7 +3815,8 @@ const file_tidepool_proto_rawDesc = "" +
 	" \x01(\x04R\trepairing\x123\n" +
 	"\x16leader_since_unix_nano\x18\v \x01(\x03R\x13leaderSinceUnixNano\x12\x17\n" +
 	"\aself_id\x18\f \x01(\tR\x06selfId\x12*\n" +
-	"\x11self_raft_address\x18\r \x01(\tR\x0fselfRaftAddress\"\x84\x01\n" +
+	"\x11self_raft_address\x18\r \x01(\tR\x0fselfRaftAddress\x12$\n" +
+	"\x0eraft_log_error\x18\x0e \x01(\tR\fraftLogError\"\x84\x01\n" +
 	"\rLookupRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x1d\n" +
 	"\n" +
