@@ -50,6 +50,7 @@ type node struct {
 	// ticketKey is the epoch's key for its segments' tickets; nil: its
 	// store checks none.
 	ticketKey []byte
+	failed    []string // names of this epoch's segments whose I/O failed
 }
 
 type segment struct {
@@ -189,6 +190,8 @@ func (f *FSM) Apply(l *raft.Log) any {
 		return nil
 	case *pb.Command_Adopt:
 		return f.adoptPage(op.Adopt, now)
+	case *pb.Command_SegmentFail:
+		return f.failSegment(op.SegmentFail)
 	case *pb.Command_Drain:
 		n := f.nodes[op.Drain.Node]
 		if n == nil || n.down {
@@ -600,6 +603,7 @@ func (f *FSM) register(c *pb.RegisterCmd, now int64) any {
 	}
 	n.epoch++
 	n.down, n.draining, n.drained = false, false, false
+	n.failed = nil // a new process: its disks get another chance
 	n.adopting = c.AdoptMore
 	n.endpoint = c.Endpoint
 	n.specs = c.Segments
@@ -685,6 +689,9 @@ func (f *FSM) adopt(n *node, a *pb.AdoptedObject, now int64) bool {
 func (f *FSM) addSegments(n *node) {
 	n.segments = n.segments[:0]
 	for _, spec := range n.specs {
+		if slices.Contains(n.failed, spec.Name) {
+			continue
+		}
 		id := SegmentID(n.id, spec.Name, n.epoch)
 		s := &segment{
 			id: id, node: n.id, name: spec.Name, tier: spec.Tier,
@@ -707,18 +714,36 @@ func (f *FSM) addSegments(n *node) {
 	}
 }
 
+// failSegment takes a segment whose I/O failed out of its node.
+func (f *FSM) failSegment(c *pb.SegmentFailCmd) error {
+	n := f.nodes[c.Node]
+	if n == nil || n.down || n.epoch != c.Epoch {
+		return fmt.Errorf("%w: %s@%d", ErrUnknownNode, c.Node, c.Epoch)
+	}
+	id := SegmentID(n.id, c.Name, n.epoch)
+	if !slices.Contains(n.segments, id) {
+		return fmt.Errorf("%w: segment %s", ErrNotFound, id)
+	}
+	n.failed = append(n.failed, c.Name)
+	f.dropSegmentIDs(n, []string{id})
+	return nil
+}
+
 // dropSegments forgets a node's segments and every replica on them; objects
 // left without a replica are lost.
-func (f *FSM) dropSegments(n *node) {
+func (f *FSM) dropSegments(n *node) { f.dropSegmentIDs(n, slices.Clone(n.segments)) }
+
+// dropSegmentIDs forgets some of a node's segments, as dropSegments does.
+func (f *FSM) dropSegmentIDs(n *node, ids []string) {
 	gone := map[string]bool{}
-	for _, id := range n.segments {
+	for _, id := range ids {
 		gone[id] = true
 		if s := f.segments[id]; s != nil {
 			f.segAt[s.idx] = nil
 		}
 		delete(f.segments, id)
 	}
-	n.segments = nil
+	n.segments = slices.DeleteFunc(n.segments, func(id string) bool { return gone[id] })
 	for _, key := range f.objects.sortedKeys() { // retire appends to pending: keep the order deterministic
 		o := f.objects.get(key)
 		lost := func(e extent) bool { return f.seg(e) == nil }
@@ -754,7 +779,7 @@ func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	for _, id := range sortedKeys(f.nodes) {
 		n := f.nodes[id]
 		snap.Nodes = append(snap.Nodes, &pb.Node{Id: n.id, Endpoint: n.endpoint, Epoch: n.epoch, Segments: n.specs,
-			Down: n.down, Draining: n.draining, Drained: n.drained, Adopting: n.adopting, TicketKey: n.ticketKey})
+			Down: n.down, Draining: n.draining, Drained: n.drained, Adopting: n.adopting, TicketKey: n.ticketKey, Failed: n.failed})
 	}
 	for _, id := range sortedKeys(f.segments) {
 		for _, r := range f.segments[id].resv {
@@ -796,7 +821,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		f.members[m.Id] = m.Address
 	}
 	for _, pn := range snap.Nodes {
-		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down, draining: pn.Draining, drained: pn.Drained, adopting: pn.Adopting, ticketKey: pn.TicketKey}
+		n := &node{id: pn.Id, endpoint: pn.Endpoint, epoch: pn.Epoch, specs: pn.Segments, down: pn.Down, draining: pn.Draining, drained: pn.Drained, adopting: pn.Adopting, ticketKey: pn.TicketKey, failed: pn.Failed}
 		f.nodes[n.id] = n
 		if !n.down {
 			f.addSegments(n)

@@ -826,12 +826,37 @@ func (r *registryService) Heartbeat(ctx context.Context, req *pb.HeartbeatReques
 	if err := r.s.heartbeat(req.Node, req.Epoch); err != nil {
 		return nil, err
 	}
+	if err := r.s.failSegments(ctx, req.Node, req.Epoch, req.FailedSegments); err != nil {
+		return nil, status.Errorf(codes.Unavailable, "take failed segments out: %v", err) // reported again
+	}
 	if err := r.s.endCopies(ctx, req.CopiesDone); err != nil {
 		// The store reports them again. Never FAILED_PRECONDITION: to a
 		// store that means it was drained.
 		return nil, status.Errorf(codes.Unavailable, "end copies: %v", err)
 	}
 	return &pb.HeartbeatResponse{Copies: r.s.takeCopies(req.Node, int(req.CopySlots))}, nil
+}
+
+// failSegments takes out of the pool the segments a store reports failing
+// (an SSD tier returning I/O errors); one reported again, or not the
+// node's, is skipped.
+func (s *Server) failSegments(ctx context.Context, node string, epoch uint64, ids []string) error {
+	if len(ids) > MaxSegmentsPerNode {
+		return fmt.Errorf("%w: %d failed segments", ErrInvalidRequest, len(ids))
+	}
+	for _, id := range ids {
+		n, e, name, ok := s.fsm.segmentName(id)
+		if !ok || n != node || e != epoch {
+			continue
+		}
+		_, err := s.apply(ctx, &pb.Command{Op: &pb.Command_SegmentFail{SegmentFail: &pb.SegmentFailCmd{Node: node, Epoch: epoch, Name: name}}})
+		if err != nil && !errors.Is(err, ErrNotFound) {
+			return err
+		}
+		s.log.Error("segment I/O failing: taken out of the pool; its objects are re-replicated from other replicas, or lost",
+			"segment", id, "node", node)
+	}
+	return nil
 }
 
 // clientHost is the IP address the request came from, for LocalFirst.

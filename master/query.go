@@ -259,6 +259,18 @@ func (f *FSM) segmentViews() []segmentView {
 	return out
 }
 
+// segmentName is segment id's node, epoch and name on the node, if it
+// exists.
+func (f *FSM) segmentName(id string) (node string, epoch uint64, name string, ok bool) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	s := f.segments[id]
+	if s == nil {
+		return "", 0, "", false
+	}
+	return s.node, s.epoch, s.name, true
+}
+
 // putState is what a put of key finds: COMPLETE (nothing to write),
 // PROCESSING (a put started by an older master's PutStartCmd, not yet
 // expired) or UNSPECIFIED.

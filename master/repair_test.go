@@ -2,6 +2,7 @@ package master
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -265,5 +266,56 @@ func TestReplicaCountInSnapshot(t *testing.T) {
 	d.nodeDown(t0, "n1", 1)
 	if st := d.f.repairs(); st.under != 0 {
 		t.Fatalf("%d under-replicated with the object gone", st.under)
+	}
+}
+
+// TestSegmentFail: a segment whose I/O failed leaves the pool with its
+// replicas: an object with another replica keeps it, one without is lost;
+// it stays out across a snapshot and comes back when its node registers
+// again.
+func TestSegmentFail(t *testing.T) {
+	d := newDriver(t)
+	s1 := d.register(t0, "n1", "ep1", dram("a", 1<<20), ssd("b", 1<<20)).SegmentIDs
+	s2 := d.register(t0, "n2", "ep2", ssd("b", 1<<20)).SegmentIDs
+	d.put(t0, "alone", 4096, s1[1])
+	out := d.apply(t0, &pb.Command{Op: &pb.Command_PutStart{PutStart: &pb.PutStartCmd{Items: []*pb.PutStartItem{{
+		Key: "both", Size: 4096, Replicas: 2, Candidates: []string{s1[1], s2[0]}, DeadlineUnixNano: t0 + 1e9,
+	}}}}})
+	if r := out.([]PutStartResult)[0]; r.Err != nil || len(r.Replicas) != 2 {
+		t.Fatalf("put start: %+v", r)
+	}
+	if err := d.putEnd(t0, "both"); err != nil {
+		t.Fatal(err)
+	}
+	fail := func(name string, epoch uint64) any {
+		return d.apply(t0, &pb.Command{Op: &pb.Command_SegmentFail{SegmentFail: &pb.SegmentFailCmd{Node: "n1", Epoch: epoch, Name: name}}})
+	}
+	if err, _ := fail("b", 2).(error); !errors.Is(err, ErrUnknownNode) {
+		t.Fatalf("a stale epoch: %v", err)
+	}
+	if out := fail("b", 1); out != nil {
+		t.Fatalf("fail n1/b: %v", out)
+	}
+	if err, _ := fail("b", 1).(error); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("failing it twice: %v", err)
+	}
+	check := func(f *FSM, what string) {
+		t.Helper()
+		if slices.ContainsFunc(f.segmentViews(), func(v segmentView) bool { return v.id == s1[1] }) {
+			t.Fatalf("%s: the failed segment is still in the pool", what)
+		}
+		keys := listKeys(f)
+		if slices.Contains(keys, "alone") || !slices.Contains(keys, "both") {
+			t.Fatalf("%s: objects %v, want both alone gone", what, keys)
+		}
+		if st := f.repairs(); st.under != 1 {
+			t.Fatalf("%s: %d under-replicated, want 1", what, st.under)
+		}
+	}
+	check(d.f, "after the failure")
+	check(restored(t, snapshotBytes(t, d.f)), "restored")
+	res := d.register(t0, "n1", "ep1", dram("a", 1<<20), ssd("b", 1<<20))
+	if len(res.SegmentIDs) != 2 || !slices.ContainsFunc(d.f.segmentViews(), func(v segmentView) bool { return v.id == res.SegmentIDs[1] }) {
+		t.Fatalf("the segment is not back after its node registered again: %v", res.SegmentIDs)
 	}
 }

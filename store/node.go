@@ -71,6 +71,10 @@ type Node struct {
 		sync.Mutex
 		epoch uint64
 		names []string // engine names of the registered segments
+		// watched are the persistent tiers' segments, by engine name, whose
+		// I/O errors are reported (see ioWatch).
+		watched  map[string]*ioWatch
+		reported map[string]bool // failed segments logged
 		// gen counts registrations: a copy's result is reported only
 		// within the one it was handed out in.
 		gen     uint64
@@ -365,8 +369,14 @@ func (n *Node) register(ctx context.Context) error {
 		n.mu.Unlock()
 		return err
 	}
+	n.mu.watched, n.mu.reported = map[string]*ioWatch{}, map[string]bool{}
 	for i, t := range n.cfg.Tiers {
-		if err := n.eng.Register(engine.Rename(t.Segment(), resp.SegmentIds[i])); err != nil {
+		seg := t.Segment()
+		if t.Kind() == tiers.SSD {
+			w := &ioWatch{Segment: seg}
+			n.mu.watched[resp.SegmentIds[i]], seg = w, w
+		}
+		if err := n.eng.Register(engine.Rename(seg, resp.SegmentIds[i])); err != nil {
 			n.unregisterLocked()
 			n.mu.Unlock()
 			return err
@@ -477,7 +487,7 @@ func (n *Node) unregisterLocked() {
 // the master hands out in return.
 func (n *Node) heartbeat(ctx, copyCtx context.Context) error {
 	done, gen := n.takeResults()
-	req := &pb.HeartbeatRequest{Node: n.cfg.ID, Epoch: n.Epoch(), CopiesDone: done, CopySlots: n.copySlots()}
+	req := &pb.HeartbeatRequest{Node: n.cfg.ID, Epoch: n.Epoch(), CopiesDone: done, CopySlots: n.copySlots(), FailedSegments: n.failedSegments()}
 	ctx, cancel := context.WithTimeout(ctx, 5*n.cfg.HeartbeatInterval)
 	defer cancel()
 	var resp *pb.HeartbeatResponse
@@ -493,6 +503,28 @@ func (n *Node) heartbeat(ctx, copyCtx context.Context) error {
 		n.startCopy(copyCtx, t)
 	}
 	return nil
+}
+
+// failedSegments lists the segments whose I/O failed, logging each the
+// first time; the master takes them out of the pool.
+func (n *Node) failedSegments() []string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []string
+	for _, name := range n.mu.names {
+		w := n.mu.watched[name]
+		if w == nil || w.err() == nil {
+			continue
+		}
+		out = append(out, name)
+	}
+	for _, name := range out {
+		if !n.mu.reported[name] {
+			n.log.Error("segment I/O failed; reporting it to the master, which takes it out of the pool", "segment", name, "err", n.mu.watched[name].err())
+			n.mu.reported[name] = true
+		}
+	}
+	return out
 }
 
 // leave brings the indexes of persistent tiers up to date and takes the

@@ -116,6 +116,7 @@ type Command struct {
 	//	*Command_Reserve
 	//	*Command_Publish
 	//	*Command_Release
+	//	*Command_SegmentFail
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -327,6 +328,15 @@ func (x *Command) GetRelease() *ReleaseCmd {
 	return nil
 }
 
+func (x *Command) GetSegmentFail() *SegmentFailCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_SegmentFail); ok {
+			return x.SegmentFail
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -403,6 +413,10 @@ type Command_Release struct {
 	Release *ReleaseCmd `protobuf:"bytes,19,opt,name=release,proto3,oneof"`
 }
 
+type Command_SegmentFail struct {
+	SegmentFail *SegmentFailCmd `protobuf:"bytes,20,opt,name=segment_fail,json=segmentFail,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -439,6 +453,72 @@ func (*Command_Publish) isCommand_Op() {}
 
 func (*Command_Release) isCommand_Op() {}
 
+func (*Command_SegmentFail) isCommand_Op() {}
+
+// SegmentFailCmd takes a segment whose I/O fails out of the pool: its
+// replicas are dropped (objects with none left are lost) and placement
+// skips it until its node registers again.
+type SegmentFailCmd struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Node  string                 `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	Epoch uint64                 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	// The segment's name on the node (the spec's), not its id.
+	Name          string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SegmentFailCmd) Reset() {
+	*x = SegmentFailCmd{}
+	mi := &file_fsm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SegmentFailCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SegmentFailCmd) ProtoMessage() {}
+
+func (x *SegmentFailCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SegmentFailCmd.ProtoReflect.Descriptor instead.
+func (*SegmentFailCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *SegmentFailCmd) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *SegmentFailCmd) GetEpoch() uint64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *SegmentFailCmd) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
 // ReserveCmd sets aside free space of one segment for the leader, which
 // hands it out to puts from memory: a put costs one raft entry, its
 // Publish. A later leader never allocates from an earlier one's
@@ -464,7 +544,7 @@ type ReserveCmd struct {
 
 func (x *ReserveCmd) Reset() {
 	*x = ReserveCmd{}
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -476,7 +556,7 @@ func (x *ReserveCmd) String() string {
 func (*ReserveCmd) ProtoMessage() {}
 
 func (x *ReserveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[1]
+	mi := &file_fsm_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -489,7 +569,7 @@ func (x *ReserveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveCmd.ProtoReflect.Descriptor instead.
 func (*ReserveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{1}
+	return file_fsm_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *ReserveCmd) GetSegment() string {
@@ -559,7 +639,7 @@ type PublishItem struct {
 
 func (x *PublishItem) Reset() {
 	*x = PublishItem{}
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -571,7 +651,7 @@ func (x *PublishItem) String() string {
 func (*PublishItem) ProtoMessage() {}
 
 func (x *PublishItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[2]
+	mi := &file_fsm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -584,7 +664,7 @@ func (x *PublishItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishItem.ProtoReflect.Descriptor instead.
 func (*PublishItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{2}
+	return file_fsm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *PublishItem) GetKey() string {
@@ -659,7 +739,7 @@ type PublishCmd struct {
 
 func (x *PublishCmd) Reset() {
 	*x = PublishCmd{}
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -671,7 +751,7 @@ func (x *PublishCmd) String() string {
 func (*PublishCmd) ProtoMessage() {}
 
 func (x *PublishCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[3]
+	mi := &file_fsm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -684,7 +764,7 @@ func (x *PublishCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishCmd.ProtoReflect.Descriptor instead.
 func (*PublishCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{3}
+	return file_fsm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *PublishCmd) GetItems() []*PublishItem {
@@ -708,7 +788,7 @@ type ReleaseCmd struct {
 
 func (x *ReleaseCmd) Reset() {
 	*x = ReleaseCmd{}
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -720,7 +800,7 @@ func (x *ReleaseCmd) String() string {
 func (*ReleaseCmd) ProtoMessage() {}
 
 func (x *ReleaseCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[4]
+	mi := &file_fsm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -733,7 +813,7 @@ func (x *ReleaseCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseCmd.ProtoReflect.Descriptor instead.
 func (*ReleaseCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{4}
+	return file_fsm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ReleaseCmd) GetSegment() string {
@@ -767,7 +847,7 @@ type FreeSpan struct {
 
 func (x *FreeSpan) Reset() {
 	*x = FreeSpan{}
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -779,7 +859,7 @@ func (x *FreeSpan) String() string {
 func (*FreeSpan) ProtoMessage() {}
 
 func (x *FreeSpan) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -792,7 +872,7 @@ func (x *FreeSpan) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeSpan.ProtoReflect.Descriptor instead.
 func (*FreeSpan) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{5}
+	return file_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *FreeSpan) GetOffset() uint64 {
@@ -823,7 +903,7 @@ type Reservation struct {
 
 func (x *Reservation) Reset() {
 	*x = Reservation{}
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -835,7 +915,7 @@ func (x *Reservation) String() string {
 func (*Reservation) ProtoMessage() {}
 
 func (x *Reservation) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -848,7 +928,7 @@ func (x *Reservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reservation.ProtoReflect.Descriptor instead.
 func (*Reservation) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{6}
+	return file_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Reservation) GetId() uint64 {
@@ -906,7 +986,7 @@ type CopyStartItem struct {
 
 func (x *CopyStartItem) Reset() {
 	*x = CopyStartItem{}
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -918,7 +998,7 @@ func (x *CopyStartItem) String() string {
 func (*CopyStartItem) ProtoMessage() {}
 
 func (x *CopyStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -931,7 +1011,7 @@ func (x *CopyStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyStartItem.ProtoReflect.Descriptor instead.
 func (*CopyStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{7}
+	return file_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CopyStartItem) GetKey() string {
@@ -985,7 +1065,7 @@ type CopyStartCmd struct {
 
 func (x *CopyStartCmd) Reset() {
 	*x = CopyStartCmd{}
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -997,7 +1077,7 @@ func (x *CopyStartCmd) String() string {
 func (*CopyStartCmd) ProtoMessage() {}
 
 func (x *CopyStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1010,7 +1090,7 @@ func (x *CopyStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyStartCmd.ProtoReflect.Descriptor instead.
 func (*CopyStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{8}
+	return file_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CopyStartCmd) GetItems() []*CopyStartItem {
@@ -1036,7 +1116,7 @@ type CopyEndItem struct {
 
 func (x *CopyEndItem) Reset() {
 	*x = CopyEndItem{}
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1048,7 +1128,7 @@ func (x *CopyEndItem) String() string {
 func (*CopyEndItem) ProtoMessage() {}
 
 func (x *CopyEndItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1061,7 +1141,7 @@ func (x *CopyEndItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyEndItem.ProtoReflect.Descriptor instead.
 func (*CopyEndItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{9}
+	return file_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *CopyEndItem) GetKey() string {
@@ -1104,7 +1184,7 @@ type CopyEndCmd struct {
 
 func (x *CopyEndCmd) Reset() {
 	*x = CopyEndCmd{}
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1116,7 +1196,7 @@ func (x *CopyEndCmd) String() string {
 func (*CopyEndCmd) ProtoMessage() {}
 
 func (x *CopyEndCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1129,7 +1209,7 @@ func (x *CopyEndCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyEndCmd.ProtoReflect.Descriptor instead.
 func (*CopyEndCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{10}
+	return file_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *CopyEndCmd) GetItems() []*CopyEndItem {
@@ -1158,7 +1238,7 @@ type DrainCmd struct {
 
 func (x *DrainCmd) Reset() {
 	*x = DrainCmd{}
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1170,7 +1250,7 @@ func (x *DrainCmd) String() string {
 func (*DrainCmd) ProtoMessage() {}
 
 func (x *DrainCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1183,7 +1263,7 @@ func (x *DrainCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainCmd.ProtoReflect.Descriptor instead.
 func (*DrainCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{11}
+	return file_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DrainCmd) GetNode() string {
@@ -1214,7 +1294,7 @@ type PendingCopy struct {
 
 func (x *PendingCopy) Reset() {
 	*x = PendingCopy{}
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1226,7 +1306,7 @@ func (x *PendingCopy) String() string {
 func (*PendingCopy) ProtoMessage() {}
 
 func (x *PendingCopy) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1239,7 +1319,7 @@ func (x *PendingCopy) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingCopy.ProtoReflect.Descriptor instead.
 func (*PendingCopy) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{12}
+	return file_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PendingCopy) GetId() uint64 {
@@ -1296,7 +1376,7 @@ type DropReplicaCmd struct {
 
 func (x *DropReplicaCmd) Reset() {
 	*x = DropReplicaCmd{}
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1308,7 +1388,7 @@ func (x *DropReplicaCmd) String() string {
 func (*DropReplicaCmd) ProtoMessage() {}
 
 func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1321,7 +1401,7 @@ func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropReplicaCmd.ProtoReflect.Descriptor instead.
 func (*DropReplicaCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{13}
+	return file_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DropReplicaCmd) GetKey() string {
@@ -1377,7 +1457,7 @@ type DropReplicasCmd struct {
 
 func (x *DropReplicasCmd) Reset() {
 	*x = DropReplicasCmd{}
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1389,7 +1469,7 @@ func (x *DropReplicasCmd) String() string {
 func (*DropReplicasCmd) ProtoMessage() {}
 
 func (x *DropReplicasCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1402,7 +1482,7 @@ func (x *DropReplicasCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropReplicasCmd.ProtoReflect.Descriptor instead.
 func (*DropReplicasCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{14}
+	return file_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *DropReplicasCmd) GetItems() []*DropReplicaCmd {
@@ -1425,7 +1505,7 @@ type PinCmd struct {
 
 func (x *PinCmd) Reset() {
 	*x = PinCmd{}
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1437,7 +1517,7 @@ func (x *PinCmd) String() string {
 func (*PinCmd) ProtoMessage() {}
 
 func (x *PinCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1450,7 +1530,7 @@ func (x *PinCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCmd.ProtoReflect.Descriptor instead.
 func (*PinCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{15}
+	return file_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *PinCmd) GetKey() string {
@@ -1497,7 +1577,7 @@ type EvictCmd struct {
 
 func (x *EvictCmd) Reset() {
 	*x = EvictCmd{}
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1509,7 +1589,7 @@ func (x *EvictCmd) String() string {
 func (*EvictCmd) ProtoMessage() {}
 
 func (x *EvictCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1522,7 +1602,7 @@ func (x *EvictCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictCmd.ProtoReflect.Descriptor instead.
 func (*EvictCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{16}
+	return file_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *EvictCmd) GetKeys() []string {
@@ -1572,7 +1652,7 @@ type PutStartItem struct {
 
 func (x *PutStartItem) Reset() {
 	*x = PutStartItem{}
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1584,7 +1664,7 @@ func (x *PutStartItem) String() string {
 func (*PutStartItem) ProtoMessage() {}
 
 func (x *PutStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1597,7 +1677,7 @@ func (x *PutStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartItem.ProtoReflect.Descriptor instead.
 func (*PutStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{17}
+	return file_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *PutStartItem) GetKey() string {
@@ -1669,7 +1749,7 @@ type PutStartCmd struct {
 
 func (x *PutStartCmd) Reset() {
 	*x = PutStartCmd{}
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1681,7 +1761,7 @@ func (x *PutStartCmd) String() string {
 func (*PutStartCmd) ProtoMessage() {}
 
 func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1694,7 +1774,7 @@ func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartCmd.ProtoReflect.Descriptor instead.
 func (*PutStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{18}
+	return file_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *PutStartCmd) GetItems() []*PutStartItem {
@@ -1721,7 +1801,7 @@ type Reclaimable struct {
 
 func (x *Reclaimable) Reset() {
 	*x = Reclaimable{}
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1733,7 +1813,7 @@ func (x *Reclaimable) String() string {
 func (*Reclaimable) ProtoMessage() {}
 
 func (x *Reclaimable) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1746,7 +1826,7 @@ func (x *Reclaimable) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reclaimable.ProtoReflect.Descriptor instead.
 func (*Reclaimable) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{19}
+	return file_fsm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Reclaimable) GetKey() string {
@@ -1778,7 +1858,7 @@ type KeysCmd struct {
 
 func (x *KeysCmd) Reset() {
 	*x = KeysCmd{}
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1790,7 +1870,7 @@ func (x *KeysCmd) String() string {
 func (*KeysCmd) ProtoMessage() {}
 
 func (x *KeysCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1803,7 +1883,7 @@ func (x *KeysCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysCmd.ProtoReflect.Descriptor instead.
 func (*KeysCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{20}
+	return file_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *KeysCmd) GetKeys() []string {
@@ -1843,7 +1923,7 @@ type RemoveCmd struct {
 
 func (x *RemoveCmd) Reset() {
 	*x = RemoveCmd{}
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1855,7 +1935,7 @@ func (x *RemoveCmd) String() string {
 func (*RemoveCmd) ProtoMessage() {}
 
 func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1868,7 +1948,7 @@ func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveCmd.ProtoReflect.Descriptor instead.
 func (*RemoveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{21}
+	return file_fsm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RemoveCmd) GetKeys() []string {
@@ -1908,7 +1988,7 @@ type RegisterCmd struct {
 
 func (x *RegisterCmd) Reset() {
 	*x = RegisterCmd{}
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1920,7 +2000,7 @@ func (x *RegisterCmd) String() string {
 func (*RegisterCmd) ProtoMessage() {}
 
 func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1933,7 +2013,7 @@ func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterCmd.ProtoReflect.Descriptor instead.
 func (*RegisterCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{22}
+	return file_fsm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *RegisterCmd) GetNode() string {
@@ -1990,7 +2070,7 @@ type AdoptCmd struct {
 
 func (x *AdoptCmd) Reset() {
 	*x = AdoptCmd{}
-	mi := &file_fsm_proto_msgTypes[23]
+	mi := &file_fsm_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2002,7 +2082,7 @@ func (x *AdoptCmd) String() string {
 func (*AdoptCmd) ProtoMessage() {}
 
 func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[23]
+	mi := &file_fsm_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2015,7 +2095,7 @@ func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptCmd.ProtoReflect.Descriptor instead.
 func (*AdoptCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{23}
+	return file_fsm_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *AdoptCmd) GetNode() string {
@@ -2058,7 +2138,7 @@ type NodeDownCmd struct {
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[24]
+	mi := &file_fsm_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2070,7 +2150,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[24]
+	mi := &file_fsm_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2083,7 +2163,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{24}
+	return file_fsm_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -2117,7 +2197,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[25]
+	mi := &file_fsm_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2129,7 +2209,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[25]
+	mi := &file_fsm_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2142,7 +2222,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{25}
+	return file_fsm_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -2170,7 +2250,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[26]
+	mi := &file_fsm_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2182,7 +2262,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[26]
+	mi := &file_fsm_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2195,7 +2275,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{26}
+	return file_fsm_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *Extent) GetSegment() string {
@@ -2244,7 +2324,7 @@ type Object struct {
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[27]
+	mi := &file_fsm_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2256,7 +2336,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[27]
+	mi := &file_fsm_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2269,7 +2349,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{27}
+	return file_fsm_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *Object) GetKey() string {
@@ -2386,14 +2466,16 @@ type Node struct {
 	// It registered with more kept objects to adopt: placement skips it.
 	Adopting bool `protobuf:"varint,8,opt,name=adopting,proto3" json:"adopting,omitempty"`
 	// The key of this epoch's tickets (see RegisterRequest).
-	TicketKey     []byte `protobuf:"bytes,9,opt,name=ticket_key,json=ticketKey,proto3" json:"ticket_key,omitempty"`
+	TicketKey []byte `protobuf:"bytes,9,opt,name=ticket_key,json=ticketKey,proto3" json:"ticket_key,omitempty"`
+	// Segments of this epoch whose I/O failed (SegmentFailCmd), by name.
+	Failed        []string `protobuf:"bytes,10,rep,name=failed,proto3" json:"failed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[28]
+	mi := &file_fsm_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2405,7 +2487,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[28]
+	mi := &file_fsm_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2418,7 +2500,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{28}
+	return file_fsm_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Node) GetId() string {
@@ -2484,6 +2566,13 @@ func (x *Node) GetTicketKey() []byte {
 	return nil
 }
 
+func (x *Node) GetFailed() []string {
+	if x != nil {
+		return x.Failed
+	}
+	return nil
+}
+
 type PendingFree struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Extent        *Extent                `protobuf:"bytes,1,opt,name=extent,proto3" json:"extent,omitempty"`
@@ -2497,7 +2586,7 @@ type PendingFree struct {
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[29]
+	mi := &file_fsm_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2509,7 +2598,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[29]
+	mi := &file_fsm_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2522,7 +2611,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{29}
+	return file_fsm_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -2560,7 +2649,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[30]
+	mi := &file_fsm_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2572,7 +2661,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[30]
+	mi := &file_fsm_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2585,7 +2674,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{30}
+	return file_fsm_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -2642,7 +2731,7 @@ type Tomb struct {
 
 func (x *Tomb) Reset() {
 	*x = Tomb{}
-	mi := &file_fsm_proto_msgTypes[31]
+	mi := &file_fsm_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2654,7 +2743,7 @@ func (x *Tomb) String() string {
 func (*Tomb) ProtoMessage() {}
 
 func (x *Tomb) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[31]
+	mi := &file_fsm_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2667,7 +2756,7 @@ func (x *Tomb) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tomb.ProtoReflect.Descriptor instead.
 func (*Tomb) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{31}
+	return file_fsm_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *Tomb) GetKey() string {
@@ -2688,7 +2777,7 @@ var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xf7\a\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xb9\b\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -2711,8 +2800,13 @@ const file_fsm_proto_rawDesc = "" +
 	"\rdrop_replicas\x18\x10 \x01(\v2\x1c.tidepool.v1.DropReplicasCmdH\x00R\fdropReplicas\x123\n" +
 	"\areserve\x18\x11 \x01(\v2\x17.tidepool.v1.ReserveCmdH\x00R\areserve\x123\n" +
 	"\apublish\x18\x12 \x01(\v2\x17.tidepool.v1.PublishCmdH\x00R\apublish\x123\n" +
-	"\arelease\x18\x13 \x01(\v2\x17.tidepool.v1.ReleaseCmdH\x00R\areleaseB\x04\n" +
-	"\x02op\"\xf5\x01\n" +
+	"\arelease\x18\x13 \x01(\v2\x17.tidepool.v1.ReleaseCmdH\x00R\arelease\x12@\n" +
+	"\fsegment_fail\x18\x14 \x01(\v2\x1b.tidepool.v1.SegmentFailCmdH\x00R\vsegmentFailB\x04\n" +
+	"\x02op\"N\n" +
+	"\x0eSegmentFailCmd\x12\x12\n" +
+	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
+	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12\x12\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\"\xf5\x01\n" +
 	"\n" +
 	"ReserveCmd\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x14\n" +
@@ -2862,7 +2956,7 @@ const file_fsm_proto_rawDesc = "" +
 	"\x06copies\x18\v \x03(\v2\x18.tidepool.v1.PendingCopyR\x06copies\x12\x16\n" +
 	"\x06parent\x18\f \x01(\tR\x06parent\x12\x16\n" +
 	"\x06tenant\x18\r \x01(\tR\x06tenant\x12'\n" +
-	"\x0freplicas_wanted\x18\x0e \x01(\rR\x0ereplicasWanted\"\x83\x02\n" +
+	"\x0freplicas_wanted\x18\x0e \x01(\rR\x0ereplicasWanted\"\x9b\x02\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1a\n" +
 	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x12\x14\n" +
@@ -2873,7 +2967,9 @@ const file_fsm_proto_rawDesc = "" +
 	"\adrained\x18\a \x01(\bR\adrained\x12\x1a\n" +
 	"\badopting\x18\b \x01(\bR\badopting\x12\x1d\n" +
 	"\n" +
-	"ticket_key\x18\t \x01(\fR\tticketKey\"{\n" +
+	"ticket_key\x18\t \x01(\fR\tticketKey\x12\x16\n" +
+	"\x06failed\x18\n" +
+	" \x03(\tR\x06failed\"{\n" +
 	"\vPendingFree\x12+\n" +
 	"\x06extent\x18\x01 \x01(\v2\x13.tidepool.v1.ExtentR\x06extent\x12&\n" +
 	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\x12\x17\n" +
@@ -2910,95 +3006,97 @@ func file_fsm_proto_rawDescGZIP() []byte {
 }
 
 var file_fsm_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_fsm_proto_goTypes = []any{
 	(CopyReason)(0),         // 0: tidepool.v1.CopyReason
 	(*Command)(nil),         // 1: tidepool.v1.Command
-	(*ReserveCmd)(nil),      // 2: tidepool.v1.ReserveCmd
-	(*PublishItem)(nil),     // 3: tidepool.v1.PublishItem
-	(*PublishCmd)(nil),      // 4: tidepool.v1.PublishCmd
-	(*ReleaseCmd)(nil),      // 5: tidepool.v1.ReleaseCmd
-	(*FreeSpan)(nil),        // 6: tidepool.v1.FreeSpan
-	(*Reservation)(nil),     // 7: tidepool.v1.Reservation
-	(*CopyStartItem)(nil),   // 8: tidepool.v1.CopyStartItem
-	(*CopyStartCmd)(nil),    // 9: tidepool.v1.CopyStartCmd
-	(*CopyEndItem)(nil),     // 10: tidepool.v1.CopyEndItem
-	(*CopyEndCmd)(nil),      // 11: tidepool.v1.CopyEndCmd
-	(*DrainCmd)(nil),        // 12: tidepool.v1.DrainCmd
-	(*PendingCopy)(nil),     // 13: tidepool.v1.PendingCopy
-	(*DropReplicaCmd)(nil),  // 14: tidepool.v1.DropReplicaCmd
-	(*DropReplicasCmd)(nil), // 15: tidepool.v1.DropReplicasCmd
-	(*PinCmd)(nil),          // 16: tidepool.v1.PinCmd
-	(*EvictCmd)(nil),        // 17: tidepool.v1.EvictCmd
-	(*PutStartItem)(nil),    // 18: tidepool.v1.PutStartItem
-	(*PutStartCmd)(nil),     // 19: tidepool.v1.PutStartCmd
-	(*Reclaimable)(nil),     // 20: tidepool.v1.Reclaimable
-	(*KeysCmd)(nil),         // 21: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),       // 22: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),     // 23: tidepool.v1.RegisterCmd
-	(*AdoptCmd)(nil),        // 24: tidepool.v1.AdoptCmd
-	(*NodeDownCmd)(nil),     // 25: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),       // 26: tidepool.v1.MemberCmd
-	(*Extent)(nil),          // 27: tidepool.v1.Extent
-	(*Object)(nil),          // 28: tidepool.v1.Object
-	(*Node)(nil),            // 29: tidepool.v1.Node
-	(*PendingFree)(nil),     // 30: tidepool.v1.PendingFree
-	(*Snapshot)(nil),        // 31: tidepool.v1.Snapshot
-	(*Tomb)(nil),            // 32: tidepool.v1.Tomb
-	(*SegmentSpec)(nil),     // 33: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),   // 34: tidepool.v1.AdoptedObject
-	(ObjectState)(0),        // 35: tidepool.v1.ObjectState
+	(*SegmentFailCmd)(nil),  // 2: tidepool.v1.SegmentFailCmd
+	(*ReserveCmd)(nil),      // 3: tidepool.v1.ReserveCmd
+	(*PublishItem)(nil),     // 4: tidepool.v1.PublishItem
+	(*PublishCmd)(nil),      // 5: tidepool.v1.PublishCmd
+	(*ReleaseCmd)(nil),      // 6: tidepool.v1.ReleaseCmd
+	(*FreeSpan)(nil),        // 7: tidepool.v1.FreeSpan
+	(*Reservation)(nil),     // 8: tidepool.v1.Reservation
+	(*CopyStartItem)(nil),   // 9: tidepool.v1.CopyStartItem
+	(*CopyStartCmd)(nil),    // 10: tidepool.v1.CopyStartCmd
+	(*CopyEndItem)(nil),     // 11: tidepool.v1.CopyEndItem
+	(*CopyEndCmd)(nil),      // 12: tidepool.v1.CopyEndCmd
+	(*DrainCmd)(nil),        // 13: tidepool.v1.DrainCmd
+	(*PendingCopy)(nil),     // 14: tidepool.v1.PendingCopy
+	(*DropReplicaCmd)(nil),  // 15: tidepool.v1.DropReplicaCmd
+	(*DropReplicasCmd)(nil), // 16: tidepool.v1.DropReplicasCmd
+	(*PinCmd)(nil),          // 17: tidepool.v1.PinCmd
+	(*EvictCmd)(nil),        // 18: tidepool.v1.EvictCmd
+	(*PutStartItem)(nil),    // 19: tidepool.v1.PutStartItem
+	(*PutStartCmd)(nil),     // 20: tidepool.v1.PutStartCmd
+	(*Reclaimable)(nil),     // 21: tidepool.v1.Reclaimable
+	(*KeysCmd)(nil),         // 22: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),       // 23: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),     // 24: tidepool.v1.RegisterCmd
+	(*AdoptCmd)(nil),        // 25: tidepool.v1.AdoptCmd
+	(*NodeDownCmd)(nil),     // 26: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),       // 27: tidepool.v1.MemberCmd
+	(*Extent)(nil),          // 28: tidepool.v1.Extent
+	(*Object)(nil),          // 29: tidepool.v1.Object
+	(*Node)(nil),            // 30: tidepool.v1.Node
+	(*PendingFree)(nil),     // 31: tidepool.v1.PendingFree
+	(*Snapshot)(nil),        // 32: tidepool.v1.Snapshot
+	(*Tomb)(nil),            // 33: tidepool.v1.Tomb
+	(*SegmentSpec)(nil),     // 34: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),   // 35: tidepool.v1.AdoptedObject
+	(ObjectState)(0),        // 36: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
-	19, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
-	21, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
-	21, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
-	22, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
-	23, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	25, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	26, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
-	16, // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
-	17, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
-	14, // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
-	9,  // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
-	11, // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
-	12, // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
-	24, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
-	15, // 14: tidepool.v1.Command.drop_replicas:type_name -> tidepool.v1.DropReplicasCmd
-	2,  // 15: tidepool.v1.Command.reserve:type_name -> tidepool.v1.ReserveCmd
-	4,  // 16: tidepool.v1.Command.publish:type_name -> tidepool.v1.PublishCmd
-	5,  // 17: tidepool.v1.Command.release:type_name -> tidepool.v1.ReleaseCmd
-	20, // 18: tidepool.v1.ReserveCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	27, // 19: tidepool.v1.PublishItem.replicas:type_name -> tidepool.v1.Extent
-	3,  // 20: tidepool.v1.PublishCmd.items:type_name -> tidepool.v1.PublishItem
-	6,  // 21: tidepool.v1.Reservation.spans:type_name -> tidepool.v1.FreeSpan
-	0,  // 22: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
-	8,  // 23: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
-	10, // 24: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
-	27, // 25: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
-	0,  // 26: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
-	14, // 27: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
-	18, // 28: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	20, // 29: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	33, // 30: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	34, // 31: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	34, // 32: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
-	35, // 33: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	27, // 34: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	13, // 35: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
-	33, // 36: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	27, // 37: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	28, // 38: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	29, // 39: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	26, // 40: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	30, // 41: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	7,  // 42: tidepool.v1.Snapshot.reservations:type_name -> tidepool.v1.Reservation
-	32, // 43: tidepool.v1.Snapshot.tombs:type_name -> tidepool.v1.Tomb
-	44, // [44:44] is the sub-list for method output_type
-	44, // [44:44] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	20, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
+	22, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
+	22, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
+	23, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
+	24, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
+	26, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	27, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	17, // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
+	18, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
+	15, // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
+	10, // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
+	12, // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
+	13, // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
+	25, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
+	16, // 14: tidepool.v1.Command.drop_replicas:type_name -> tidepool.v1.DropReplicasCmd
+	3,  // 15: tidepool.v1.Command.reserve:type_name -> tidepool.v1.ReserveCmd
+	5,  // 16: tidepool.v1.Command.publish:type_name -> tidepool.v1.PublishCmd
+	6,  // 17: tidepool.v1.Command.release:type_name -> tidepool.v1.ReleaseCmd
+	2,  // 18: tidepool.v1.Command.segment_fail:type_name -> tidepool.v1.SegmentFailCmd
+	21, // 19: tidepool.v1.ReserveCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	28, // 20: tidepool.v1.PublishItem.replicas:type_name -> tidepool.v1.Extent
+	4,  // 21: tidepool.v1.PublishCmd.items:type_name -> tidepool.v1.PublishItem
+	7,  // 22: tidepool.v1.Reservation.spans:type_name -> tidepool.v1.FreeSpan
+	0,  // 23: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
+	9,  // 24: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
+	11, // 25: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
+	28, // 26: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
+	0,  // 27: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
+	15, // 28: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
+	19, // 29: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	21, // 30: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	34, // 31: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	35, // 32: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	35, // 33: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
+	36, // 34: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	28, // 35: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	14, // 36: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
+	34, // 37: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	28, // 38: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	29, // 39: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	30, // 40: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	27, // 41: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	31, // 42: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	8,  // 43: tidepool.v1.Snapshot.reservations:type_name -> tidepool.v1.Reservation
+	33, // 44: tidepool.v1.Snapshot.tombs:type_name -> tidepool.v1.Tomb
+	45, // [45:45] is the sub-list for method output_type
+	45, // [45:45] is the sub-list for method input_type
+	45, // [45:45] is the sub-list for extension type_name
+	45, // [45:45] is the sub-list for extension extendee
+	0,  // [0:45] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -3026,6 +3124,7 @@ func file_fsm_proto_init() {
 		(*Command_Reserve)(nil),
 		(*Command_Publish)(nil),
 		(*Command_Release)(nil),
+		(*Command_SegmentFail)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -3033,7 +3132,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   32,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

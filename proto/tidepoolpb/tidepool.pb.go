@@ -3025,9 +3025,12 @@ type HeartbeatRequest struct {
 	// Copies this node finished since its last heartbeat.
 	CopiesDone []*CopyResult `protobuf:"bytes,3,rep,name=copies_done,json=copiesDone,proto3" json:"copies_done,omitempty"`
 	// How many more copies the node can take now.
-	CopySlots     uint32 `protobuf:"varint,4,opt,name=copy_slots,json=copySlots,proto3" json:"copy_slots,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	CopySlots uint32 `protobuf:"varint,4,opt,name=copy_slots,json=copySlots,proto3" json:"copy_slots,omitempty"`
+	// Segments (ids) whose reads or writes failed with an I/O error: the
+	// leader takes them out of the pool.
+	FailedSegments []string `protobuf:"bytes,5,rep,name=failed_segments,json=failedSegments,proto3" json:"failed_segments,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *HeartbeatRequest) Reset() {
@@ -3086,6 +3089,13 @@ func (x *HeartbeatRequest) GetCopySlots() uint32 {
 		return x.CopySlots
 	}
 	return 0
+}
+
+func (x *HeartbeatRequest) GetFailedSegments() []string {
+	if x != nil {
+		return x.FailedSegments
+	}
+	return nil
 }
 
 // CopyTask asks a store to copy an object's bytes from one replica to a new
@@ -3886,14 +3896,15 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x05limit\x18\x05 \x01(\rR\x05limit\"l\n" +
 	"\x16SegmentObjectsResponse\x124\n" +
 	"\aobjects\x18\x01 \x03(\v2\x1a.tidepool.v1.AdoptedObjectR\aobjects\x12\x1c\n" +
-	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"\x95\x01\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"\xbe\x01\n" +
 	"\x10HeartbeatRequest\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x128\n" +
 	"\vcopies_done\x18\x03 \x03(\v2\x17.tidepool.v1.CopyResultR\n" +
 	"copiesDone\x12\x1d\n" +
 	"\n" +
-	"copy_slots\x18\x04 \x01(\rR\tcopySlots\"\xd7\x01\n" +
+	"copy_slots\x18\x04 \x01(\rR\tcopySlots\x12'\n" +
+	"\x0ffailed_segments\x18\x05 \x03(\tR\x0efailedSegments\"\xd7\x01\n" +
 	"\bCopyTask\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12\x12\n" +
