@@ -11,8 +11,8 @@ import (
 
 	"github.com/hashicorp/raft"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
@@ -114,12 +114,17 @@ func probe(ctx context.Context, addr string) (*pb.StatusResponse, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := leaderconn.Dial([]string{addr}) // framed, as clients call
 	if err != nil {
 		return nil, err
 	}
 	defer conn.Close()
-	return pb.NewMasterClient(conn).Status(ctx, &pb.StatusRequest{})
+	var st *pb.StatusResponse
+	err = conn.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, o ...grpc.CallOption) (err error) {
+		st, err = pb.NewMasterClient(cc).Status(ctx, &pb.StatusRequest{}, o...)
+		return err
+	})
+	return st, err
 }
 
 // quorum is the voters a cluster of n needs to commit.
@@ -324,13 +329,13 @@ func (s *Server) announce(ctx context.Context, leader string) error {
 			raftAddr = string(srv.Address)
 		}
 	}
-	conn, err := grpc.NewClient(leader, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := leaderconn.Dial([]string{leader})
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
-	_, err = pb.NewAdminClient(conn).AddMember(ctx, &pb.AddMemberRequest{
-		Id: s.cfg.ID, RaftAddress: raftAddr, GrpcAddress: s.cfg.Advertise,
+	return conn.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, o ...grpc.CallOption) error {
+		_, err := pb.NewAdminClient(cc).AddMember(ctx, &pb.AddMemberRequest{Id: s.cfg.ID, RaftAddress: raftAddr, GrpcAddress: s.cfg.Advertise}, o...)
+		return err
 	})
-	return err
 }

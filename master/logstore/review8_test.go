@@ -2,7 +2,9 @@ package logstore
 
 import (
 	"bytes"
+	"errors"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"testing"
@@ -26,6 +28,9 @@ func review8CrashImage(t *testing.T, dir string) string {
 			continue
 		}
 		in, err := os.Open(filepath.Join(dir, e.Name()))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // made obsolete and deleted meanwhile (a compaction): no crash needs it
+		}
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -38,12 +38,15 @@ type Store struct {
 	disk diskHealth
 }
 
-// diskHealth is what pebble's background work says of the disk. A flush
-// or compaction that fails (a disk full or failing) is retried by pebble
-// while commits go on into the WAL, whose files are written ahead (see
-// primeWAL), until the memtables fill and every commit stalls. The error
-// stays until a flush succeeds again, so the master can refuse writes at
-// once, saying why, rather than let them time out.
+// diskHealth is what pebble's flushes say of the disk. A flush that fails
+// (a disk full or failing) is retried by pebble while commits go on into
+// the WAL, whose files are written ahead (see primeWAL), until the
+// memtables fill and every commit stalls. The error stays until a flush
+// succeeds again, so the master can refuse writes at once, saying why,
+// rather than let them time out. Only flushes count: pebble retries a
+// failed one by itself, so its success always comes to clear the error,
+// whereas other background errors (a compaction, table statistics, a
+// statfs) would leave nothing to clear them once writes are refused.
 type diskHealth struct {
 	mu    sync.Mutex
 	err   error
@@ -61,11 +64,14 @@ func (h *diskHealth) failed(err error) {
 	h.fails++
 }
 
-// flushed clears the error once a flush succeeds. A failed one reports
-// through BackgroundError; a flush that wrote no table ends with pebble's
-// (unexported) "empty table" error, and it succeeded.
+// flushed records a flush's outcome. One that wrote no table ends with
+// pebble's (unexported) "empty table" error, and it succeeded.
 func (h *diskHealth) flushed(info pebble.FlushInfo) {
-	if !info.Done || (info.Err != nil && info.Err.Error() != "pebble: empty table") {
+	if !info.Done {
+		return
+	}
+	if info.Err != nil && info.Err.Error() != "pebble: empty table" {
+		h.failed(info.Err)
 		return
 	}
 	h.mu.Lock()
@@ -73,7 +79,7 @@ func (h *diskHealth) flushed(info pebble.FlushInfo) {
 	h.mu.Unlock()
 }
 
-// DiskError reports the error of the last failed flush or compaction, when
+// DiskError reports the error of the last failed flush, when
 // the failing started and how many failed, while no flush has succeeded
 // since; nil while the disk is healthy.
 func (s *Store) DiskError() (err error, since time.Time, fails int) {
@@ -98,10 +104,7 @@ func Open(dir string) (*Store, error) {
 		Logger:             quietLogger{pebble.DefaultLogger},
 		// Not pebble's logging listener: a full disk made it print each
 		// retry, thousands a second. The master reports DiskError.
-		EventListener: &pebble.EventListener{
-			BackgroundError: s.disk.failed,
-			FlushEnd:        s.disk.flushed,
-		},
+		EventListener: &pebble.EventListener{FlushEnd: s.disk.flushed},
 	}
 	db, err := pebble.Open(dir, opts)
 	if err != nil {
