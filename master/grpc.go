@@ -596,7 +596,7 @@ func (s *Server) holdMs(until, now int64) uint32 {
 	if until <= now {
 		return 0
 	}
-	wait := min(time.Duration(until-now), s.cfg.LeaseTTL)
+	wait := min(time.Duration(until-now), s.cfg.LeaseTTL+stepDownLag) // an earlier leader's lease, too
 	return uint32((wait + time.Millisecond - 1) / time.Millisecond)
 }
 

@@ -74,7 +74,8 @@ type Node struct {
 		// watched are the persistent tiers' segments, by engine name, whose
 		// I/O errors are reported (see ioWatch).
 		watched  map[string]*ioWatch
-		reported map[string]bool // failed segments logged
+		reported map[string]bool     // failed segments logged
+		watches  map[string]*ioWatch // by tier name, across registrations
 		// gen counts registrations: a copy's result is reported only
 		// within the one it was handed out in.
 		gen     uint64
@@ -369,11 +370,20 @@ func (n *Node) register(ctx context.Context) error {
 		n.mu.Unlock()
 		return err
 	}
+	// A tier's watch outlives registrations: a disk that failed is
+	// reported again under the new epoch's name, not trusted afresh.
+	if n.mu.watches == nil {
+		n.mu.watches = map[string]*ioWatch{}
+	}
 	n.mu.watched, n.mu.reported = map[string]*ioWatch{}, map[string]bool{}
 	for i, t := range n.cfg.Tiers {
 		seg := t.Segment()
 		if t.Kind() == tiers.SSD {
-			w := &ioWatch{Segment: seg}
+			w := n.mu.watches[t.Name()]
+			if w == nil {
+				w = &ioWatch{Segment: seg}
+				n.mu.watches[t.Name()] = w
+			}
 			n.mu.watched[resp.SegmentIds[i]], seg = w, w
 		}
 		if err := n.eng.Register(engine.Rename(seg, resp.SegmentIds[i])); err != nil {

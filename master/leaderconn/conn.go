@@ -118,6 +118,7 @@ func (c *Conn) do(ctx context.Context, call Call, once bool) error {
 			return err
 		}
 		if _, refused := trailer[Trailer]; once && !refused && !framed.NotSent(err) {
+			c.rotate(addr) // the outcome is the caller's; the next call tries another master
 			return err
 		}
 		if l := trailer.Get(Trailer); len(l) > 0 && l[0] != "" && l[0] != addr {
