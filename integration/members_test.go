@@ -57,7 +57,7 @@ func TestGrowAndReplaceMasters(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	m1 := startMaster(t, ctx, t.TempDir())
-	startStore(t, ctx, "s1", m1.grpc, "dram:512MiB")
+	startStore(t, ctx, "s1", m1.grpc, "dram:2GiB") // far more than the puts write: nothing is evicted
 	c := newClient(t, m1.grpc)
 
 	var (
@@ -77,7 +77,7 @@ func TestGrowAndReplaceMasters(t *testing.T) {
 				}
 				k := fmt.Sprintf("w%d/%06d", w, i)
 				pctx, pcancel := context.WithTimeout(ctx, 30*time.Second)
-				err := c.Put(pctx, k, faultValue(k, 16<<10))
+				err := c.Put(pctx, k, faultValue(k, 4<<10))
 				pcancel()
 				mu.Lock()
 				if err == nil {
@@ -180,7 +180,7 @@ func TestGrowAndReplaceMasters(t *testing.T) {
 	for chunk := range slices.Chunk(keys, 4096) {
 		got, errs := c.BatchGet(ctx, chunk)
 		for i, k := range chunk {
-			if errs[i] != nil || !bytes.Equal(got[i], faultValue(k, 16<<10)) {
+			if errs[i] != nil || !bytes.Equal(got[i], faultValue(k, 4<<10)) {
 				t.Fatalf("acknowledged %s: %d bytes, %v", k, len(got[i]), errs[i])
 			}
 		}
