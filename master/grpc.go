@@ -293,6 +293,12 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 		return fail(err)
 	}
 	now := m.s.cfg.Now()
+	// Gets already answer a key being removed as gone (see lease): a put
+	// must not find it still there and succeed without writing, nor place
+	// a new incarnation under the old one.
+	if m.s.beingRemoved(it.Key) {
+		return fail(fmt.Errorf("%w: a removal of %q is in flight; put it again once it has ended", ErrPutInProgress, it.Key))
+	}
 	switch m.s.fsm.putState(it.Key, now.UnixNano()) {
 	case pb.ObjectState_OBJECT_STATE_COMPLETE:
 		// It may be a held put's (see holds): this one is held with it.

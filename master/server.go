@@ -693,6 +693,16 @@ func (s *Server) prune() {
 	}
 }
 
+// beingRemoved reports whether a Remove or eviction of key is in flight.
+func (s *Server) beingRemoved(key string) bool {
+	if s.removals.Load() == 0 {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mu.removing[key] > 0
+}
+
 // startRemove marks keys as being removed and returns when their space may
 // be reused: after every lease this leader granted on them, and after any
 // lease an earlier leader may have granted. The returned func unmarks them.
