@@ -28,6 +28,17 @@ type haMasters struct {
 // knows the leader (none can be ready before a quorum runs).
 func startMasters(t *testing.T, ctx context.Context, n int, extra ...string) *haMasters {
 	t.Helper()
+	dirs := make([]string, n)
+	for i := range dirs {
+		dirs[i] = t.TempDir()
+	}
+	return startMastersIn(t, ctx, dirs, extra...)
+}
+
+// startMastersIn is startMasters with master i's data in dirs[i].
+func startMastersIn(t *testing.T, ctx context.Context, dirs []string, extra ...string) *haMasters {
+	t.Helper()
+	n := len(dirs)
 	h := &haMasters{}
 	var peers []string
 	for i := range n {
@@ -37,7 +48,7 @@ func startMasters(t *testing.T, ctx context.Context, n int, extra ...string) *ha
 		peers = append(peers, fmt.Sprintf("m%d=%s", i+1, h.raft[i]))
 	}
 	for i := range n {
-		argv := append([]string{"master", "--id", fmt.Sprintf("m%d", i+1), "--dir", t.TempDir(),
+		argv := append([]string{"master", "--id", fmt.Sprintf("m%d", i+1), "--dir", dirs[i],
 			"--listen", h.grpc[i], "--raft", h.raft[i], "--http", h.http[i], "--peers", strings.Join(peers, ",")}, extra...)
 		h.argv = append(h.argv, argv)
 		h.procs = append(h.procs, startProc(t, fmt.Sprintf("master m%d", i+1), argv...))

@@ -389,6 +389,13 @@ func (s *Server) Leader() (id, addr string) {
 	return string(lid), s.fsm.member(string(lid))
 }
 
+// Failed receives the error after which the raft log cannot go on (its
+// disk failed under a write; see logstore.Store.Fatal). The master is then
+// stuck for good and Close may hang: the process should log the error and
+// exit, and be restarted once the disk is healthy; the other masters serve
+// meanwhile, and it catches up from them.
+func (s *Server) Failed() <-chan error { return s.logs.Fatal() }
+
 // FSM exposes the state machine, for tests and status pages.
 func (s *Server) FSM() *FSM { return s.fsm }
 

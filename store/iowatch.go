@@ -8,9 +8,9 @@ import (
 	"github.com/tidepool-kv/tidepool/engine"
 )
 
-// ioWatch serves a persistent tier's segment and remembers the first read
-// or write that failed with an I/O error (a range error is the caller's,
-// not the disk's): the node reports the segment on its heartbeats, and the
+// ioWatch serves a persistent tier's segment and remembers the first read,
+// write or sync that failed with an I/O error (a range error is the
+// caller's, not the disk's; a closed tier is shutting down): the node reports the segment on its heartbeats, and the
 // master takes it out of the pool, so readers go to other replicas and no
 // put lands there. One error is enough: a disk that fails a read rarely
 // serves the next one better, and a flapping one is worse than none.
@@ -32,7 +32,7 @@ func (w *ioWatch) WriteAt(p []byte, off int64) (int, error) {
 }
 
 func (w *ioWatch) check(err error) {
-	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, engine.ErrOutOfRange) {
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, engine.ErrOutOfRange) && !errors.Is(err, engine.ErrClosed) {
 		w.failed.CompareAndSwap(nil, &err)
 	}
 }

@@ -458,6 +458,9 @@ func (n *Node) syncIndexes(ctx context.Context) error {
 		// The index must never name bytes the disk could still lose.
 		if s, ok := t.(interface{ Sync() error }); ok {
 			if err := s.Sync(); err != nil {
+				// After a failed fdatasync the kernel may have dropped the
+				// dirty pages: the segment's bytes can no longer be trusted.
+				n.syncFailed(t.Name(), err)
 				return fmt.Errorf("tier %s: sync data before indexing it: %w", t.Name(), err)
 			}
 		}
@@ -513,6 +516,16 @@ func (n *Node) heartbeat(ctx, copyCtx context.Context) error {
 		n.startCopy(copyCtx, t)
 	}
 	return nil
+}
+
+// syncFailed records a failed sync of tier name's data as an I/O error of
+// its segment, reported on the next heartbeat as a failed read would be.
+func (n *Node) syncFailed(name string, err error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if w := n.mu.watches[name]; w != nil {
+		w.check(err)
+	}
 }
 
 // failedSegments lists the segments whose I/O failed, logging each the

@@ -256,10 +256,20 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	case <-ctx.Done():
 	case <-served:
 		log.Error("gRPC server stopped; shutting down")
+	case err := <-srv.Failed():
+		return raftLogFailed(err)
 	}
 	log.Info("shutting down")
 	stopHTTP()
 	return stop()
+}
+
+// raftLogFailed is the error a master exits with when its raft log's disk
+// failed under a write. It skips the orderly stop, which would wait on the
+// goroutine the log parked.
+func raftLogFailed(err error) error {
+	return fmt.Errorf("the raft log's disk failed (%w); the master stops, as its log can no longer be trusted: "+
+		"restart it once the disk is healthy (other masters serve meanwhile and it catches up from them)", err)
 }
 
 // leaderKnown is a master's readiness: a leader is known, and if it is this
@@ -477,6 +487,8 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	case <-ctx.Done():
 	case <-served:
 		log.Error("master gRPC server stopped; shutting down")
+	case err := <-srv.Failed():
+		return raftLogFailed(err)
 	}
 	log.Info("shutting down")
 	stopHTTP()

@@ -36,6 +36,10 @@ type Store struct {
 	}
 
 	disk diskHealth
+
+	// fatal receives the error pebble could not go on after (see
+	// stopLogger).
+	fatal chan error
 }
 
 // diskHealth is what pebble's flushes say of the disk. A flush that fails
@@ -94,14 +98,14 @@ const memTableSize = 4 << 20
 
 // Open opens or creates a Store in dir.
 func Open(dir string) (*Store, error) {
-	s := &Store{}
+	s := &Store{fatal: make(chan error, 1)}
 	opts := &pebble.Options{
 		// The raft log is write-mostly and reads hit recent entries, which
 		// live in the memtable; keep memory use modest.
 		CacheSize:          8 << 20,
 		MemTableSize:       memTableSize,
 		FormatMajorVersion: pebble.FormatNewest,
-		Logger:             quietLogger{pebble.DefaultLogger},
+		Logger:             stopLogger{pebble.DefaultLogger, s.fatal},
 		// Not pebble's logging listener: a full disk made it print each
 		// retry, thousands a second. The master reports DiskError.
 		EventListener: &pebble.EventListener{FlushEnd: s.disk.flushed},
@@ -363,10 +367,31 @@ func (s *Store) GetUint64(key []byte) (uint64, error) {
 	return binary.BigEndian.Uint64(v), nil
 }
 
-// quietLogger drops pebble's chatty informational messages but keeps
-// errors and fatal errors.
-type quietLogger struct {
+// stopLogger drops pebble's chatty informational messages and keeps its
+// errors. Pebble calls Fatalf where it cannot go on, such as a WAL write or
+// sync that failed with EIO: the log may have lost what it was writing,
+// and after a failed fsync the kernel may have dropped the dirty pages, so
+// retrying proves nothing. Fatalf must not return; instead of pebble's
+// os.Exit it hands the error to Fatal and parks the calling goroutine, so
+// the process's owner logs why and exits, as a database must on such an
+// error (PostgreSQL and etcd do the same).
+type stopLogger struct {
 	pebble.Logger
+	fatal chan<- error
 }
 
-func (quietLogger) Infof(string, ...any) {}
+func (stopLogger) Infof(string, ...any) {}
+
+func (l stopLogger) Fatalf(format string, args ...any) {
+	select {
+	case l.fatal <- fmt.Errorf(format, args...):
+	default: // one is enough
+	}
+	select {}
+}
+
+// Fatal receives the error, if one comes, after which pebble, and so this
+// store, cannot go on: the raft log's disk failed under a write. A
+// goroutine that met it is parked for good, so Close may hang; the owner
+// should exit the process, and restart it once the disk is healthy.
+func (s *Store) Fatal() <-chan error { return s.fatal }
