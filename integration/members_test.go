@@ -3,6 +3,7 @@ package integration
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"slices"
@@ -215,6 +216,14 @@ func TestUpLocalCluster(t *testing.T) {
 		}
 	}
 	put("before")
+	// Until up says it is up, a process that exits fails the start and up
+	// stops the rest; after, the cluster outlives its processes.
+	waitFor(t, 10*time.Second, func() error {
+		if !strings.Contains(u.out.String(), "tidepool is up") {
+			return errors.New("up has not said it is up")
+		}
+		return nil
+	})
 	// The leader's pid is in up's log: kill it.
 	leader := ""
 	waitFor(t, 20*time.Second, func() error {
