@@ -1,5 +1,5 @@
 # The test command the README and CI run.
-RACE_PKGS := ./master/... ./engine/... ./client/... ./store/... ./tiers/...
+RACE_PKGS := ./master/... ./engine/... ./client/... ./store/... ./tiers/... ./auth/...
 
 PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1

@@ -158,7 +158,7 @@ type certWriter struct {
 func (w *certWriter) check(name string) {
 	p := filepath.Join(w.dir, name)
 	if _, err := os.Lstat(p); err == nil {
-		w.fail(fmt.Errorf("%s exists: InitCerts never overwrites; remove it or choose another directory", p))
+		w.fail(fmt.Errorf("%s exists: certificates and tokens are never overwritten; remove it or choose another directory", p))
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		w.fail(err)
 	}

@@ -41,6 +41,7 @@ func commands() []command {
 		{"status", "", "show the cluster's masters and segments", runStatus},
 		{"hash", "--scheme S ...", "print the block hashes of a token list, as an engine computes them", runHash},
 		{"admin", "SUBCOMMAND", "operator commands: evict, pin, unpin, rails", runAdmin},
+		{"certs", "init DIR", "write a development CA, per-role certificates and tokens", runCerts},
 		{"bench", "[engine|lookup|meta|fill] [flags]", "measure put, get and exists; or the transfer engine, prefix lookups, the master alone; or fill the master with objects", runBench},
 	}
 }

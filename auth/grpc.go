@@ -1,0 +1,213 @@
+package auth
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+)
+
+// Policy says which roles may call each method: keys are full methods
+// ("/tidepool.Admin/Drain") or services ("/tidepool.Admin/"), the exact
+// method first. A method it does not name is refused to everyone.
+type Policy map[string][]Role
+
+func (p Policy) roles(method string) []Role {
+	if r, ok := p[method]; ok {
+		return r
+	}
+	if i := strings.LastIndexByte(method, '/'); i > 0 {
+		return p[method[:i+1]]
+	}
+	return nil
+}
+
+// anonymous is the caller of a pool without credentials: allowed
+// everything, in the pool's only tenant, as before authentication existed.
+func anonymous() Identity { return Identity{Name: "anonymous", Role: Admin} }
+
+// Authenticator names the caller of each call and checks it against a
+// Policy. With neither tokens nor verified certificates (Open), every
+// caller is an anonymous admin.
+type Authenticator struct {
+	tokens *Tokens
+	open   bool
+	policy Policy
+	log    *slog.Logger
+
+	refused *prometheus.CounterVec
+	logged  sync.Map // reason -> time of the last log line, so a flood logs little
+}
+
+// AuthenticatorConfig configures an Authenticator.
+type AuthenticatorConfig struct {
+	// Tokens, if set, are the bearer tokens callers may present.
+	Tokens *Tokens
+	// Open admits callers without a credential as an anonymous admin: a pool with
+	// neither a tokens file nor TLS.
+	Open   bool
+	Policy Policy
+	// Registerer, if set, gets tidepool_auth_refused_total.
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
+}
+
+// NewAuthenticator returns an Authenticator.
+func NewAuthenticator(cfg AuthenticatorConfig) (*Authenticator, error) {
+	a := &Authenticator{tokens: cfg.Tokens, open: cfg.Open, policy: cfg.Policy, log: cfg.Logger}
+	if a.log == nil {
+		a.log = slog.New(slog.DiscardHandler)
+	}
+	a.refused = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_auth_refused_total",
+		Help: "Calls refused by authentication (no credential, an unknown token) or authorization (a role that may not call the method).",
+	}, []string{"reason"})
+	if cfg.Registerer != nil {
+		if err := cfg.Registerer.Register(a.refused); err != nil {
+			return nil, fmt.Errorf("auth: register metrics: %w", err)
+		}
+	}
+	return a, nil
+}
+
+// Reasons a call is refused, the values of the metric's label.
+const (
+	reasonNoCredential = "no_credential"
+	reasonUnknownToken = "unknown_token"
+	reasonNoTokens     = "no_tokens_file"
+	reasonRole         = "role"
+)
+
+// Check names the caller of method from ctx (a bearer token in the
+// "authorization" metadata, else a verified client certificate) and
+// checks the policy. It returns ctx with the Identity, or a gRPC status
+// error (Unauthenticated, PermissionDenied) that names no secret.
+func (a *Authenticator) Check(ctx context.Context, method string) (context.Context, error) {
+	id, err := a.identify(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if !slices.Contains(a.policy.roles(method), id.Role) {
+		return nil, a.refuse(ctx, reasonRole, codes.PermissionDenied,
+			fmt.Sprintf("%s (role %s) may not call %s", id.Name, id.Role, method))
+	}
+	return WithIdentity(ctx, id), nil
+}
+
+func (a *Authenticator) identify(ctx context.Context) (Identity, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	if vals := md.Get("authorization"); len(vals) > 0 {
+		token, ok := strings.CutPrefix(vals[0], "Bearer ")
+		switch {
+		case a.tokens == nil:
+			return Identity{}, a.refuse(ctx, reasonNoTokens, codes.Unauthenticated, "a token was given, but this server has no tokens file")
+		case !ok:
+			return Identity{}, a.refuse(ctx, reasonUnknownToken, codes.Unauthenticated, `the authorization metadata is not "Bearer TOKEN"`)
+		}
+		id, ok := a.tokens.Lookup(token)
+		if !ok {
+			return Identity{}, a.refuse(ctx, reasonUnknownToken, codes.Unauthenticated, "unknown token")
+		}
+		return id, nil
+	}
+	if p, ok := peer.FromContext(ctx); ok {
+		if info, ok := p.AuthInfo.(credentials.TLSInfo); ok {
+			if id, ok := PeerIdentity(info.State); ok {
+				return id, nil
+			}
+		}
+	}
+	if a.open {
+		return anonymous(), nil
+	}
+	return Identity{}, a.refuse(ctx, reasonNoCredential, codes.Unauthenticated, "no token and no client certificate")
+}
+
+// refuse counts and logs a refusal (at most once a second per reason) and
+// returns its status.
+func (a *Authenticator) refuse(ctx context.Context, reason string, code codes.Code, msg string) error {
+	a.refused.WithLabelValues(reason).Inc()
+	now := time.Now()
+	if last, ok := a.logged.Load(reason); !ok || now.Sub(last.(time.Time)) > time.Second {
+		a.logged.Store(reason, now)
+		from := "unknown"
+		if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+			from = p.Addr.String()
+		}
+		a.log.Warn("refused a call", "reason", reason, "from", from, "why", msg)
+	}
+	return status.Error(code, msg)
+}
+
+// UnaryInterceptor checks every unary call.
+func (a *Authenticator) UnaryInterceptor() grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		ctx, err := a.Check(ctx, info.FullMethod)
+		if err != nil {
+			return nil, err
+		}
+		return h(ctx, req)
+	}
+}
+
+// StreamInterceptor checks every stream.
+func (a *Authenticator) StreamInterceptor() grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		ctx, err := a.Check(ss.Context(), info.FullMethod)
+		if err != nil {
+			return err
+		}
+		return h(srv, &identified{ss, ctx})
+	}
+}
+
+type identified struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *identified) Context() context.Context { return s.ctx }
+
+// Token is a caller's bearer token as gRPC per-call credentials. Sent only
+// over TLS unless insecure is set (a test, or a loopback-only pool).
+func Token(token string, insecure bool) credentials.PerRPCCredentials {
+	return bearer{token, !insecure}
+}
+
+type bearer struct {
+	token     string
+	secureReq bool
+}
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + b.token}, nil
+}
+
+func (b bearer) RequireTransportSecurity() bool { return b.secureReq }
+
+// ReadToken reads a token file (ROLE.token of InitCerts): the token is its
+// first line, without surrounding space.
+func ReadToken(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("token file: %w", err)
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	token := strings.TrimSpace(line)
+	if token == "" {
+		return "", fmt.Errorf("token file %s is empty", path)
+	}
+	return token, nil
+}
