@@ -1,5 +1,5 @@
 # The test command the README and CI run.
-RACE_PKGS := ./master/... ./engine/... ./client/... ./store/... ./tiers/... ./auth/...
+RACE_PKGS := ./master/... ./engine/... ./client/... ./store/... ./tiers/... ./auth/... ./ticket/...
 
 PROTOC_GEN_GO      := google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 PROTOC_GEN_GO_GRPC := google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
@@ -9,7 +9,7 @@ GOBIN_DIR          := $(CURDIR)/.bin
 
 test: vet
 	go test -race -timeout 20m $(RACE_PKGS)
-	go test -timeout 30m ./bench/... ./cmd/... ./integration/...
+	go test -timeout 30m ./bench/... ./cmd/... ./proto/... ./integration/...
 	$(MAKE) pytest
 
 # The Python SDK's tests, against a real `tidepool up` and `tidepool agent`.

@@ -170,8 +170,11 @@ func TestStalledWritesAndIdleConnectionsBounded(t *testing.T) {
 		}
 	}
 	check("before")
-	// 500 writers without a ticket, refused before their bytes are read,
-	// and 500 with the ticket of a put of 1 MiB, stalled inside it.
+	// 1,000 stalled writes, as many as one host may hold (the engine's cap
+	// per peer host is 1,024 connections): 500 without a ticket, refused
+	// before their bytes reach the segment (the server discards the
+	// payload they announced as it comes, and gets none), and 500 with the
+	// ticket of a put of 1 MiB, stalled inside it.
 	startHolders(t, 1, 500, u.engine, ssd, 0, ssdSize, nil)
 	start, err := pb.NewMasterClient(dialMaster(t, u.grpc)).BatchPutStart(ctx, &pb.BatchPutStartRequest{
 		Items: []*pb.PutStartRequest{{Key: "stalled", Size: 1 << 20, Tier: pb.Tier_TIER_SSD}}})

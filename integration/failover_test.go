@@ -22,6 +22,7 @@ type haMasters struct {
 	procs            []*proc
 	argv             [][]string
 	grpc, http, raft []string
+	check            extentCheck
 }
 
 // startMasters starts n masters of one new cluster and waits until each
@@ -58,8 +59,12 @@ func startMastersIn(t *testing.T, ctx context.Context, dirs []string, extra ...s
 			t.Fatalf("master m%d not ready: %v", i+1, err)
 		}
 	}
+	h.check.register(t, h.live)
 	return h
 }
+
+// live is the addresses of the masters that still run.
+func (h *haMasters) live() []string { return liveOf(h.procs, h.grpc) }
 
 // restart starts master i again on its directory and ports.
 func (h *haMasters) restart(t *testing.T, ctx context.Context, i int) {
@@ -68,6 +73,7 @@ func (h *haMasters) restart(t *testing.T, ctx context.Context, i int) {
 	if err := waitReady(ctx, h.procs[i], h.http[i], readyTimeout); err != nil {
 		t.Fatalf("restarted master m%d not ready: %v", i+1, err)
 	}
+	h.check.register(t, h.live)
 }
 
 // faultValue is the value of key: its bytes name it, so a get that returns

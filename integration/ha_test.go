@@ -10,7 +10,30 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/tidepool-kv/tidepool/client"
 )
+
+// put4MiB puts n values of 4 MiB named prefix/NNN from eight workers and
+// returns how many were refused and the first refusal.
+func put4MiB(ctx context.Context, c *client.Client, prefix string, n int) (refused int64, first error) {
+	value := make([]byte, 4<<20)
+	var next, failed atomic.Int64
+	var once sync.Once
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for i := next.Add(1) - 1; i < int64(n); i = next.Add(1) - 1 {
+				if err := c.Put(ctx, fmt.Sprintf("%s/%03d", prefix, i), value); err != nil {
+					failed.Add(1)
+					once.Do(func() { first = fmt.Errorf("put %d: %w", i, err) })
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return failed.Load(), first
+}
 
 // TestPutsRightAfterStartNotRefused is issue 12's first finding: a master
 // that has just started evicted nothing for one lease TTL, so 256 puts of
@@ -21,61 +44,27 @@ func TestPutsRightAfterStartNotRefused(t *testing.T) {
 	ctx := t.Context()
 	u := startUp(t, ctx, t.TempDir(), "--dram", "64MiB", "--ssd", "512MiB")
 	c := newClient(t, u.grpc)
-	value := make([]byte, 4<<20)
-	const n, workers = 256, 8
-	var next, failed atomic.Int64
-	var first sync.Once
-	var firstErr error
 	start := time.Now()
-	var wg sync.WaitGroup
-	for range workers {
-		wg.Go(func() {
-			for i := next.Add(1) - 1; i < n; i = next.Add(1) - 1 {
-				if err := c.Put(ctx, fmt.Sprintf("after-start/%03d", i), value); err != nil {
-					failed.Add(1)
-					first.Do(func() { firstErr = fmt.Errorf("put %d: %w", i, err) })
-				}
-			}
-		})
-	}
-	wg.Wait()
-	t.Logf("%d puts of 4 MiB into 576 MiB right after start: %v, %d refused", n, time.Since(start).Round(time.Millisecond), failed.Load())
-	if failed.Load() > 0 {
-		t.Fatalf("%d of %d puts refused; first: %v", failed.Load(), n, firstErr)
+	n, first := put4MiB(ctx, c, "after-start", 256)
+	t.Logf("256 puts of 4 MiB into 576 MiB right after start: %v, %d refused", time.Since(start).Round(time.Millisecond), n)
+	if n > 0 {
+		t.Fatalf("%d of 256 puts refused; first: %v", n, first)
 	}
 }
 
-// TestPutsRightAfterLeaderChangeNotRefused: the same, right after the
-// leader of three masters is killed, into a pool the old leader filled: the
-// new leader may not evict what the old one may have leased before one
-// lease TTL, so the puts wait for it instead of failing.
+// TestPutsRightAfterLeaderChangeNotRefused: the same right after the leader
+// of three masters (default lease TTL) is killed, into the same 64 MiB of
+// DRAM and 512 MiB of SSD, which the old leader filled: the new leader may
+// not evict what the old one may have leased before one lease TTL, so the
+// puts that need room wait for it instead of failing.
 func TestPutsRightAfterLeaderChangeNotRefused(t *testing.T) {
-	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(t.Context(), 4*time.Minute)
 	defer cancel()
-	const lease = 3 * time.Second
-	h := startMasters(t, ctx, 3, "--lease-ttl", lease.String())
+	h := startMasters(t, ctx, 3)
 	masters := strings.Join(h.grpc, ",")
-	startStore(t, ctx, "s1", masters, "dram:64MiB")
+	startStoreArgs(t, ctx, "s1", masters, "--tier", "dram:64MiB", "--tier", "ssd:"+t.TempDir()+":512MiB")
 	c := newClient(t, h.grpc...)
-	value := make([]byte, 4<<20)
-	put := func(prefix string, n int) (refused int64, first error) {
-		var next, failed atomic.Int64
-		var once sync.Once
-		var wg sync.WaitGroup
-		for range 8 {
-			wg.Go(func() {
-				for i := next.Add(1) - 1; i < int64(n); i = next.Add(1) - 1 {
-					if err := c.Put(ctx, fmt.Sprintf("%s/%03d", prefix, i), value); err != nil {
-						failed.Add(1)
-						once.Do(func() { first = fmt.Errorf("put %d: %w", i, err) })
-					}
-				}
-			})
-		}
-		wg.Wait()
-		return failed.Load(), first
-	}
-	if n, err := put("before", 32); n > 0 { // 128 MiB into 64: the first leader evicts what it made
+	if n, err := put4MiB(ctx, c, "before", 160); n > 0 { // 640 MiB into 576: the first leader evicts what it made
 		t.Fatalf("%d puts refused before the leader change; first: %v", n, err)
 	}
 	st, err := c.Status(ctx)
@@ -95,9 +84,9 @@ func TestPutsRightAfterLeaderChangeNotRefused(t *testing.T) {
 		return nil
 	})
 	start := time.Now()
-	n, first := put("after", 16)
-	t.Logf("16 puts of 4 MiB into a full pool right after the leader change: %v (lease %v), %d refused", time.Since(start).Round(time.Millisecond), lease, n)
+	n, first := put4MiB(ctx, c, "after", 256)
+	t.Logf("256 puts of 4 MiB into a full pool right after the leader change: %v, %d refused", time.Since(start).Round(time.Millisecond), n)
 	if n > 0 {
-		t.Fatalf("%d of 16 puts refused after the leader change; first: %v", n, first)
+		t.Fatalf("%d of 256 puts refused after the leader change; first: %v", n, first)
 	}
 }

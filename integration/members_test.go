@@ -186,6 +186,7 @@ func TestGrowAndReplaceMasters(t *testing.T) {
 			}
 		}
 	}
+	checkNoSharedExtents(t, joined[0].grpc, m4.grpc)
 }
 
 // TestUpLocalCluster: `tidepool up --masters 3 --stores 2` runs a local HA
@@ -257,6 +258,7 @@ func TestUpLocalCluster(t *testing.T) {
 	if got := mustCLI(t, ctx, nil, "get", "before", "--masters", u.grpc).stdout; string(got) != "before" {
 		t.Fatalf("get before after the failover: %q", got)
 	}
+	checkNoSharedExtents(t, u.grpc) // before the cluster stops
 	if code := u.term(t, 30*time.Second); code != 0 {
 		t.Fatalf("up exited %d on SIGTERM", code)
 	}

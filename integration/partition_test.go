@@ -167,6 +167,7 @@ func startPartitioned(t *testing.T, ctx context.Context, extra ...string) *parti
 			t.Fatalf("master m%d not ready: %v", i+1, err)
 		}
 	}
+	p.check.register(t, p.live)
 	return p
 }
 

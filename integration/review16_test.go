@@ -17,6 +17,7 @@ func TestReview16UpStopsPromptly(t *testing.T) {
 	defer cancel()
 	u := startUp(t, ctx, t.TempDir(), "--masters", "3", "--stores", "2", "--dram", "64MiB", "--ssd", "0")
 	mustCLI(t, ctx, strings.NewReader("v"), "put", "k", "-", "--masters", u.grpc)
+	checkNoSharedExtents(t, u.grpc) // before the cluster stops
 	start := time.Now()
 	if code := u.term(t, 60*time.Second); code != 0 {
 		t.Fatalf("up exited %d on SIGTERM", code)
