@@ -104,7 +104,7 @@ func adminCommand(ctx context.Context, e *env, limit time.Duration, name, argsHe
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	ctx, cancel := context.WithTimeout(leaderconn.WithWaiting(ctx, waitNotice(e.stderr)), *timeout)
 	call := func(fn func(context.Context, pb.AdminClient, ...grpc.CallOption) error) error {
 		err := conn.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) error {
 			return fn(ctx, pb.NewAdminClient(cc), opts...)

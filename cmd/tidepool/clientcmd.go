@@ -5,13 +5,18 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
 
+	"google.golang.org/grpc/status"
+
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
@@ -61,8 +66,30 @@ func clientCommand(ctx context.Context, e *env, limit time.Duration, name, argsH
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	ctx, cancel := context.WithTimeout(leaderconn.WithWaiting(ctx, waitNotice(e.stderr)), *timeout)
 	return ctx, c, pos, func() { cancel(); c.Close() }, nil
+}
+
+// waitNotice tells the person at the terminal what a command still waiting
+// for a master leader waits for, and where; if every master refuses
+// connections, that no cluster seems to run.
+func waitNotice(w io.Writer) func(leaderconn.Wait) {
+	return func(wt leaderconn.Wait) {
+		var parts []string
+		refused := 0
+		for _, addr := range slices.Sorted(maps.Keys(wt.Errs)) {
+			why := status.Convert(wt.Errs[addr]).Message()
+			if strings.Contains(why, "connection refused") {
+				why = "connection refused"
+				refused++
+			}
+			parts = append(parts, addr+": "+why)
+		}
+		fmt.Fprintf(w, "tidepool: still waiting for a master leader after %v (%s)\n", wt.For.Round(time.Second), strings.Join(parts, "; "))
+		if refused == len(wt.Errs) {
+			fmt.Fprintln(w, "tidepool: no master listens there; is a cluster running? `tidepool up` starts one on this host, --masters names another")
+		}
+	}
 }
 
 func runPut(ctx context.Context, e *env, args []string) error {
@@ -180,7 +207,7 @@ func stateName(s pb.ObjectState) string {
 }
 
 func runStatus(ctx context.Context, e *env, args []string) error {
-	ctx, c, _, done, err := clientCommand(ctx, e, time.Minute, "status", "", "Show the cluster's masters and segments.", args, 0, 0, nil)
+	ctx, c, _, done, err := clientCommand(ctx, e, 10*time.Second, "status", "", "Show the cluster's masters and segments.", args, 0, 0, nil)
 	if err != nil {
 		return err
 	}

@@ -5,9 +5,11 @@ import (
 	"context"
 	"flag"
 	"io"
+	"net"
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestParseInterleavedFlags(t *testing.T) {
@@ -86,6 +88,39 @@ func TestMastersFlag(t *testing.T) {
 		}
 		if got := m.list(); !reflect.DeepEqual(got, tc.want) {
 			t.Errorf("masters(%q, env %q) = %q, want %q", tc.args, tc.env, got, tc.want)
+		}
+	}
+}
+
+// TestWaitingForMastersSaysSo: a command that finds no master says on
+// stderr, after a second, what it waits for and where, with a hint to
+// start a cluster when nothing listens there; status gives up after 10 s.
+func TestWaitingForMastersSaysSo(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nothing listens there now
+	for _, args := range [][]string{
+		{"get", "k", "--masters", addr, "--timeout", "2s"},
+		{"admin", "unpin", "k", "--masters", addr, "--timeout", "2s"},
+		{"status", "--masters", addr},
+	} {
+		var stdout, stderr bytes.Buffer
+		e := &env{stdin: strings.NewReader(""), stdout: &stdout, stderr: &stderr, getenv: func(string) string { return "" }}
+		start := time.Now()
+		if code := run(context.Background(), e, args); code != 1 {
+			t.Errorf("run(%q) = %d, want 1; stderr: %s", args, code, stderr.String())
+		}
+		took := time.Since(start)
+		for _, want := range []string{"still waiting for a master leader after 1s (" + addr + ": connection refused)", "`tidepool up` starts one"} {
+			if !strings.Contains(stderr.String(), want) {
+				t.Errorf("run(%q) stderr %q, want it to contain %q", args, stderr.String(), want)
+			}
+		}
+		if args[0] == "status" && (took < 9*time.Second || took > 15*time.Second) {
+			t.Errorf("status gave up after %v, want 10 s", took)
 		}
 	}
 }

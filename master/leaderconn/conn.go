@@ -104,6 +104,7 @@ func (c *Conn) do(ctx context.Context, call Call, once bool) error {
 	}
 	backoff := 20 * time.Millisecond
 	redirects := 0
+	w := newWaiting(ctx)
 	for {
 		addr, cc, err := c.current()
 		if err != nil {
@@ -131,6 +132,7 @@ func (c *Conn) do(ctx context.Context, call Call, once bool) error {
 		} else {
 			c.rotate(addr)
 		}
+		w.failed(addr, err)
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("no master leader reachable at %v: %w", c.addrs(), err)

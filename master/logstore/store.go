@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/cockroachdb/pebble/v2"
@@ -16,6 +17,9 @@ var (
 	_ raft.LogStore    = (*Store)(nil)
 	_ raft.StableStore = (*Store)(nil)
 )
+
+// ErrInUse is returned by Open when another process has the directory open.
+var ErrInUse = errors.New("directory in use")
 
 // Store is a raft.LogStore and raft.StableStore backed by a pebble DB.
 // It is safe for concurrent use.
@@ -111,6 +115,9 @@ func Open(dir string) (*Store, error) {
 		EventListener: &pebble.EventListener{FlushEnd: s.disk.flushed},
 	}
 	db, err := pebble.Open(dir, opts)
+	if errors.Is(err, syscall.EAGAIN) { // pebble's lock on the directory
+		return nil, fmt.Errorf("logstore: %s is in use by another process (a tidepool master or up on the same --dir?): %w", dir, ErrInUse)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("logstore: opening %s: %w", dir, err)
 	}

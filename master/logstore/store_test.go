@@ -1,11 +1,15 @@
 package logstore
 
 import (
+	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"os/exec"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -554,4 +558,49 @@ func TestPrimedWALStaysRecycled(t *testing.T) {
 			t.Fatalf("after %d bytes of log the live WAL holds %d bytes in a file of %d: want a recycled file of at least %d", written, w.Size, w.PhysicalSize, memTableSize)
 		}
 	}
+}
+
+// TestOpenInUse: an Open of a directory another process holds says so,
+// rather than pebble's bare "resource temporarily unavailable".
+func TestOpenInUse(t *testing.T) {
+	dir := t.TempDir()
+	holder := exec.Command(os.Args[0], "-test.run=^TestHoldOpen$")
+	holder.Env = append(os.Environ(), holdEnv+"="+dir)
+	stdin, err := holder.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := holder.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { stdin.Close(); _ = holder.Wait() }()
+	if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "held\n" {
+		t.Fatalf("holder: %q, %v", line, err)
+	}
+	_, err = Open(dir)
+	if !errors.Is(err, ErrInUse) || !strings.Contains(err.Error(), "in use by another process") {
+		t.Fatalf("Open of a directory another process holds: %v, want ErrInUse", err)
+	}
+}
+
+// holdEnv names the directory TestHoldOpen holds, in a child process of
+// TestOpenInUse, until its stdin closes.
+const holdEnv = "LOGSTORE_TEST_HOLD"
+
+func TestHoldOpen(t *testing.T) {
+	dir := os.Getenv(holdEnv)
+	if dir == "" {
+		t.Skip("a helper of TestOpenInUse")
+	}
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	fmt.Println("held")
+	_, _ = io.Copy(io.Discard, os.Stdin)
 }
