@@ -32,8 +32,10 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 	}
 	objs := m.s.fsm.prefix(keys)
 	if req.CountOnly {
+		m.s.metrics.looked(len(keys), len(objs), nil)
 		return &pb.LookupResponse{Matched: uint32(len(objs))}, nil
 	}
+	probed := len(keys)
 	keys = keys[:len(objs)]
 	now := m.s.cfg.Now()
 	exp := now.Add(m.s.cfg.LeaseTTL).UnixNano()
@@ -45,7 +47,7 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 	}
 	resp := m.s.fsm.lookup(objs, now.UnixNano(), exp)
 	resp.LeaseTtlMs = uint64(m.s.cfg.LeaseTTL.Milliseconds())
-	m.s.noteLookup(keys[:resp.Matched], resp)
+	m.s.noteLookup(probed, keys[:resp.Matched], resp)
 	return resp, nil
 }
 
@@ -209,17 +211,24 @@ func (f *FSM) childrenOf(key string, limit int) ([]*pb.ObjectInfo, bool) {
 	return f.infos(keys), truncated
 }
 
-// noteLookup counts a lookup's matched blocks served from SSD alone
-// towards their promotion, as a get of them would.
-func (s *Server) noteLookup(keys []string, resp *pb.LookupResponse) {
+// noteLookup counts a lookup of probed keys in the metrics, by the tier of
+// each matched block's fastest replica, and its matched blocks served from
+// SSD alone towards their promotion, as a get of them would.
+func (s *Server) noteLookup(probed int, keys []string, resp *pb.LookupResponse) {
 	var slow []string
+	var byTier [pb.Tier_TIER_SSD + 1]int
 	at := 0
 	for i, n := range resp.ReplicaCounts {
-		if resp.Segments[resp.ReplicaSegments[at]].Tier == pb.Tier_TIER_SSD {
+		t := resp.Segments[resp.ReplicaSegments[at]].Tier
+		if int(t) < len(byTier) {
+			byTier[t]++
+		}
+		if t == pb.Tier_TIER_SSD {
 			// Kept past the request: not a view of its packed keys.
 			slow = append(slow, strings.Clone(keys[i]))
 		}
 		at += int(n)
 	}
+	s.metrics.looked(probed, 0, byTier[:])
 	s.slowReads(slow)
 }

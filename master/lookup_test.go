@@ -216,3 +216,33 @@ func TestLookupPromotes(t *testing.T) {
 		return nil
 	})
 }
+
+// TestLookupMetrics: lookups count the keys they probe and the blocks they
+// match, by the tier of each block's fastest replica; count-only lookups
+// count theirs as unlocated.
+func TestLookupMetrics(t *testing.T) {
+	t.Parallel()
+	e := newTierEnv(t, noWriteBack)
+	m := e.m
+	startFakeStore(t, m, "s", reportOK, dram("a", segCap), ssd("b", 8*segCap))
+	chain := keyNames("c", 6)
+	chainPut(t, m, 4*kib, nil, chain[:3]...)
+	chainPut(t, m, 4*kib, &pb.PutStartRequest{Tier: pb.Tier_TIER_SSD}, chain[3])
+	lookup(t, m, &pb.LookupRequest{Keys: chain})                      // 6 probed, 3 in DRAM and 1 in SSD
+	lookup(t, m, &pb.LookupRequest{Keys: chain[:2], CountOnly: true}) // 2 probed, 2 unlocated
+	lookup(t, m, &pb.LookupRequest{Keys: []string{"nope"}})           // 1 probed
+	for _, tc := range []struct {
+		family string
+		labels []string
+		want   float64
+	}{
+		{"tidepool_master_lookup_blocks_probed_total", nil, 9},
+		{"tidepool_master_lookup_blocks_matched_total", []string{"tier", "dram"}, 3},
+		{"tidepool_master_lookup_blocks_matched_total", []string{"tier", "ssd"}, 1},
+		{"tidepool_master_lookup_blocks_matched_total", []string{"tier", "unlocated"}, 2},
+	} {
+		if got := countLabeled(t, e.reg, tc.family, tc.labels...); got != tc.want {
+			t.Errorf("%s%v = %v, want %v", tc.family, tc.labels, got, tc.want)
+		}
+	}
+}

@@ -25,6 +25,8 @@ type metrics struct {
 	cpBytes  *prometheus.CounterVec
 	drops    *prometheus.CounterVec
 	held     prometheus.Counter
+	probed   prometheus.Counter
+	matched  *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -80,7 +82,15 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Name: "tidepool_master_puts_held_total",
 		Help: "Puts of a removed key whose answer waited for the lookup leases on the removed incarnation to end (clients may answer those from their caches until then).",
 	})
-	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, m.copies, m.cpBytes, m.drops, m.held, stateCollector{s}} {
+	m.probed = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "tidepool_master_lookup_blocks_probed_total",
+		Help: "Block keys that lookups (and count-only lookups, SGLang's batch exists) asked about.",
+	})
+	m.matched = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_master_lookup_blocks_matched_total",
+		Help: "Blocks of the cached prefixes lookups found, by the tier of each block's fastest replica (unlocated: count-only lookups, which read no replicas); over probed blocks, the prefix hit ratio.",
+	}, []string{"tier"})
+	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, m.copies, m.cpBytes, m.drops, m.held, m.probed, m.matched, stateCollector{s}} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -113,6 +123,24 @@ func (m *metrics) copied(reason pb.CopyReason, result string, bytes uint64) {
 	m.copies.WithLabelValues(r, result).Inc()
 	if result == "ok" {
 		m.cpBytes.WithLabelValues(r).Add(float64(bytes))
+	}
+}
+
+// looked counts a lookup of probed keys whose matched blocks' fastest
+// replicas are in the tiers byTier counts (indexed by pb.Tier), or, if
+// byTier is nil, unlocated matched blocks.
+func (m *metrics) looked(probed, unlocated int, byTier []int) {
+	if m == nil {
+		return
+	}
+	m.probed.Add(float64(probed))
+	if unlocated > 0 {
+		m.matched.WithLabelValues("unlocated").Add(float64(unlocated))
+	}
+	for t, n := range byTier {
+		if n > 0 {
+			m.matched.WithLabelValues(tierName(pb.Tier(t))).Add(float64(n))
+		}
 	}
 }
 
