@@ -108,6 +108,7 @@ func (s *Server) drainNodes(ctx context.Context) {
 			delete(s.mu.copyQueue, n.id)
 			s.mu.Unlock()
 			s.log.Info("node drained and taken out of the pool", "node", n.id, "epoch", n.epoch)
+			s.events.add(s.cfg.Now(), "drain", "store %s drained and taken out of the pool", n.id)
 			continue
 		}
 		s.drainStep(ctx, n)
@@ -223,9 +224,13 @@ func (a *adminService) drain(req *pb.DrainRequest, stream pb.Admin_DrainServer) 
 	}
 	if req.Cancel {
 		s.log.Info("drain canceled", "node", req.Node)
+		s.events.add(s.cfg.Now(), "drain", "drain of store %s canceled", req.Node)
 		return stream.Send(s.progress(req.Node))
 	}
 	s.log.Info("draining node", "node", req.Node, "objects", n.objects, "bytes", n.bytes)
+	if !n.draining {
+		s.events.add(s.cfg.Now(), "drain", "draining store %s: %d replicas, %d bytes to move or drop", req.Node, n.objects, n.bytes)
+	}
 	tick := time.NewTicker(500 * time.Millisecond)
 	defer tick.Stop()
 	for {

@@ -143,7 +143,7 @@ func (s *Server) free(ctx context.Context, seg segmentView, victims []evictable,
 		only = append(only, o)
 	}
 	s.dropReplicas(ctx, drops, reason)
-	return s.evictObjects(ctx, only, allowSoft, reason, tierName(seg.tier))
+	return s.evictObjects(ctx, only, allowSoft, reason, seg.tier.Name())
 }
 
 // onSegment matches objects with a replica on the segment.
@@ -224,6 +224,7 @@ func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 			return
 		}
 		s.log.Info("evicted to the watermark", "segment", p.view.id, "objects", n, "bytes", bytes)
+		s.events.add(s.cfg.Now(), "eviction", "evicted %d objects (%d bytes) from %s to its watermark", n, bytes, p.view.id)
 	}
 }
 

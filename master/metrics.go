@@ -139,7 +139,7 @@ func (m *metrics) looked(probed, unlocated int, byTier []int) {
 	}
 	for t, n := range byTier {
 		if n > 0 {
-			m.matched.WithLabelValues(tierName(pb.Tier(t))).Add(float64(n))
+			m.matched.WithLabelValues(pb.Tier(t).Name()).Add(float64(n))
 		}
 	}
 }
@@ -209,7 +209,7 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descObjects, prometheus.GaugeValue, float64(complete), "complete")
 	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.GaugeValue, float64(bytes))
 	for _, v := range c.s.fsm.segmentViews() {
-		tier := tierName(v.tier)
+		tier := v.tier.Name()
 		ch <- prometheus.MustNewConstMetric(descCapacity, prometheus.GaugeValue, float64(v.capacity), v.id, v.node, tier)
 		ch <- prometheus.MustNewConstMetric(descUsed, prometheus.GaugeValue, float64(v.used), v.id, v.node, tier)
 		ch <- prometheus.MustNewConstMetric(descSegObjs, prometheus.GaugeValue, float64(v.objects), v.id, v.node, tier)

@@ -119,11 +119,6 @@ func onHost(endpoint, host string) bool {
 	return false
 }
 
-// tierName is the short lower-case name of a tier, as in flags and metrics.
-func tierName(t pb.Tier) string {
-	return strings.ToLower(strings.TrimPrefix(t.String(), "TIER_"))
-}
-
 // orDRAM is a put's preferred tier: DRAM unless it names one.
 func orDRAM(t pb.Tier) pb.Tier {
 	if t == pb.Tier_TIER_UNSPECIFIED {

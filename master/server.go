@@ -98,6 +98,7 @@ type Config struct {
 type Server struct {
 	cfg    Config
 	log    *slog.Logger
+	events events
 	fsm    *FSM
 	raft   *raft.Raft
 	logs   *logstore.Store
@@ -548,6 +549,7 @@ func (s *Server) setLeader(leader bool) {
 		return
 	}
 	s.log.Info("became raft leader", "id", s.cfg.ID)
+	s.events.add(now, "leader", "%s became the leader", s.cfg.ID)
 	if s.fsm.member(s.cfg.ID) != s.cfg.Advertise {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -638,6 +640,7 @@ func (s *Server) sweep() {
 		delete(s.mu.copyQueue, id)
 		delete(s.mu.avoided, id)
 		s.mu.Unlock()
+		s.events.add(now, "store", "store %s silent for %v, declared dead", id, s.cfg.NodeTTL)
 	}
 }
 

@@ -243,7 +243,7 @@ func runStatus(ctx context.Context, e *env, args []string) error {
 		case s.Draining:
 			state = "draining"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Name, s.Node, segmentTier(s), s.Endpoint, human(s.Used), human(s.Reserved), human(s.Capacity), s.Objects, state)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Name, s.Node, s.TierName(), s.Endpoint, human(s.Used), human(s.Reserved), human(s.Capacity), s.Objects, state)
 	}
 	return tw.Flush()
 }
@@ -259,22 +259,6 @@ func human(n uint64) string {
 		exp++
 	}
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
-}
-
-// tierName is a tier as flags spell it: "dram", "ssd", "hbm".
-func tierName(t pb.Tier) string {
-	return strings.ToLower(strings.TrimPrefix(t.String(), "TIER_"))
-}
-
-// segmentTier is a segment's tier as flags spell it, "hbm-emulated" for an
-// HBM tier in host memory: a store names those "hbmN-emulated", and the
-// segment id is "node/name@epoch".
-func segmentTier(s *pb.SegmentInfo) string {
-	name, _, _ := strings.Cut(s.Name[strings.LastIndex(s.Name, "/")+1:], "@")
-	if s.Tier == pb.Tier_TIER_HBM && strings.HasSuffix(name, "-emulated") {
-		return "hbm-emulated"
-	}
-	return tierName(s.Tier)
 }
 
 // putFlags are the placement flags of commands that put.
