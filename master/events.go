@@ -1,9 +1,12 @@
 package master
 
 import (
+	"context"
 	"fmt"
 	"sync"
 	"time"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
 // Event is something the leader did that an operator wants to see on the
@@ -47,3 +50,9 @@ func (e *events) list() []Event {
 // Events is this master's recent events, newest first: eviction rounds,
 // drains, stores declared dead and its elections.
 func (s *Server) Events() []Event { return s.events.list() }
+
+// Status answers as the Status call does, for callers in this process (the
+// status page).
+func (s *Server) Status(ctx context.Context) (*pb.StatusResponse, error) {
+	return (&masterService{s: s}).Status(ctx, &pb.StatusRequest{})
+}

@@ -190,12 +190,25 @@ func New(cfg Config) (*Node, error) {
 	return n, nil
 }
 
+// ID is the node's id.
+func (n *Node) ID() string { return n.cfg.ID }
+
 // Endpoint is the address peers reach this node's transfer engine at:
 // one per rail, separated by commas.
 func (n *Node) Endpoint() string { return n.endpoint }
 
 // Rails describes the rails this node's engine uses towards its peers.
 func (n *Node) Rails() []engine.RailInfo { return n.eng.Rails() }
+
+// Status asks the masters for the cluster's status (for the status page).
+func (n *Node) Status(ctx context.Context) (*pb.StatusResponse, error) {
+	var st *pb.StatusResponse
+	err := n.masters.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, opts ...grpc.CallOption) (err error) {
+		st, err = pb.NewMasterClient(cc).Status(ctx, &pb.StatusRequest{}, opts...)
+		return err
+	})
+	return st, err
+}
 
 // Registered is closed once the node has registered with the master.
 func (n *Node) Registered() <-chan struct{} { return n.registered }

@@ -14,6 +14,7 @@ import (
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/client/agent"
 	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/statuspage"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
 )
@@ -115,7 +116,11 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	if node != nil {
 		rails = node.Rails
 	}
-	stopHTTP, err := serveHTTP(d.http, d.reg, ready, rails, log)
+	page := &statuspage.Page{Title: "agent " + *socket, Status: c.Status, Rails: rails}
+	if node != nil {
+		page.Node = node.ID()
+	}
+	stopHTTP, err := serveHTTP(d.http, d.reg, ready, rails, page, log)
 	if err != nil {
 		return errors.Join(err, stop())
 	}

@@ -24,6 +24,7 @@ import (
 
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master"
+	"github.com/tidepool-kv/tidepool/statuspage"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
 )
@@ -73,7 +74,8 @@ const maxHTTPConns = 256
 // serveHTTP serves /metrics, /healthz, /readyz and /debug/pprof/ until ctx ends.
 // ready reports whether the daemon can do its work.
 // rails, if not nil, is served as JSON at /debug/rails for `tidepool admin rails`.
-func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails func() []engine.RailInfo, log *slog.Logger) (func(), error) {
+// page, if not nil, is the status page at /.
+func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails func() []engine.RailInfo, page *statuspage.Page, log *slog.Logger) (func(), error) {
 	if addr == "" {
 		return func() {}, nil
 	}
@@ -96,6 +98,10 @@ func serveHTTP(addr string, reg *prometheus.Registry, ready func() error, rails 
 			w.Header().Set("Content-Type", "application/json")
 			_ = json.NewEncoder(w).Encode(rails())
 		})
+	}
+	if page != nil {
+		page.Log = log
+		mux.Handle("GET /{$}", page)
 	}
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if err := ready(); err != nil {
@@ -248,7 +254,8 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return leaderKnown(srv, m.id) }, nil, log)
+	page := &statuspage.Page{Title: "master " + m.id, Status: srv.Status, Events: masterEvents(srv), Metrics: d.reg}
+	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return leaderKnown(srv, m.id) }, nil, page, log)
 	if err != nil {
 		return errors.Join(err, stop())
 	}
@@ -412,7 +419,8 @@ func runStore(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return registered(n) }, n.Rails, log)
+	page := &statuspage.Page{Title: "store " + s.id, Status: n.Status, Node: s.id, Rails: n.Rails}
+	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return registered(n) }, n.Rails, page, log)
 	if err != nil {
 		return errors.Join(err, n.Close())
 	}
@@ -420,6 +428,17 @@ func runStore(ctx context.Context, e *env, args []string) error {
 	log.Info("shutting down")
 	stopHTTP()
 	return n.Close()
+}
+
+// masterEvents is the master's recent events for its status page.
+func masterEvents(srv *master.Server) func() []statuspage.Event {
+	return func() []statuspage.Event {
+		var out []statuspage.Event
+		for _, e := range srv.Events() {
+			out = append(out, statuspage.Event{At: e.At, Kind: e.Kind, Text: e.Text})
+		}
+		return out
+	}
 }
 
 func registered(n *store.Node) error {
@@ -472,9 +491,11 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	if err != nil {
 		return errors.Join(err, stopMaster())
 	}
+	page := &statuspage.Page{Title: "tidepool up (master m1, store store-0)", Status: srv.Status, Events: masterEvents(srv), Metrics: reg,
+		Node: s.id, Rails: n.Rails}
 	stopHTTP, err := serveHTTP(d.http, reg, func() error {
 		return errors.Join(leaderKnown(srv, m.id), registered(n))
-	}, n.Rails, log)
+	}, n.Rails, page, log)
 	if err != nil {
 		return errors.Join(err, n.Close(), stopMaster())
 	}

@@ -22,7 +22,7 @@ func TestHTTPConnectionsBounded(t *testing.T) {
 	}
 	addr := ln.Addr().String()
 	ln.Close()
-	stop, err := serveHTTP(addr, prometheus.NewRegistry(), func() error { return nil }, nil, slog.New(slog.DiscardHandler))
+	stop, err := serveHTTP(addr, prometheus.NewRegistry(), func() error { return nil }, nil, nil, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}

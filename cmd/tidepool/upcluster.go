@@ -164,7 +164,7 @@ func runCluster(ctx context.Context, e *env, d *daemon, spec clusterSpec) error 
 		}
 		return errors.Join(errs...)
 	}
-	stopHTTP, err := serveHTTP(d.http, d.reg, ready, nil, log)
+	stopHTTP, err := serveHTTP(d.http, d.reg, ready, nil, nil, log) // each child serves its own page
 	if err != nil {
 		stopAll()
 		return err
