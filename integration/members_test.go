@@ -197,7 +197,7 @@ func TestUpLocalCluster(t *testing.T) {
 	defer cancel()
 	u := startUp(t, ctx, t.TempDir(), "--masters", "3", "--stores", "2", "--dram", "64MiB", "--ssd", "0")
 	var st string
-	waitFor(t, 10*time.Second, func() error { // followers send the leader their addresses
+	waitFor(t, 30*time.Second, func() error { // followers send the leader their addresses
 		st = string(mustCLI(t, ctx, nil, "status", "--masters", u.grpc).stdout)
 		if n := strings.Count(st, "127.0.0.1:"); n < 1+3+2 {
 			return fmt.Errorf("status of the local cluster:\n%s", st)
@@ -225,17 +225,25 @@ func TestUpLocalCluster(t *testing.T) {
 		}
 		return nil
 	})
-	// The leader's pid is in up's log: kill it.
-	leader := ""
+	// The leader's pid is in up's log: kill it. The clients after are
+	// given every master's address (the killed leader may be the first).
+	leader, all := "", []string{}
 	waitFor(t, 20*time.Second, func() error {
+		all = all[:0]
 		for _, line := range strings.Split(string(mustCLI(t, ctx, nil, "admin", "members", "--masters", u.grpc).stdout), "\n") {
-			if f := strings.Fields(line); len(f) == 5 && f[3] == "leader" {
-				leader = f[0]
-				return nil
+			if f := strings.Fields(line); len(f) == 5 && f[0] != "MASTER" {
+				all = append(all, f[1])
+				if f[3] == "leader" {
+					leader = f[0]
+				}
 			}
 		}
-		return fmt.Errorf("no leader yet")
+		if leader == "" || len(all) != 3 {
+			return fmt.Errorf("no leader yet, or not every master's address (%q)", all)
+		}
+		return nil
 	})
+	masters := strings.Join(all, ",")
 	pid := 0
 	for _, line := range strings.Split(u.out.String(), "\n") {
 		if strings.Contains(line, "msg=started process="+leader+" ") {
@@ -245,20 +253,21 @@ func TestUpLocalCluster(t *testing.T) {
 	if pid == 0 {
 		t.Fatalf("no pid of %s in up's output:\n%s", leader, u.out.String())
 	}
+	t.Logf("SIGKILL leader %s (pid %d) of masters %s", leader, pid, masters)
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, 30*time.Second, func() error {
-		r := cli(t, ctx, strings.NewReader("after"), "put", "after", "-", "--masters", u.grpc)
+		r := cli(t, ctx, strings.NewReader("after"), "put", "after", "-", "--masters", masters, "--timeout", "10s")
 		if r.code != 0 {
 			return fmt.Errorf("put after the leader's kill: %v", r)
 		}
 		return nil
 	})
-	if got := mustCLI(t, ctx, nil, "get", "before", "--masters", u.grpc).stdout; string(got) != "before" {
+	if got := mustCLI(t, ctx, nil, "get", "before", "--masters", masters).stdout; string(got) != "before" {
 		t.Fatalf("get before after the failover: %q", got)
 	}
-	checkNoSharedExtents(t, u.grpc) // before the cluster stops
+	checkNoSharedExtents(t, all...) // before the cluster stops
 	if code := u.term(t, 30*time.Second); code != 0 {
 		t.Fatalf("up exited %d on SIGTERM", code)
 	}
