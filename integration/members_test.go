@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -208,6 +209,16 @@ func TestUpLocalCluster(t *testing.T) {
 		if !strings.Contains(st, seg) {
 			t.Fatalf("status shows no %s segment:\n%s", seg, st)
 		}
+	}
+	// up's own status page shows the cluster as its masters answer.
+	resp, err := httpClient.Get("http://" + u.http + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	page, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if n := strings.Count(string(page), `class="member"`); resp.StatusCode != http.StatusOK || n != 3 || !strings.Contains(string(page), "tidepool up (3 masters, 2 stores)") {
+		t.Fatalf("up's status page: %s, %d members:\n%s", resp.Status, n, page)
 	}
 	put := func(key string) {
 		t.Helper()

@@ -16,6 +16,9 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/tidepool-kv/tidepool/client"
+	"github.com/tidepool-kv/tidepool/statuspage"
 )
 
 // `tidepool up --masters N --stores M` runs a local HA cluster: each
@@ -164,7 +167,15 @@ func runCluster(ctx context.Context, e *env, d *daemon, spec clusterSpec) error 
 		}
 		return errors.Join(errs...)
 	}
-	stopHTTP, err := serveHTTP(d.http, d.reg, ready, nil, nil, log) // each child serves its own page
+	// The cluster's page, as its masters answer; each child serves its own.
+	mc, err := client.New(client.Config{Masters: masters, Logger: log})
+	if err != nil {
+		stopAll()
+		return err
+	}
+	defer mc.Close()
+	page := &statuspage.Page{Title: fmt.Sprintf("tidepool up (%d masters, %d stores)", spec.masters, spec.stores), Status: mc.Status}
+	stopHTTP, err := serveHTTP(d.http, d.reg, ready, nil, page, log)
 	if err != nil {
 		stopAll()
 		return err
