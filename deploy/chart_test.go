@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -37,10 +38,6 @@ var types = map[string]func() any{
 // valuesFile` would, and decodes each manifest strictly into its type.
 func render(t *testing.T, valuesFile string) []any {
 	t.Helper()
-	chrt, err := loader.Load("helm/tidepool")
-	if err != nil {
-		t.Fatal(err)
-	}
 	vals := map[string]any{}
 	if valuesFile != "" {
 		v, err := common.ReadValuesFile(filepath.Join("helm/tidepool", valuesFile))
@@ -49,22 +46,31 @@ func render(t *testing.T, valuesFile string) []any {
 		}
 		vals = v.AsMap()
 	}
-	top, err := util.ToRenderValues(chrt, vals, common.ReleaseOptions{Name: "tp", Namespace: "kv", IsInstall: true}, nil)
+	objs, err := renderValues(vals)
 	if err != nil {
 		t.Fatal(err)
+	}
+	return objs
+}
+
+// renderValues renders the chart with vals over its defaults (as `helm
+// template tp helm/tidepool -n kv --set ...`) and decodes each manifest
+// strictly into its type.
+func renderValues(vals map[string]any) ([]any, error) {
+	chrt, err := loader.Load("helm/tidepool")
+	if err != nil {
+		return nil, err
+	}
+	top, err := util.ToRenderValues(chrt, vals, common.ReleaseOptions{Name: "tp", Namespace: "kv", IsInstall: true}, nil)
+	if err != nil {
+		return nil, err
 	}
 	files, err := engine.Engine{Strict: true}.Render(chrt, top)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	var objs []any
-	for _, name := range slices.Sorted(func(yield func(string) bool) {
-		for k := range files {
-			if !yield(k) {
-				return
-			}
-		}
-	}) {
+	for _, name := range slices.Sorted(maps.Keys(files)) {
 		if !strings.HasSuffix(name, ".yaml") {
 			continue
 		}
@@ -74,26 +80,26 @@ func render(t *testing.T, valuesFile string) []any {
 			}
 			js, err := yaml.YAMLToJSONStrict([]byte(doc))
 			if err != nil {
-				t.Fatalf("%s #%d: %v\n%s", name, i, err, doc)
+				return nil, fmt.Errorf("%s #%d: %v\n%s", name, i, err, doc)
 			}
 			var head struct{ APIVersion, Kind string }
 			if err := json.Unmarshal(js, &head); err != nil {
-				t.Fatalf("%s #%d: %v", name, i, err)
+				return nil, fmt.Errorf("%s #%d: %v", name, i, err)
 			}
 			mk := types[head.APIVersion+"/"+head.Kind]
 			if mk == nil {
-				t.Fatalf("%s #%d: %s %s is not a kind the test knows", name, i, head.APIVersion, head.Kind)
+				return nil, fmt.Errorf("%s #%d: %s %s is not a kind the test knows", name, i, head.APIVersion, head.Kind)
 			}
 			obj := mk()
 			dec := json.NewDecoder(bytes.NewReader(js))
 			dec.DisallowUnknownFields()
 			if err := dec.Decode(obj); err != nil {
-				t.Fatalf("%s #%d (%s): %v\n%s", name, i, head.Kind, err, doc)
+				return nil, fmt.Errorf("%s #%d (%s): %v\n%s", name, i, head.Kind, err, doc)
 			}
 			objs = append(objs, obj)
 		}
 	}
-	return objs
+	return objs, nil
 }
 
 func stripComments(doc string) string {
@@ -172,6 +178,16 @@ func TestChartDefault(t *testing.T) {
 	if agent := find[appsv1.DaemonSet](objs, "tp-tidepool-agent"); agent == nil || !agent.Spec.Template.Spec.HostPID {
 		t.Errorf("agent DaemonSet: %+v", agent)
 	}
+	// The store shares the agent's PID namespace, so the agent maps its
+	// memory instead of going over TCP.
+	if !store.Spec.Template.Spec.HostPID {
+		t.Error("the store is not in the host's PID namespace")
+	}
+	for _, c := range []corev1.Container{c, sts.Spec.Template.Spec.Containers[0]} {
+		if c.StartupProbe == nil || c.StartupProbe.FailureThreshold*c.StartupProbe.PeriodSeconds < 300 {
+			t.Errorf("%s: startup probe %+v, want five minutes", c.Name, c.StartupProbe)
+		}
+	}
 	if n := count[policyv1.PodDisruptionBudget](objs); n != 0 {
 		t.Errorf("%d PodDisruptionBudgets for one master, want none", n)
 	}
@@ -179,6 +195,34 @@ func TestChartDefault(t *testing.T) {
 		t.Errorf("%d ServiceMonitors by default, want none", n)
 	}
 	checkFlags(t, objs)
+}
+
+// TestChartValuesChecked: a release grown past its initial masters gives
+// the new ones the first members' --peers (they wait to be added, and
+// cannot bootstrap a second cluster); values the chart cannot honour are
+// refused at render time.
+func TestChartValuesChecked(t *testing.T) {
+	objs, err := renderValues(map[string]any{"master": map[string]any{"replicas": 3}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sts := find[appsv1.StatefulSet](objs, "tp-tidepool-master")
+	if got := flagValue(sts.Spec.Template.Spec.Containers[0].Args, "peers"); len(got) != 1 || strings.Contains(got[0], ",") {
+		t.Errorf("three masters grown from one: --peers %q, want master 0 alone", got)
+	}
+	for _, tc := range []struct {
+		vals map[string]any
+		want string
+	}{
+		{map[string]any{"master": map[string]any{"initialReplicas": 3}}, "master.initialReplicas is 3: it must be from 1 to master.replicas (1)"},
+		{map[string]any{"master": map[string]any{"initialReplicas": 0}}, "master.initialReplicas is 0"},
+		{map[string]any{"store": map[string]any{"dramGiB": 1.5}}, "store.dramGiB is 1.5: whole GiB only"},
+		{map[string]any{"store": map[string]any{"ssd": map[string]any{"sizeGiB": 0.5}}}, "store.ssd.sizeGiB is 0.5: whole GiB only"},
+	} {
+		if _, err := renderValues(tc.vals); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("values %v: %v, want an error saying %q", tc.vals, err, tc.want)
+		}
+	}
 }
 
 // TestChartHA: values-ha.yaml's three masters, their PDB and the

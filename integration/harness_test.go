@@ -480,9 +480,14 @@ func wantErrorLine(t *testing.T, r cliResult, cmd, want string) {
 	if r.code != 1 {
 		t.Errorf("tidepool %s: want exit 1, got %s", cmd, r)
 	}
-	line, rest, ok := strings.Cut(r.stderr, "\n")
+	// Notices of a wait for a master may come first (see waitNotice).
+	stderr := r.stderr
+	for strings.HasPrefix(stderr, "tidepool: still waiting ") || strings.HasPrefix(stderr, "tidepool: no master listens ") {
+		_, stderr, _ = strings.Cut(stderr, "\n")
+	}
+	line, rest, ok := strings.Cut(stderr, "\n")
 	if !ok || rest != "" {
-		t.Errorf("tidepool %s: want exactly one line on stderr, got %q", cmd, r.stderr)
+		t.Errorf("tidepool %s: want exactly one error line on stderr, after any notices of a wait, got %q", cmd, r.stderr)
 	}
 	if prefix := "tidepool " + cmd + ": "; !strings.HasPrefix(line, prefix) {
 		t.Errorf("tidepool %s: stderr %q does not start with %q", cmd, line, prefix)

@@ -224,7 +224,9 @@ func (a *adminService) drain(req *pb.DrainRequest, stream pb.Admin_DrainServer) 
 	}
 	if req.Cancel {
 		s.log.Info("drain canceled", "node", req.Node)
-		s.events.add(s.cfg.Now(), "drain", "drain of store %s canceled", req.Node)
+		if n.draining {
+			s.events.add(s.cfg.Now(), "drain", "drain of store %s canceled", req.Node)
+		}
 		return stream.Send(s.progress(req.Node))
 	}
 	s.log.Info("draining node", "node", req.Node, "objects", n.objects, "bytes", n.bytes)

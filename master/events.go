@@ -3,6 +3,7 @@ package master
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -10,46 +11,93 @@ import (
 )
 
 // Event is something the leader did that an operator wants to see on the
-// status page: an eviction round, a drain begun, canceled or finished, a
-// store declared dead, leadership taken.
+// status page: eviction rounds, a drain begun, canceled or finished, a store
+// declared dead, leadership taken.
 type Event struct {
 	At   time.Time
 	Kind string // eviction, drain, store, leader
 	Text string
 }
 
-// maxEvents is how many recent events a master keeps.
-const maxEvents = 64
+const (
+	// maxEvents is how many recent events a leader keeps.
+	maxEvents = 64
+	// mergeEvictions is how long one segment's eviction rounds make one
+	// event: a full pool evicts every sweep, and one line a round would
+	// push every other event out within a minute.
+	mergeEvictions = time.Minute
+)
 
-// events is the leader's recent events, newest last; leader-local, so a
-// new leader's list starts with its own election.
+// events is the leader's recent events, newest last. It is leader-local:
+// a master that takes or loses leadership starts it afresh, so a follower
+// lists none and a new leader starts with its election.
 type events struct {
 	mu   sync.Mutex
-	ring [maxEvents]Event
-	n    int // events ever added
+	list []event
+}
+
+type event struct {
+	Event
+	// An eviction event's rounds, from its first (At is its last).
+	segment        string
+	objects, bytes uint64
+	rounds         int
+	since          time.Time
+}
+
+func (e *events) push(ev event) {
+	if len(e.list) == maxEvents {
+		e.list = slices.Delete(e.list, 0, 1)
+	}
+	e.list = append(e.list, ev)
 }
 
 func (e *events) add(at time.Time, kind, format string, args ...any) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.ring[e.n%maxEvents] = Event{At: at, Kind: kind, Text: fmt.Sprintf(format, args...)}
-	e.n++
+	e.push(event{Event: Event{At: at, Kind: kind, Text: fmt.Sprintf(format, args...)}})
 }
 
-// list is the kept events, newest first.
-func (e *events) list() []Event {
+// evicted records an eviction round of a segment, merged into that
+// segment's event if its first round was less than mergeEvictions ago.
+func (e *events) evicted(at time.Time, segment string, objects, bytes uint64) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	out := make([]Event, 0, min(e.n, maxEvents))
-	for i := e.n - 1; i >= 0 && i >= e.n-maxEvents; i-- {
-		out = append(out, e.ring[i%maxEvents])
+	ev := event{Event: Event{At: at, Kind: "eviction"}, segment: segment, objects: objects, bytes: bytes, rounds: 1, since: at}
+	if i := slices.IndexFunc(e.list, func(p event) bool { return p.segment == segment && at.Sub(p.since) < mergeEvictions }); i >= 0 {
+		p := e.list[i]
+		ev.objects, ev.bytes, ev.rounds, ev.since = p.objects+objects, p.bytes+bytes, p.rounds+1, p.since
+		e.list = slices.Delete(e.list, i, i+1)
+	}
+	ev.Text = fmt.Sprintf("evicted %d objects (%d bytes) from %s to its watermark", ev.objects, ev.bytes, segment)
+	if ev.rounds > 1 {
+		ev.Text += fmt.Sprintf(" in %d rounds over %v", ev.rounds, at.Sub(ev.since).Round(time.Second))
+	}
+	e.push(ev)
+}
+
+// reset forgets every event: leadership changed hands.
+func (e *events) reset() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.list = nil
+}
+
+// newest is the kept events, newest first.
+func (e *events) newest() []Event {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]Event, len(e.list))
+	for i, ev := range e.list {
+		out[len(out)-1-i] = ev.Event
 	}
 	return out
 }
 
-// Events is this master's recent events, newest first: eviction rounds,
-// drains, stores declared dead and its elections.
-func (s *Server) Events() []Event { return s.events.list() }
+// Events is this master's recent events as leader, newest first: eviction
+// rounds, drains, stores declared dead and its election. A follower has
+// none.
+func (s *Server) Events() []Event { return s.events.newest() }
 
 // Status answers as the Status call does, for callers in this process (the
 // status page).

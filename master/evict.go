@@ -224,7 +224,7 @@ func (s *Server) evictToWatermark(ctx context.Context, now time.Time) {
 			return
 		}
 		s.log.Info("evicted to the watermark", "segment", p.view.id, "objects", n, "bytes", bytes)
-		s.events.add(s.cfg.Now(), "eviction", "evicted %d objects (%d bytes) from %s to its watermark", n, bytes, p.view.id)
+		s.events.evicted(s.cfg.Now(), p.view.id, uint64(n), bytes)
 	}
 }
 

@@ -22,6 +22,7 @@ import (
 type FSM struct {
 	mu       sync.RWMutex
 	objects  *objectTable
+	counts   objectCounts // of the table, kept as it changes
 	nodes    map[string]*node
 	segments map[string]*segment  // by segment id
 	members  map[string]string    // raft server id -> gRPC address
@@ -76,6 +77,7 @@ func NewFSM() *FSM {
 
 func (f *FSM) reset() {
 	f.objects = newObjectTable()
+	f.counts = objectCounts{}
 	f.nodes = map[string]*node{}
 	f.segments = map[string]*segment{}
 	f.members = map[string]string{}
@@ -320,7 +322,7 @@ func (f *FSM) putStart(it *pb.PutStartItem, now int64, putID uint64) PutStartRes
 	}
 	if len(exts) > 0 {
 		o := f.newObject(it.Key, it.Size, it.Checksum, putID, now, it.Parent, it.Tenant, exts)
-		o.setState(pb.ObjectState_OBJECT_STATE_PROCESSING)
+		f.setState(o, pb.ObjectState_OBJECT_STATE_PROCESSING)
 		f.edit(o, func(r *rare) { r.deadline, r.want = it.DeadlineUnixNano, wanted(it.Replicas) })
 		return PutStartResult{Replicas: f.pbExtents(o), PutID: putID}
 	}
@@ -395,7 +397,7 @@ func (f *FSM) putEnd(key string, putID uint64, now int64) error {
 		// revokes it.
 		return fmt.Errorf("%w: %q (expired before it ended)", ErrNotInProgress, key)
 	}
-	o.setState(pb.ObjectState_OBJECT_STATE_COMPLETE)
+	f.setState(o, pb.ObjectState_OBJECT_STATE_COMPLETE)
 	f.edit(o, func(r *rare) { r.deadline = 0 })
 	return nil
 }
@@ -514,9 +516,36 @@ func (f *FSM) retireAfter(o *object, freeAfter, now int64) {
 // drop deletes an object and frees its space at once.
 func (f *FSM) drop(o *object) { f.retire(o, 0) }
 
-// add puts an object in the table.
+// objectCounts is the table's objects by state, and the bytes of the
+// complete ones, so a status or a scrape costs no walk of the table.
+type objectCounts struct {
+	processing, complete int
+	completeBytes        uint64
+}
+
+func (c *objectCounts) count(o *object, n int) {
+	if o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
+		c.complete += n
+		c.completeBytes += uint64(n) * o.size // wraps back for n = -1
+	} else {
+		c.processing += n
+	}
+}
+
+// setState changes the state of an object in the table.
+func (f *FSM) setState(o *object, s pb.ObjectState) {
+	f.counts.count(o, -1)
+	o.setState(s)
+	f.counts.count(o, 1)
+}
+
+// add puts an object in the table, in place of any of its key.
 func (f *FSM) add(o *object) {
+	if old := f.objects.get(o.key()); old != nil {
+		f.counts.count(old, -1)
+	}
 	f.objects.put(o)
+	f.counts.count(o, 1)
 	if p := o.parent(); p != "" {
 		f.children[p]++
 	}
@@ -525,6 +554,7 @@ func (f *FSM) add(o *object) {
 // forget takes an object out of the table; its space is the caller's.
 func (f *FSM) forget(o *object) {
 	f.objects.remove(o.key())
+	f.counts.count(o, -1)
 	o.setFlag(flagGone, true)
 	delete(f.inFlight, o)
 	delete(f.copying, o)
@@ -866,7 +896,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 			continue
 		}
 		o := f.newObject(po.Key, po.Size, po.Checksum, po.PutId, po.CreatedUnixNano, po.Parent, po.Tenant, exts)
-		o.setState(po.State)
+		f.setState(o, po.State)
 		o.setFlag(flagHard, po.HardPinned)
 		f.edit(o, func(r *rare) {
 			r.softPin, r.copies, r.want = po.SoftPinUntilUnixNano, copies, wanted(po.ReplicasWanted)

@@ -264,5 +264,21 @@ func FuzzFSMApply(f *testing.F) {
 			t.Fatal("a restored FSM snapshots differently")
 		}
 		sameState(t, d.f, g)
+		countsAgree(t, d.f)
+		countsAgree(t, g)
 	})
+}
+
+// countsAgree checks the FSM's kept object counts against a walk of its
+// table.
+func countsAgree(t *testing.T, f *FSM) {
+	t.Helper()
+	var want objectCounts
+	f.walk(func(o *object) { want.count(o, 1) }, nil)
+	f.mu.RLock()
+	got := f.counts
+	f.mu.RUnlock()
+	if got != want {
+		t.Fatalf("kept object counts %+v, the table has %+v", got, want)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc/codes"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -142,6 +143,30 @@ func (m *metrics) looked(probed, unlocated int, byTier []int) {
 			m.matched.WithLabelValues(pb.Tier(t).Name()).Add(float64(n))
 		}
 	}
+}
+
+// LookupHits is this master's lookup counters since it started: the block
+// keys lookups asked it about, and the blocks they matched by tier (as
+// tidepool_master_lookup_blocks_*_total count them). Zero without metrics.
+func (s *Server) LookupHits() (probed uint64, matched map[string]uint64) {
+	m := s.metrics
+	if m == nil {
+		return 0, nil
+	}
+	value := func(c prometheus.Counter) uint64 {
+		var d dto.Metric
+		if c.Write(&d) != nil {
+			return 0
+		}
+		return uint64(d.GetCounter().GetValue())
+	}
+	matched = map[string]uint64{}
+	for _, t := range []string{pb.Tier_TIER_HBM.Name(), pb.Tier_TIER_DRAM.Name(), pb.Tier_TIER_SSD.Name(), "unlocated"} {
+		if n := value(m.matched.WithLabelValues(t)); n > 0 {
+			matched[t] = n
+		}
+	}
+	return value(m.probed), matched
 }
 
 func (m *metrics) dropped(reason string) {

@@ -291,15 +291,9 @@ func (f *FSM) putState(key string, now int64) pb.ObjectState {
 
 // objectStats counts objects and the bytes of complete ones.
 func (f *FSM) objectStats() (processing, complete int, completeBytes uint64) {
-	f.walk(func(o *object) {
-		if o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
-			complete++
-			completeBytes += o.size
-		} else {
-			processing++
-		}
-	}, nil)
-	return processing, complete, completeBytes
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.counts.processing, f.counts.complete, f.counts.completeBytes
 }
 
 // walk calls visit for every object, a shard of the table at a time under

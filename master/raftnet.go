@@ -18,19 +18,27 @@ type raftStream struct {
 	local     *net.TCPAddr // nil: any
 }
 
+// advertised is an address as peers name it: a DNS name stays a name, so
+// a master whose IP changes (a rescheduled pod) is the same member, and
+// one may start before its name resolves (a new pod, before DNS has it).
+type advertised string
+
+func (a advertised) Network() string { return "tcp" }
+func (a advertised) String() string  { return string(a) }
+
 func listenRaft(bind, advertise string) (*raftStream, error) {
-	adv, err := net.ResolveTCPAddr("tcp", advertise)
-	if err != nil {
-		return nil, fmt.Errorf("master: raft address %q: %w", advertise, err)
+	host, port, err := net.SplitHostPort(advertise)
+	if err != nil || port == "" {
+		return nil, fmt.Errorf("master: raft address %q: want host:port", advertise)
 	}
-	if adv.IP == nil || adv.IP.IsUnspecified() {
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
 		return nil, fmt.Errorf("master: raft address %q is not one peers can dial", advertise)
 	}
 	ln, err := net.Listen("tcp", bind)
 	if err != nil {
 		return nil, fmt.Errorf("master: raft transport on %s: %w", bind, err)
 	}
-	s := &raftStream{Listener: ln, advertise: adv}
+	s := &raftStream{Listener: ln, advertise: advertised(advertise)}
 	if a, ok := ln.Addr().(*net.TCPAddr); ok && !a.IP.IsUnspecified() {
 		s.local = &net.TCPAddr{IP: a.IP}
 	}

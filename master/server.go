@@ -56,7 +56,10 @@ type Config struct {
 	// for a leader to add it (Admin.AddMember). Peers must be empty.
 	Join bool
 	// Peers are the voters a new cluster starts with; empty means this node
-	// alone. Every peer must be given the same list.
+	// alone. Every peer must be given the same list. A master not among
+	// them starts as Join does: it bootstraps nothing, so a deployment
+	// that grows (a StatefulSet's new ordinals, given the first members'
+	// list) cannot start a second cluster beside the first.
 	Peers []raft.Server
 	// Transport overrides raft's TCP transport (tests use raft's in-memory
 	// one). Close closes it if it is an io.Closer.
@@ -279,7 +282,11 @@ func (s *Server) startRaft() error {
 		return fmt.Errorf("master: start raft: %w", err)
 	}
 	s.raft = r
-	if !existing && !s.cfg.Join {
+	member := len(s.cfg.Peers) == 0 || slices.ContainsFunc(s.cfg.Peers, func(p raft.Server) bool { return p.ID == rc.LocalID })
+	if !existing && !member {
+		s.log.Info("not among the initial voters (--peers): waiting to be added to the cluster (tidepool admin members add)", "id", rc.LocalID)
+	}
+	if !existing && !s.cfg.Join && member {
 		peers := s.cfg.Peers
 		if len(peers) == 0 {
 			peers = []raft.Server{{ID: rc.LocalID, Address: s.trans.LocalAddr()}}
@@ -526,6 +533,7 @@ func (s *Server) catchUp() bool {
 
 func (s *Server) setLeader(leader bool) {
 	now := s.cfg.Now()
+	s.events.reset()
 	s.mu.Lock()
 	s.mu.leader = leader
 	s.mu.leaderTerm = s.raft.CurrentTerm()

@@ -13,8 +13,6 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/tidepool-kv/tidepool/engine"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -36,8 +34,9 @@ type Page struct {
 	Status func(context.Context) (*pb.StatusResponse, error)
 	// Events, on a master, is its recent events, newest first.
 	Events func() []Event
-	// Metrics, on a master, is its registry, for the lookup hit ratios.
-	Metrics prometheus.Gatherer
+	// Hits, on a master, is its lookup counters since it started: the
+	// block keys asked about and the blocks matched, by tier.
+	Hits func() (probed uint64, matched map[string]uint64)
 	// Node, on a store, is its id: its segments come first and are marked.
 	Node string
 	// Rails, on a store, describes its engine's rails.
@@ -113,7 +112,7 @@ func ratio(a, b uint64) float64 {
 }
 
 func (p *Page) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	v := view{Title: p.Title, Refresh: int(cmp.Or(p.Refresh, 5*time.Second).Seconds()), Now: time.Now(), Node: p.Node}
+	v := view{Title: p.Title, Refresh: max(1, int(cmp.Or(p.Refresh, 5*time.Second).Seconds())), Now: time.Now(), Node: p.Node}
 	ctx, cancel := context.WithTimeout(r.Context(), 3*time.Second)
 	defer cancel()
 	st, err := p.Status(ctx)
@@ -123,8 +122,8 @@ func (p *Page) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		v.Status = st
 		v.Tiers, v.Segments = usage(st, p.Node)
 	}
-	if p.Metrics != nil {
-		v.Hits = lookupHits(p.Metrics)
+	if p.Hits != nil {
+		v.Hits = lookupHits(p.Hits())
 	}
 	if p.Events != nil {
 		v.Events = p.Events()
@@ -178,7 +177,9 @@ func usage(st *pb.StatusResponse, node string) ([]tierUsage, []segment) {
 	for _, u := range byTier {
 		tiers = append(tiers, *u)
 	}
-	slices.SortFunc(tiers, func(a, b tierUsage) int { return cmp.Compare(rank[a.Tier], rank[b.Tier]) })
+	slices.SortFunc(tiers, func(a, b tierUsage) int {
+		return cmp.Or(cmp.Compare(rank[a.Tier], rank[b.Tier]), cmp.Compare(a.Tier, b.Tier))
+	})
 	slices.SortFunc(segs, func(a, b segment) int {
 		if a.Mine != b.Mine {
 			if a.Mine {
@@ -191,33 +192,14 @@ func usage(st *pb.StatusResponse, node string) ([]tierUsage, []segment) {
 	return tiers, segs
 }
 
-// lookupHits reads the master's lookup counters from its registry.
-func lookupHits(g prometheus.Gatherer) *hits {
-	families, err := g.Gather()
-	if err != nil {
-		return nil
-	}
-	h := &hits{}
-	for _, f := range families {
-		switch f.GetName() {
-		case "tidepool_master_lookup_blocks_probed_total":
-			for _, m := range f.GetMetric() {
-				h.Probed += uint64(m.GetCounter().GetValue())
-			}
-		case "tidepool_master_lookup_blocks_matched_total":
-			for _, m := range f.GetMetric() {
-				t := tierHits{Matched: uint64(m.GetCounter().GetValue())}
-				for _, l := range m.GetLabel() {
-					if l.GetName() == "tier" {
-						t.Tier = l.GetValue()
-					}
-				}
-				h.Tiers = append(h.Tiers, t)
-			}
+// lookupHits is the hit ratio of each tier's matched blocks.
+func lookupHits(probed uint64, matched map[string]uint64) *hits {
+	h := &hits{Probed: probed}
+	for t, n := range matched {
+		if t == "unlocated" {
+			t = "count-only lookups (no location)"
 		}
-	}
-	for i := range h.Tiers {
-		h.Tiers[i].Ratio = ratio(h.Tiers[i].Matched, h.Probed)
+		h.Tiers = append(h.Tiers, tierHits{Tier: t, Matched: n, Ratio: ratio(n, probed)})
 	}
 	slices.SortFunc(h.Tiers, func(a, b tierHits) int { return cmp.Compare(a.Tier, b.Tier) })
 	return h

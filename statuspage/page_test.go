@@ -9,8 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/tidepool-kv/tidepool/engine"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -57,15 +55,11 @@ func wantAll(t *testing.T, body string, want ...string) {
 // TestMasterPage: members, usage by tier and segment, hit ratios and
 // events, each number with its exact value in a data- attribute.
 func TestMasterPage(t *testing.T) {
-	reg := prometheus.NewRegistry()
-	probed := prometheus.NewCounter(prometheus.CounterOpts{Name: "tidepool_master_lookup_blocks_probed_total", Help: "p"})
-	matched := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "tidepool_master_lookup_blocks_matched_total", Help: "m"}, []string{"tier"})
-	reg.MustRegister(probed, matched)
-	probed.Add(200)
-	matched.WithLabelValues("dram").Add(150)
-	matched.WithLabelValues("ssd").Add(10)
+	hits := func() (uint64, map[string]uint64) {
+		return 200, map[string]uint64{"dram": 150, "ssd": 10, "unlocated": 4}
+	}
 	at := time.Now().Add(-90 * time.Second)
-	body := render(t, &Page{Title: "master m1", Status: status, Metrics: reg, Refresh: 7 * time.Second,
+	body := render(t, &Page{Title: "master m1", Status: status, Hits: hits, Refresh: 7 * time.Second,
 		Events: func() []Event { return []Event{{At: at, Kind: "drain", Text: "draining store s2: 0 replicas"}} }})
 	wantAll(t, body,
 		`<meta http-equiv="refresh" content="7">`,
@@ -78,6 +72,7 @@ func TestMasterPage(t *testing.T) {
 		`data-segment="s3/hbm0-emulated@1" data-node="s3" data-tier="hbm-emulated" data-state="dead"`,
 		`style="width: 25.00%"`, // s1's DRAM: 1 of 4 MiB
 		`class="hits" data-tier="dram" data-matched="150" data-probed="200"`, "75.0%",
+		`class="hits" data-tier="count-only lookups (no location)" data-matched="4"`,
 		`class="event" data-kind="drain"`, "1m30s ago", "draining store s2",
 	)
 	// The tiers come fastest first.

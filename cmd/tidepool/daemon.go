@@ -151,7 +151,7 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&m.advertise, "advertise", "", "gRPC address others reach this master at (default --listen)")
 	fs.StringVar(&m.raftAddr, "raft", defaultRaft, "address for raft traffic between masters; outgoing raft connections leave from its host")
 	fs.StringVar(&m.raftAdvertise, "raft-advertise", "", "raft address the other masters reach this one at, as named in --peers (default --raft)")
-	fs.StringVar(&m.peers, "peers", "", "initial voters of a new cluster as id=raftaddr,...; empty: this master alone")
+	fs.StringVar(&m.peers, "peers", "", "initial voters of a new cluster as id=raftaddr,...; empty: this master alone; a master not among them waits to be added, as with --join")
 	fs.BoolVar(&m.join, "join", false, "start without a cluster and wait to be added to one (tidepool admin members add); needs no --peers")
 	fs.DurationVar(&m.leaseTTL, "lease-ttl", master.DefaultLeaseTTL, "read lease granted with every get")
 	fs.DurationVar(&m.putTimeout, "put-timeout", master.DefaultPutTimeout, "revoke a put neither ended nor revoked after this")
@@ -254,7 +254,7 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	page := &statuspage.Page{Title: "master " + m.id, Status: srv.Status, Events: masterEvents(srv), Metrics: d.reg}
+	page := &statuspage.Page{Title: "master " + m.id, Status: srv.Status, Events: masterEvents(srv), Hits: srv.LookupHits}
 	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return leaderKnown(srv, m.id) }, nil, page, log)
 	if err != nil {
 		return errors.Join(err, stop())
@@ -491,7 +491,7 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	if err != nil {
 		return errors.Join(err, stopMaster())
 	}
-	page := &statuspage.Page{Title: "tidepool up (master m1, store store-0)", Status: srv.Status, Events: masterEvents(srv), Metrics: reg,
+	page := &statuspage.Page{Title: "tidepool up (master m1, store store-0)", Status: srv.Status, Events: masterEvents(srv), Hits: srv.LookupHits,
 		Node: s.id, Rails: n.Rails}
 	stopHTTP, err := serveHTTP(d.http, reg, func() error {
 		return errors.Join(leaderKnown(srv, m.id), registered(n))

@@ -105,19 +105,29 @@ func (c *Conn) do(ctx context.Context, call Call, once bool) error {
 	backoff := 20 * time.Millisecond
 	redirects := 0
 	w := newWaiting(ctx)
+	defer w.end()
+	var unavailable error // the last Unavailable answer, if any
 	for {
 		addr, cc, err := c.current()
 		if err != nil {
 			return err
 		}
+		w.trying(addr)
 		var trailer metadata.MD
 		err = call(ctx, cc, grpc.Trailer(&trailer))
 		if status.Code(err) != codes.Unavailable {
 			if err == nil {
 				c.maybeRefresh(cc)
 			}
+			if err != nil && !once && ctx.Err() != nil && unavailable != nil {
+				// Ended while still looking for a leader: say so, not
+				// how the last attempt was cut (for DoOnce, the cut
+				// attempt's outcome is the caller's to know).
+				return fmt.Errorf("no master leader reachable at %v: %w", c.addrs(), unavailable)
+			}
 			return err
 		}
+		unavailable = err
 		if _, refused := trailer[Trailer]; once && !refused && !framed.NotSent(err) {
 			c.rotate(addr) // the outcome is the caller's; the next call tries another master
 			return err

@@ -48,11 +48,16 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{ join "," $addrs }}
 {{- end -}}
 
-{{/* The initial voters, id=raftaddr for each master, for --peers. */}}
+{{/* The initial voters, id=raftaddr for each of the first
+master.initialReplicas masters, for --peers. */}}
 {{- define "tidepool.peers" -}}
 {{- $root := . -}}
+{{- $n := int .Values.master.initialReplicas -}}
+{{- if or (lt $n 1) (gt $n (int .Values.master.replicas)) -}}
+{{- fail (printf "master.initialReplicas is %d: it must be from 1 to master.replicas (%d)" $n (int .Values.master.replicas)) -}}
+{{- end -}}
 {{- $peers := list -}}
-{{- range $i := until (int .Values.master.replicas) -}}
+{{- range $i := until $n -}}
 {{- $peers = append $peers (printf "%s-master-%d=%s:%d" (include "tidepool.fullname" $root) $i (include "tidepool.masterHost" (list $root $i)) (int $root.Values.ports.raft)) -}}
 {{- end -}}
 {{ join "," $peers }}
