@@ -25,21 +25,26 @@ func benchTCP(b *testing.B, kind OpKind) {
 // moveEach moves size bytes at offset 0 of tgt once per iteration.
 func moveEach(b *testing.B, c *Engine, kind OpKind, tgt Target, size int) {
 	buf := make([]byte, size)
-	ctx := context.Background()
 	b.SetBytes(int64(size))
 	b.ResetTimer()
 	for range b.N {
-		batch := c.NewBatch()
-		if kind == OpRead {
-			batch.Read(buf, tgt, 0, Options{})
-		} else {
-			batch.Write(buf, tgt, 0, Options{})
-		}
-		if err := batch.Submit(ctx); err != nil {
-			b.Fatal(err)
-		}
-		if err := batch.Wait(ctx); err != nil {
-			b.Fatal(err)
-		}
+		moveOnce(b, c, kind, tgt, buf)
+	}
+}
+
+// moveOnce reads tgt into buf or writes buf to it, in one batch.
+func moveOnce(b *testing.B, c *Engine, kind OpKind, tgt Target, buf []byte) {
+	ctx := context.Background()
+	batch := c.NewBatch()
+	if kind == OpRead {
+		batch.Read(buf, tgt, 0, Options{})
+	} else {
+		batch.Write(buf, tgt, 0, Options{})
+	}
+	if err := batch.Submit(ctx); err != nil {
+		b.Fatal(err)
+	}
+	if err := batch.Wait(ctx); err != nil {
+		b.Fatal(err)
 	}
 }

@@ -2,7 +2,6 @@ package engine
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -152,25 +151,10 @@ func BenchmarkTicketCost(b *testing.B) {
 				guarded := startPeer(b, Config{Guard: g}, NewMemSegment("dram", make([]byte, size)))
 				c := newClient(b, Config{})
 				buf := make([]byte, size)
-				ctx := context.Background()
-				move := func(tgt Target) {
-					batch := c.NewBatch()
-					if kind == OpRead {
-						batch.Read(buf, tgt, 0, Options{})
-					} else {
-						batch.Write(buf, tgt, 0, Options{})
-					}
-					if err := batch.Submit(ctx); err != nil {
-						b.Fatal(err)
-					}
-					if err := batch.Wait(ctx); err != nil {
-						b.Fatal(err)
-					}
-				}
 				timed := func(tgt func() Target) time.Duration {
 					start := time.Now()
 					for range round {
-						move(tgt())
+						moveOnce(b, c, kind, tgt(), buf)
 					}
 					return time.Since(start)
 				}
