@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -119,10 +120,13 @@ func (c *Conn) do(ctx context.Context, call Call, once bool) error {
 			if err == nil {
 				c.maybeRefresh(cc)
 			}
-			if err != nil && !once && ctx.Err() != nil && unavailable != nil {
+			if err != nil && !once && ctx.Err() != nil && (unavailable != nil || neverConnected(err)) {
 				// Ended while still looking for a leader: say so, not
 				// how the last attempt was cut (for DoOnce, the cut
 				// attempt's outcome is the caller's to know).
+				if unavailable == nil {
+					unavailable = status.Error(codes.Unavailable, status.Convert(err).Message())
+				}
 				return fmt.Errorf("no master leader reachable at %v: %w", c.addrs(), unavailable)
 			}
 			return err
@@ -150,6 +154,13 @@ func (c *Conn) do(ctx context.Context, call Call, once bool) error {
 		}
 		backoff = min(2*backoff, time.Second)
 	}
+}
+
+// neverConnected reports whether err ended a gRPC call that was still
+// waiting for its connection (a master that is down, reached through the
+// fallback connection), as grpc-go words it: the call reached no master.
+func neverConnected(err error) bool {
+	return strings.Contains(status.Convert(err).Message(), "while waiting for connections to become ready")
 }
 
 func (c *Conn) current() (string, grpc.ClientConnInterface, error) {
