@@ -108,8 +108,8 @@ func (a *Authenticator) Check(ctx context.Context, method string) (context.Conte
 
 func (a *Authenticator) identify(ctx context.Context) (Identity, error) {
 	md, _ := metadata.FromIncomingContext(ctx)
-	if vals := md.Get("authorization"); len(vals) > 0 {
-		token, ok := strings.CutPrefix(vals[0], "Bearer ")
+	if vals := md.Get(authorization); len(vals) > 0 {
+		token, ok := strings.CutPrefix(vals[0], bearerPrefix)
 		switch {
 		case a.tokens == nil:
 			return Identity{}, a.refuse(ctx, reasonNoTokens, codes.Unauthenticated, "a token was given, but this server has no tokens file")
@@ -192,8 +192,20 @@ type bearer struct {
 }
 
 func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + b.token}, nil
+	return map[string]string{authorization: bearerPrefix + b.token}, nil
 }
+
+// BearerMetadata is token as the metadata a server reads it from (framed
+// connections send it once, in their hello).
+func BearerMetadata(token string) metadata.MD {
+	return metadata.Pairs(authorization, bearerPrefix+token)
+}
+
+// The metadata of a bearer token.
+const (
+	authorization = "authorization"
+	bearerPrefix  = "Bearer "
+)
 
 func (b bearer) RequireTransportSecurity() bool { return b.secureReq }
 

@@ -59,7 +59,24 @@ func (f Files) ServerConfig(requireClientCert bool) (*tls.Config, error) {
 	if requireClientCert {
 		auth = tls.RequireAndVerifyClientCert
 	}
-	return &tls.Config{Certificates: certs, ClientCAs: pool, ClientAuth: auth, MinVersion: tls.VersionTLS13}, nil
+	// h2: gRPC clients insist on ALPN; framed and raft clients offer none.
+	return &tls.Config{Certificates: certs, ClientCAs: pool, ClientAuth: auth, MinVersion: tls.VersionTLS13, NextProtos: []string{"h2"}}, nil
+}
+
+// RequireRole returns cfg (a ServerConfig) requiring of every client a
+// certificate the CA signed for one of roles: raft between masters, where
+// a token is no use.
+func RequireRole(cfg *tls.Config, roles ...Role) *tls.Config {
+	cfg = cfg.Clone()
+	cfg.ClientAuth = tls.RequireAndVerifyClientCert
+	cfg.VerifyConnection = func(cs tls.ConnectionState) error {
+		id, ok := PeerIdentity(cs)
+		if !ok || !slices.Contains(roles, id.Role) {
+			return fmt.Errorf("TLS: the client's certificate is for %q, not a %v", id.Role, roles)
+		}
+		return nil
+	}
+	return cfg
 }
 
 // ClientConfig is a caller's side: the server must present a certificate

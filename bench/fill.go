@@ -43,7 +43,7 @@ func Fill(ctx context.Context, cfg FillConfig) (time.Duration, error) {
 	if len(cfg.Prefix)+9 > cfg.KeyBytes {
 		return 0, fmt.Errorf("bench fill: keys of %d bytes cannot hold the prefix %q and a 9-digit count", cfg.KeyBytes, cfg.Prefix)
 	}
-	c, err := leaderconn.Dial(cfg.Masters)
+	c, err := leaderconn.Dial(cfg.Masters, leaderconn.Credentials{})
 	if err != nil {
 		return 0, fmt.Errorf("bench fill: %w", err)
 	}

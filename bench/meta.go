@@ -74,7 +74,7 @@ func Meta(ctx context.Context, cfg MetaConfig, row func(MetaRow)) ([]MetaRow, er
 	}
 	conns := make([]*leaderconn.Conn, slices.Max(cfg.Clients))
 	for i := range conns {
-		c, err := leaderconn.Dial(cfg.Masters)
+		c, err := leaderconn.Dial(cfg.Masters, leaderconn.Credentials{})
 		if err != nil {
 			closeAll(conns)
 			return nil, fmt.Errorf("bench meta: %w", err)

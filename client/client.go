@@ -24,6 +24,9 @@ import (
 type Config struct {
 	// Masters are the gRPC addresses of the masters, any of them.
 	Masters []string
+	// Credentials are what the client shows the masters (its token or
+	// certificate); EngineConfig.PeerTLS, what it expects of stores.
+	Credentials leaderconn.Credentials
 	// Engine moves the bytes; nil creates one from EngineConfig that Close
 	// closes.
 	Engine       *engine.Engine
@@ -73,7 +76,7 @@ type Client struct {
 
 // New returns a client of the cluster; it connects lazily.
 func New(cfg Config) (*Client, error) {
-	masters, err := leaderconn.Dial(cfg.Masters)
+	masters, err := leaderconn.Dial(cfg.Masters, cfg.Credentials)
 	if err != nil {
 		return nil, fmt.Errorf("client: %w", err)
 	}

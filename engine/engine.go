@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -55,6 +56,13 @@ type Config struct {
 	// NoShm turns off the same-host transports that reach a peer's segment through /proc: shm
 	// (shared memory) and file (FileBacked segments). Ops to other engines then go over the rails.
 	NoShm bool
+	// TLS, if set, is the server side of this engine's listeners: every
+	// peer connection opens with a TLS handshake (within HandshakeTimeout).
+	TLS *tls.Config
+	// PeerTLS, if set, is the client side of the TCP transport's dials:
+	// peers must serve TLS with a certificate it accepts. Unlike TLS, it
+	// does not apply to a Transport given in the config.
+	PeerTLS *tls.Config
 }
 
 // Guard admits or refuses a peer's read or write before the server touches the segment.
@@ -176,7 +184,7 @@ func New(cfg Config) *Engine {
 		slots: make(chan struct{}, cfg.MaxInflight),
 	}
 	if e.tr == nil {
-		tcp := newTCPTransport(cfg.ConnsPerPeer, cfg.DialTimeout)
+		tcp := newTCPTransport(cfg.ConnsPerPeer, cfg.DialTimeout, cfg.PeerTLS)
 		e.tr = tcp
 		e.local = newLocalTransport(&e.segs)
 		e.near = append(e.near, e.local)

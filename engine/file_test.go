@@ -115,7 +115,7 @@ func newFileFixture(t testing.TB, dir string, size int64) *fileFixture {
 		reg: prometheus.NewRegistry(),
 	}
 	f.addr = startPeer(t, Config{Registerer: f.reg}, f.seg, f.mem, NewMemSegment("plain", make([]byte, 4096))).addr
-	f.tcp = newTCPTransport(2, time.Second)
+	f.tcp = newTCPTransport(2, time.Second, nil)
 	t.Cleanup(func() { f.tcp.Close() })
 	f.file = f.newFile(t, f.tcp.describe)
 	return f

@@ -58,7 +58,7 @@ func newMetrics(reg prometheus.Registerer, log *slog.Logger) *metrics {
 		}, []string{"op"})),
 		dropped: register(reg, log, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tidepool_engine_server_conns_dropped_total",
-			Help: "Server connections closed by a bound, by reason: idle (past the idle timeout), evicted (the longest idle, for a new one at the cap, or at its peer host's cap), refused (at a cap, none idle), stalled (a request's peer sent nothing within the stall timeout), busy (no staging buffer freed in time).",
+			Help: "Server connections closed by a bound, by reason: idle (past the idle timeout), evicted (the longest idle, for a new one at the cap, or at its peer host's cap), refused (at a cap, none idle), stalled (a request's peer sent nothing within the stall timeout), busy (no staging buffer freed in time), tls (a TLS handshake failed or timed out).",
 		}, []string{"reason"})),
 		classBytes: register(reg, log, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "tidepool_engine_class_bytes_total",

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"bufio"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -15,6 +16,18 @@ func (e *Engine) serveConn(nc net.Conn, idle *connIdle) {
 	defer e.wg.Done()
 	defer e.untrackConn(nc)
 	tuneConn(nc)
+	if e.cfg.TLS != nil {
+		// untrackConn and the caps close the TCP connection beneath.
+		tc := tls.Server(nc, e.cfg.TLS)
+		_ = nc.SetDeadline(time.Now().Add(handshakeTimeout))
+		if err := tc.Handshake(); err != nil {
+			e.met.droppedConn("tls")
+			e.log.Debug("engine: TLS handshake failed", "peer", nc.RemoteAddr(), "err", err)
+			return
+		}
+		_ = nc.SetDeadline(time.Time{})
+		nc = tc
+	}
 	s := serverConn{e: e, nc: nc, in: deadlineReader{nc: nc}}
 	s.br = bufio.NewReaderSize(&s.in, connReadBuf)
 	for {
@@ -63,6 +76,9 @@ func isTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
 }
+
+// handshakeTimeout bounds a peer connection's TLS handshake.
+const handshakeTimeout = 10 * time.Second
 
 // A request must finish within requestGrace plus its length at minPeerRate
 // bytes per second, or the server drops the connection.

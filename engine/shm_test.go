@@ -57,7 +57,7 @@ func newShmFixture(t testing.TB, size int, extra ...Segment) *shmFixture {
 	t.Helper()
 	f := &shmFixture{seg: newMemfdSegment(t, "dram0", size)}
 	f.addr = startPeer(t, Config{}, append([]Segment{f.seg}, extra...)...).addr
-	f.tcp = newTCPTransport(2, time.Second)
+	f.tcp = newTCPTransport(2, time.Second, nil)
 	t.Cleanup(func() { f.tcp.Close() })
 	f.shm = f.newShm(t, f.tcp.describe)
 	return f
@@ -163,7 +163,7 @@ func TestDescribe(t *testing.T) {
 
 func TestDescribeStuckPeer(t *testing.T) {
 	b := newBlackhole(t)
-	tr := newTCPTransport(1, time.Second)
+	tr := newTCPTransport(1, time.Second, nil)
 	defer tr.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()

@@ -3,6 +3,7 @@ package engine
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -16,6 +17,7 @@ import (
 type tcpTransport struct {
 	conns  int
 	dialer net.Dialer
+	tls    *tls.Config // nil: plaintext
 
 	mu struct {
 		sync.Mutex
@@ -55,15 +57,15 @@ func NewTCPTransport(connsPerRail int, dialTimeout time.Duration) Transport {
 	if dialTimeout <= 0 {
 		dialTimeout = defaultDialTimeout
 	}
-	return newTCPTransport(connsPerRail, dialTimeout)
+	return newTCPTransport(connsPerRail, dialTimeout, nil)
 }
 
 // SliceBase is 256 KiB: on loopback, 64 KiB slices spend as much time in
 // per-round-trip system calls as in copying (see docs/benchmarks.md).
 func (t *tcpTransport) SliceBase() int { return 256 << 10 }
 
-func newTCPTransport(conns int, dialTimeout time.Duration) *tcpTransport {
-	t := &tcpTransport{conns: conns, dialer: net.Dialer{Timeout: dialTimeout, KeepAlive: 30 * time.Second}}
+func newTCPTransport(conns int, dialTimeout time.Duration, tlsCfg *tls.Config) *tcpTransport {
+	t := &tcpTransport{conns: conns, dialer: net.Dialer{Timeout: dialTimeout, KeepAlive: 30 * time.Second}, tls: tlsCfg}
 	t.mu.peers = make(map[string]*tcpPeer)
 	t.mu.all = make(map[*tcpConn]struct{})
 	return t
@@ -180,6 +182,12 @@ func (t *tcpTransport) acquire(ctx context.Context, p *tcpPeer) (*tcpConn, error
 		return nil, fmt.Errorf("%w: dial %s: %w", ErrUnavailable, p.addr, err)
 	}
 	tuneConn(nc)
+	if t.tls != nil {
+		if nc, err = t.handshake(ctx, nc, p.addr); err != nil {
+			<-p.slots
+			return nil, err
+		}
+	}
 	c := &tcpConn{nc: nc, br: bufio.NewReaderSize(nc, connReadBuf)}
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -190,6 +198,27 @@ func (t *tcpTransport) acquire(ctx context.Context, p *tcpPeer) (*tcpConn, error
 	}
 	t.mu.all[c] = struct{}{}
 	return c, nil
+}
+
+// handshake runs TLS's client side on nc, within the dial timeout; it
+// closes nc on failure.
+func (t *tcpTransport) handshake(ctx context.Context, nc net.Conn, addr string) (net.Conn, error) {
+	cfg := t.tls
+	if cfg.ServerName == "" {
+		cfg = cfg.Clone()
+		cfg.ServerName, _, _ = net.SplitHostPort(addr)
+	}
+	hctx, cancel := context.WithTimeout(ctx, t.dialer.Timeout)
+	defer cancel()
+	tc := tls.Client(nc, cfg)
+	if err := tc.HandshakeContext(hctx); err != nil {
+		nc.Close()
+		if ctx.Err() != nil {
+			return nil, context.Cause(ctx)
+		}
+		return nil, fmt.Errorf("%w: TLS with %s: %w", ErrUnavailable, addr, err)
+	}
+	return tc, nil
 }
 
 // release returns c to the idle pool if keep, else closes it; either way it frees c's slot.

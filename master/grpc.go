@@ -200,6 +200,11 @@ func (s *Server) leaderOnly() error {
 // intercept counts requests by method and code and turns errors into statuses.
 func (s *Server) intercept(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 	start := time.Now()
+	ctx, err := s.authorize(ctx, info.FullMethod)
+	if err != nil {
+		s.metrics.request(info.FullMethod, status.Code(err), time.Since(start))
+		return nil, err
+	}
 	resp, err := h(ctx, req)
 	if err != nil {
 		if _, ok := status.FromError(err); !ok || errors.Is(err, ErrNotLeader) {

@@ -96,7 +96,7 @@ func (s *Server) probeAll(ctx context.Context, servers []raft.Server) map[string
 			continue
 		}
 		go func() { // each ends within probeTimeout
-			_, err := probe(ctx, s.fsm.member(id))
+			_, err := s.probe(ctx, s.fsm.member(id))
 			ch <- answer{id, err == nil}
 		}()
 	}
@@ -108,13 +108,13 @@ func (s *Server) probeAll(ctx context.Context, servers []raft.Server) map[string
 }
 
 // probe asks the master at addr for its status.
-func probe(ctx context.Context, addr string) (*pb.StatusResponse, error) {
+func (s *Server) probe(ctx context.Context, addr string) (*pb.StatusResponse, error) {
 	if addr == "" {
 		return nil, errors.New("no gRPC address known")
 	}
 	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
-	conn, err := leaderconn.Dial([]string{addr}) // framed, as clients call
+	conn, err := leaderconn.Dial([]string{addr}, s.peerCreds()) // framed, as clients call
 	if err != nil {
 		return nil, err
 	}
@@ -183,7 +183,7 @@ func (a *adminService) AddMember(ctx context.Context, req *pb.AddMemberRequest) 
 			return nil, fmt.Errorf("%w: raft address %s is master %s's", ErrInvalidRequest, req.RaftAddress, srv.ID)
 		}
 	}
-	st, err := probe(ctx, req.GrpcAddress)
+	st, err := s.probe(ctx, req.GrpcAddress)
 	if err != nil {
 		return nil, fmt.Errorf("%w: master %s does not answer at %s (start it with --join first): %v", ErrQuorum, req.Id, req.GrpcAddress, err)
 	}
@@ -329,7 +329,7 @@ func (s *Server) announce(ctx context.Context, leader string) error {
 			raftAddr = string(srv.Address)
 		}
 	}
-	conn, err := leaderconn.Dial([]string{leader})
+	conn, err := leaderconn.Dial([]string{leader}, s.peerCreds())
 	if err != nil {
 		return err
 	}

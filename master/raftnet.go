@@ -16,6 +16,7 @@ type raftStream struct {
 	net.Listener
 	advertise net.Addr
 	local     *net.TCPAddr // nil: any
+	tls       *raftTLS     // nil: plaintext
 }
 
 // advertised is an address as peers name it: a DNS name stays a name, so
@@ -26,7 +27,7 @@ type advertised string
 func (a advertised) Network() string { return "tcp" }
 func (a advertised) String() string  { return string(a) }
 
-func listenRaft(bind, advertise string) (*raftStream, error) {
+func listenRaft(bind, advertise string, sec Security) (*raftStream, error) {
 	host, port, err := net.SplitHostPort(advertise)
 	if err != nil || port == "" {
 		return nil, fmt.Errorf("master: raft address %q: want host:port", advertise)
@@ -38,7 +39,7 @@ func listenRaft(bind, advertise string) (*raftStream, error) {
 	if err != nil {
 		return nil, fmt.Errorf("master: raft transport on %s: %w", bind, err)
 	}
-	s := &raftStream{Listener: ln, advertise: advertised(advertise)}
+	s := &raftStream{Listener: ln, advertise: advertised(advertise), tls: newRaftTLS(sec)}
 	if a, ok := ln.Addr().(*net.TCPAddr); ok && !a.IP.IsUnspecified() {
 		s.local = &net.TCPAddr{IP: a.IP}
 	}
@@ -54,5 +55,19 @@ func (s *raftStream) Dial(addr raft.ServerAddress, timeout time.Duration) (net.C
 	if s.local != nil {
 		d.LocalAddr = s.local
 	}
-	return d.Dial("tcp", string(addr))
+	conn, err := d.Dial("tcp", string(addr))
+	if err != nil || s.tls == nil {
+		return conn, err
+	}
+	host, _, _ := net.SplitHostPort(string(addr))
+	return s.tls.dialled(conn, host, timeout)
+}
+
+// Accept implements raft.StreamLayer.
+func (s *raftStream) Accept() (net.Conn, error) {
+	conn, err := s.Listener.Accept()
+	if err != nil || s.tls == nil {
+		return conn, err
+	}
+	return s.tls.accepted(conn), nil
 }

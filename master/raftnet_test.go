@@ -23,7 +23,7 @@ func TestListenRaftAdvertise(t *testing.T) {
 		{":7000", false},
 		{"master-0", false},
 	} {
-		s, err := listenRaft("127.0.0.1:0", tc.advertise)
+		s, err := listenRaft("127.0.0.1:0", tc.advertise, Security{})
 		if (err == nil) != tc.ok {
 			t.Errorf("listenRaft(%q): %v, want ok %v", tc.advertise, err, tc.ok)
 		}

@@ -91,7 +91,7 @@ func review10Cluster(t testing.TB, n int, tweak func(*Config)) (*cluster, []*rev
 
 func review10Dial(t testing.TB, addrs ...string) *leaderconn.Conn {
 	t.Helper()
-	c, err := leaderconn.Dial(addrs)
+	c, err := leaderconn.Dial(addrs, leaderconn.Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +144,7 @@ func TestReview10FramedClusterFailover(t *testing.T) {
 	addrs = append(addrs, leader.addr)
 
 	// A follower's refusal, framed: the code and the trailer.
-	fc := framed.NewClient(addrs[0], nil)
+	fc := framed.NewClient(addrs[0], nil, framed.Credentials{})
 	defer fc.Close()
 	var tr metadata.MD
 	_, err := pb.NewMasterClient(fc).Exists(rpcCtx(t), &pb.KeysRequest{Keys: []string{"k"}}, grpc.Trailer(&tr))

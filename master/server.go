@@ -3,6 +3,7 @@ package master
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -23,6 +24,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/tidepool-kv/tidepool/auth"
 	"github.com/tidepool-kv/tidepool/master/framed"
 	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	"github.com/tidepool-kv/tidepool/master/logstore"
@@ -92,10 +94,30 @@ type Config struct {
 	// objects that may never be demoted.
 	NoWriteBack bool
 
+	// Security is who may call this master and what it shows its peers;
+	// zero: plaintext, and every caller may do anything (as before TLS).
+	Security Security
+
 	Registerer prometheus.Registerer // nil: no metrics
 	Logger     *slog.Logger          // nil: discard
 	Now        func() time.Time      // nil: time.Now
 }
+
+// Security configures TLS and authentication.
+type Security struct {
+	// TLS, if set, is the server side of the master's port (gRPC and
+	// framed) and, requiring a master's certificate, of raft.
+	TLS *tls.Config
+	// PeerTLS is the client side when this master calls another (raft,
+	// announcements, probes): it presents this master's certificate. It
+	// must be set with TLS.
+	PeerTLS *tls.Config
+	// Tokens, if set, are the bearer tokens callers may present. With
+	// TLS or Tokens set, a call without a credential is refused.
+	Tokens *auth.Tokens
+}
+
+func (s Security) enabled() bool { return s.TLS != nil || s.Tokens != nil }
 
 // Server is one master: a raft node with the FSM and the gRPC services.
 type Server struct {
@@ -118,6 +140,7 @@ type Server struct {
 
 	grpc   *grpc.Server
 	framed *framed.Server
+	auth   *auth.Authenticator // nil: every caller may do anything
 
 	mu struct {
 		sync.Mutex
@@ -195,12 +218,31 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
+	if (cfg.Security.TLS == nil) != (cfg.Security.PeerTLS == nil) {
+		return nil, errors.New("master: Security.TLS and Security.PeerTLS go together")
+	}
 	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable(), listings: newListings()}
 	// Stop waits for the handlers, while raft still runs (see Close).
-	s.grpc = grpc.NewServer(append(leaderconn.ServerOptions(), grpc.UnaryInterceptor(s.intercept),
-		grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20), grpc.WaitForHandlers(true))...)
+	opts := append(leaderconn.ServerOptions(), grpc.UnaryInterceptor(s.intercept),
+		grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20), grpc.WaitForHandlers(true))
+	if cfg.Security.TLS != nil {
+		opts = append(opts, grpc.Creds(framed.TLSCredentials()))
+	}
+	if cfg.Security.enabled() {
+		a, err := auth.NewAuthenticator(auth.AuthenticatorConfig{Tokens: cfg.Security.Tokens, Policy: Policy(),
+			Registerer: cfg.Registerer, Logger: cfg.Logger})
+		if err != nil {
+			return nil, fmt.Errorf("master: %w", err)
+		}
+		s.auth = a
+		opts = append(opts, grpc.StreamInterceptor(a.StreamInterceptor()))
+	}
+	s.grpc = grpc.NewServer(opts...)
 	// The same services' unary calls, framed, on the same port (see Serve).
 	s.framed = framed.NewServer(s.intercept, cfg.Logger)
+	if cfg.Security.TLS != nil {
+		s.framed.RequireTLS(cfg.Security.TLS)
+	}
 	for _, r := range []grpc.ServiceRegistrar{s.grpc, s.framed} {
 		pb.RegisterMasterServer(r, &masterService{s: s})
 		pb.RegisterRegistryServer(r, &registryService{s: s})
@@ -256,7 +298,7 @@ func (s *Server) startRaft() error {
 	}
 	s.trans = s.cfg.Transport
 	if s.trans == nil {
-		stream, err := listenRaft(s.cfg.RaftAddr, cmp.Or(s.cfg.RaftAdvertise, s.cfg.RaftAddr))
+		stream, err := listenRaft(s.cfg.RaftAddr, cmp.Or(s.cfg.RaftAdvertise, s.cfg.RaftAddr), s.cfg.Security)
 		if err != nil {
 			return err
 		}

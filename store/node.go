@@ -27,6 +27,9 @@ type Config struct {
 	// ID names the node; it must be stable across restarts of the same node.
 	ID      string
 	Masters []string
+	// Credentials are what the node shows the masters: a store's
+	// certificate or token where the pool has security.
+	Credentials leaderconn.Credentials
 	// Listen is the transfer engine's listen address, e.g. "127.0.0.1:0",
 	// or several separated by commas: one rail each.
 	Listen string
@@ -114,7 +117,7 @@ func New(cfg Config) (*Node, error) {
 	if cfg.CopyConcurrency <= 0 {
 		cfg.CopyConcurrency = 4
 	}
-	masters, err := leaderconn.Dial(cfg.Masters)
+	masters, err := leaderconn.Dial(cfg.Masters, cfg.Credentials)
 	if err != nil {
 		return nil, fmt.Errorf("store: %w", err)
 	}

@@ -100,7 +100,11 @@ func adminCommand(ctx context.Context, e *env, limit time.Duration, name, argsHe
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}
-	conn, err := leaderconn.Dial(m.list())
+	creds, err := m.masters()
+	if err != nil {
+		return nil, nil, nil, nil, err
+	}
+	conn, err := leaderconn.Dial(m.list(), creds)
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}

@@ -70,6 +70,14 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	}
 	cfg.Masters, cfg.Logger = m.list(), log.With("component", "client")
 	cfg.EngineConfig = engine.Config{NoShm: *noShm, Registerer: d.reg}
+	if cfg.Credentials, err = m.masters(); err != nil {
+		ln.Close()
+		return err
+	}
+	if cfg.EngineConfig.PeerTLS, err = m.stores(); err != nil {
+		ln.Close()
+		return err
+	}
 	cfg.SharedBuffers = true // gets land in regions local processes write too
 	c, err := client.New(cfg)
 	if err != nil {
@@ -79,7 +87,7 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 	var node *store.Node
 	if segBytes > 0 {
 		st := storeFlags{id: *segID, listen: *segListen, advertise: *segAdvertise, tiers: listFlag{"dram:" + *segment}, indexSync: 5 * time.Second, copies: 4}
-		if node, err = startStore(&st, cfg.Masters, d.reg, log); err != nil {
+		if node, err = startStore(&st, cfg.Masters, &m.credentials, d.reg, log); err != nil {
 			ln.Close()
 			return errors.Join(err, c.Close())
 		}

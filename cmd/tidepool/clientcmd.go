@@ -22,14 +22,17 @@ import (
 
 // masters is the --masters flag: explicit, else TIDEPOOL_MASTERS, else the
 // local default.
+// Its credentials are the flags of TLS and tokens.
 type masters struct {
 	flag listFlag
 	env  string
+	credentials
 }
 
 func mastersFlag(fs *flag.FlagSet, e *env) *masters {
 	m := &masters{env: e.getenv("TIDEPOOL_MASTERS")}
 	fs.Var(&m.flag, "masters", "master gRPC addresses host:port[,host:port...] (default $TIDEPOOL_MASTERS or "+defaultMaster+")")
+	m.credentials.register(fs)
 	return m
 }
 
@@ -62,6 +65,12 @@ func clientCommand(ctx context.Context, e *env, limit time.Duration, name, argsH
 		return nil, nil, nil, nil, err
 	}
 	cfg.Masters, cfg.EngineConfig = m.list(), engine.Config{NoShm: *noShm}
+	if cfg.Credentials, err = m.masters(); err != nil {
+		return nil, nil, nil, nil, err
+	}
+	if cfg.EngineConfig.PeerTLS, err = m.stores(); err != nil {
+		return nil, nil, nil, nil, err
+	}
 	c, err := client.New(cfg)
 	if err != nil {
 		return nil, nil, nil, nil, err

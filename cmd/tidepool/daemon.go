@@ -11,9 +11,12 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"github.com/hashicorp/raft"
@@ -22,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/net/netutil"
 
+	"github.com/tidepool-kv/tidepool/auth"
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master"
 	"github.com/tidepool-kv/tidepool/statuspage"
@@ -142,6 +146,8 @@ type masterFlags struct {
 	placement                                   string
 	promoteAfter                                int
 	noWriteBack                                 bool
+	tls                                         auth.Files
+	tokens                                      string
 }
 
 func (m *masterFlags) register(fs *flag.FlagSet) {
@@ -160,6 +166,8 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.Float64Var(&m.highWatermark, "high-watermark", master.DefaultHighWatermark, "evict from a segment fuller than this fraction")
 	fs.Float64Var(&m.evictRatio, "evict-ratio", master.DefaultEvictRatio, "how far below the high watermark eviction goes")
 	promoteFlag(fs, &m.promoteAfter)
+	tlsFlags(fs, &m.tls)
+	fs.StringVar(&m.tokens, "tokens", "", "tokens file (JSON: name, role, tenant, sha256 of each bearer token; reread on SIGHUP); with it or TLS, every call needs a token or a client certificate")
 	fs.BoolVar(&m.noWriteBack, "no-write-back", false, "copy cold DRAM objects to SSD only when demoting them, not ahead of need (fewer SSD writes; puts spill to SSD while DRAM is full)")
 }
 
@@ -189,6 +197,22 @@ func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (maste
 	}
 	if cfg.Advertise == "" {
 		cfg.Advertise = m.listen
+	}
+	if m.tls.Enabled() {
+		var err error
+		if cfg.Security.TLS, err = m.tls.ServerConfig(false); err != nil {
+			return cfg, fmt.Errorf("%w: %v", errUsage, err)
+		}
+		if cfg.Security.PeerTLS, err = m.tls.ClientConfig(auth.Master); err != nil {
+			return cfg, fmt.Errorf("%w: %v", errUsage, err)
+		}
+	}
+	if m.tokens != "" {
+		t, err := auth.LoadTokens(m.tokens)
+		if err != nil {
+			return cfg, fmt.Errorf("--tokens: %w", err)
+		}
+		cfg.Security.Tokens = t
 	}
 	if m.highWatermark <= 0 || m.highWatermark > 1 || m.evictRatio < 0 || m.evictRatio >= m.highWatermark {
 		return cfg, fmt.Errorf("%w: --high-watermark must be in (0, 1] and --evict-ratio in [0, high watermark)", errUsage)
@@ -232,13 +256,49 @@ func startMaster(m *masterFlags, reg prometheus.Registerer, log *slog.Logger) (s
 		defer close(served)
 		serveErr = srv.Serve(ln)
 	}()
-	log.Info("master serving", "id", m.id, "grpc", ln.Addr().String(), "raft", m.raftAddr, "dir", m.dir)
+	log.Info("master serving", "id", m.id, "grpc", ln.Addr().String(), "raft", m.raftAddr, "dir", m.dir,
+		"tls", m.tls.Enabled(), "tokens", m.tokens)
+	stopReload := reloadOnHangup(cfg.Security.Tokens, log)
 	stop = func() error {
+		stopReload()
 		err := srv.Close()
 		<-served
 		return errors.Join(err, serveErr)
 	}
 	return srv, served, stop, nil
+}
+
+// reloadOnHangup rereads the tokens file on each SIGHUP until the
+// returned stop; a file that fails to load leaves the tokens in use.
+func reloadOnHangup(tokens *auth.Tokens, log *slog.Logger) (stop func()) {
+	if tokens == nil {
+		return func() {}
+	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-hup:
+				if err := tokens.Reload(); err != nil {
+					log.Error("tokens file not reloaded; the tokens read before stay in use", "err", err)
+					continue
+				}
+				log.Info("tokens file reloaded", "tokens", tokens.Len())
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() {
+		signal.Stop(hup)
+		close(done)
+		wg.Wait()
+	}
 }
 
 func runMaster(ctx context.Context, e *env, args []string) error {
@@ -383,13 +443,28 @@ func mountTiers(specs []string) ([]tiers.Tier, error) {
 	return out, nil
 }
 
-func startStore(s *storeFlags, masters []string, reg prometheus.Registerer, log *slog.Logger) (*store.Node, error) {
+// startStore starts a store node of the masters, showing them creds; with
+// TLS, its engine serves TLS with creds' certificate.
+func startStore(s *storeFlags, masters []string, creds *credentials, reg prometheus.Registerer, log *slog.Logger) (*store.Node, error) {
+	mc, err := creds.masters()
+	if err != nil {
+		return nil, err
+	}
+	var ecfg engine.Config
+	if creds.files.Enabled() {
+		if ecfg.TLS, err = creds.files.ServerConfig(false); err != nil {
+			return nil, fmt.Errorf("%w: %v", errUsage, err)
+		}
+		if ecfg.PeerTLS, err = creds.stores(); err != nil {
+			return nil, err
+		}
+	}
 	ts, err := mountTiers(s.tiers)
 	if err != nil {
 		return nil, err
 	}
 	n, err := store.New(store.Config{
-		ID: s.id, Masters: masters, Listen: s.listen, Advertise: s.advertise,
+		ID: s.id, Masters: masters, Credentials: mc, Listen: s.listen, Advertise: s.advertise, Engine: ecfg,
 		Tiers: ts, IndexSyncInterval: s.indexSync, CopyConcurrency: s.copies, Prefault: s.prefault, Registerer: reg, Logger: log.With("component", "store"),
 	})
 	if err != nil {
@@ -415,7 +490,7 @@ func runStore(ctx context.Context, e *env, args []string) error {
 		s.tiers = listFlag{"dram:1GiB"}
 	}
 	log := d.log
-	n, err := startStore(&s, masters.list(), d.reg, log)
+	n, err := startStore(&s, masters.list(), &masters.credentials, d.reg, log)
 	if err != nil {
 		return err
 	}
@@ -465,20 +540,32 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	promoteFlag(fs, &promoteAfter)
 	var prefault bool
 	prefaultFlag(fs, &prefault)
+	secure := fs.Bool("secure", false, "TLS on every connection and a token or certificate for every call: makes a development CA, certificates and tokens under DIR/certs once (see tidepool certs init) and prints how to call the pool")
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
 		return err
 	}
+	var certs devCerts
+	if *secure {
+		if certs, err = ensureDevCerts(filepath.Join(*dir, "certs"), d.log); err != nil {
+			return err
+		}
+	}
 	if *nMasters > 1 || *nStores > 1 {
 		return runCluster(ctx, e, d, clusterSpec{
 			masters: *nMasters, stores: *nStores, dir: *dir, listen: *listen, raft: *raftAddr, engine: *engineAddr,
-			dram: *dram, ssd: *ssd, leaseTTL: *leaseTTL, promoteAfter: promoteAfter, prefault: prefault,
+			dram: *dram, ssd: *ssd, leaseTTL: *leaseTTL, promoteAfter: promoteAfter, prefault: prefault, certs: certs,
 		})
 	}
 	log, reg := d.log, d.reg
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
 		leaseTTL: *leaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL,
 		highWatermark: master.DefaultHighWatermark, evictRatio: master.DefaultEvictRatio, promoteAfter: promoteAfter}
+	var storeCreds credentials
+	if certs != "" {
+		m.tls, m.tokens = certs.files(auth.Master), certs.path("tokens.json")
+		storeCreds.files = certs.files(auth.Store)
+	}
 	srv, served, stopMaster, err := startMaster(&m, reg, log)
 	if err != nil {
 		return err
@@ -487,7 +574,7 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	if *ssd != "0" {
 		s.tiers = append(s.tiers, "ssd:"+filepath.Join(*dir, "ssd")+":"+*ssd)
 	}
-	n, err := startStore(&s, []string{*listen}, reg, log)
+	n, err := startStore(&s, []string{*listen}, &storeCreds, reg, log)
 	if err != nil {
 		return errors.Join(err, stopMaster())
 	}
@@ -501,7 +588,11 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	}
 	select {
 	case <-n.Registered():
-		log.Info("tidepool is up", "masters", *listen, "hint", "tidepool put KEY FILE; tidepool get KEY")
+		if certs != "" {
+			log.Info("tidepool is up, secure", "masters", *listen, "hint", certs.hint())
+		} else {
+			log.Info("tidepool is up", "masters", *listen, "hint", "tidepool put KEY FILE; tidepool get KEY")
+		}
 	case <-ctx.Done():
 	}
 	select {

@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/tidepool-kv/tidepool/auth"
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/statuspage"
 )
@@ -39,6 +40,7 @@ type clusterSpec struct {
 	leaseTTL                             time.Duration
 	promoteAfter                         int
 	prefault                             bool
+	certs                                devCerts // empty: not secure
 }
 
 // child is one process of the cluster.
@@ -93,6 +95,9 @@ func (c clusterSpec) argvs(httpAddr, level string) (names, https []string, argvs
 		argvs = append(argvs, []string{"master", "--id", id, "--dir", filepath.Join(c.dir, id), "--listen", grpcs[i], "--raft", rafts[i],
 			"--http", h, "--peers", strings.Join(peers, ","), "--lease-ttl", c.leaseTTL.String(),
 			"--promote-after", strconv.Itoa(c.promoteAfter), "--log-level", level})
+		if c.certs != "" {
+			argvs[i] = append(argvs[i], append(c.certs.flags(auth.Master), "--tokens", c.certs.path("tokens.json"))...)
+		}
 	}
 	for j := range c.stores {
 		id := fmt.Sprintf("store-%d", j)
@@ -102,6 +107,9 @@ func (c clusterSpec) argvs(httpAddr, level string) (names, https []string, argvs
 			"--tier", "dram:" + c.dram, "--prefault=" + strconv.FormatBool(c.prefault), "--log-level", level}
 		if c.ssd != "0" {
 			argv = append(argv, "--tier", "ssd:"+filepath.Join(c.dir, id)+":"+c.ssd)
+		}
+		if c.certs != "" {
+			argv = append(argv, c.certs.flags(auth.Store)...)
 		}
 		argvs = append(argvs, argv)
 	}
@@ -168,7 +176,18 @@ func runCluster(ctx context.Context, e *env, d *daemon, spec clusterSpec) error 
 		return errors.Join(errs...)
 	}
 	// The cluster's page, as its masters answer; each child serves its own.
-	mc, err := client.New(client.Config{Masters: masters, Logger: log})
+	cc := client.Config{Masters: masters, Logger: log}
+	if spec.certs != "" {
+		// The page shows what an admin sees.
+		admin := credentials{files: auth.Files{CA: spec.certs.path("ca.crt")}, tokenFile: spec.certs.path("admin.token")}
+		if cc.Credentials, err = admin.masters(); err != nil {
+			return err
+		}
+		if cc.EngineConfig.PeerTLS, err = admin.stores(); err != nil {
+			return err
+		}
+	}
+	mc, err := client.New(cc)
 	if err != nil {
 		stopAll()
 		return err
@@ -203,8 +222,11 @@ func runCluster(ctx context.Context, e *env, d *daemon, spec clusterSpec) error 
 		case <-up.C:
 			if !announced && ready() == nil {
 				announced = true
-				log.Info("tidepool is up", "masters", strings.Join(masters, ","),
-					"hint", "tidepool status; tidepool admin members; kill a master's pid to watch a failover")
+				hint := "tidepool status; tidepool admin members; kill a master's pid to watch a failover"
+				if spec.certs != "" {
+					hint = spec.certs.hint()
+				}
+				log.Info("tidepool is up", "masters", strings.Join(masters, ","), "secure", spec.certs != "", "hint", hint)
 			}
 		}
 	}

@@ -1,7 +1,9 @@
 package framed
 
 import (
+	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -44,6 +46,7 @@ var errClosed = errors.New("client closed")
 type Client struct {
 	addr     string
 	fallback grpc.ClientConnInterface
+	creds    Credentials
 	ctx      context.Context // ends at Close, and with it a dial
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup // the dial in progress
@@ -61,9 +64,20 @@ type Client struct {
 
 var _ grpc.ClientConnInterface = (*Client)(nil)
 
+// Credentials are what a client shows the server on each connection.
+type Credentials struct {
+	// TLS, if set, wraps the connection (the server's listener must
+	// terminate TLS; see TLSCredentials).
+	TLS *tls.Config
+	// Metadata is sent once per connection, in the hello after the
+	// preface, and is every call's incoming metadata on the server: the
+	// bearer token, which framed requests have no room for.
+	Metadata metadata.MD
+}
+
 // NewClient returns a client of addr; it does not dial.
-func NewClient(addr string, fallback grpc.ClientConnInterface) *Client {
-	c := &Client{addr: addr, fallback: fallback}
+func NewClient(addr string, fallback grpc.ClientConnInterface, creds Credentials) *Client {
+	c := &Client{addr: addr, fallback: fallback, creds: creds}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	return c
 }
@@ -177,7 +191,7 @@ type dialAttempt struct {
 // maxDownFor; one that refuses is dialled again by the next call.
 func (c *Client) dial(d *dialAttempt) {
 	defer c.wg.Done()
-	cc, err := dial(c.ctx, c.addr)
+	cc, err := dial(c.ctx, c.addr, c.creds)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.mu.dialing = nil
@@ -244,8 +258,9 @@ type clientConn struct {
 	}
 }
 
-// dial connects to addr and exchanges the preface, within dialTimeout.
-func dial(ctx context.Context, addr string) (*clientConn, error) {
+// dial connects to addr, shakes hands (TLS, if creds ask for it) and
+// exchanges the preface and the hello, within dialTimeout.
+func dial(ctx context.Context, addr string, creds Credentials) (*clientConn, error) {
 	dctx, cancel := context.WithTimeout(ctx, dialTimeout)
 	defer cancel()
 	var d net.Dialer
@@ -265,12 +280,47 @@ func dial(ctx context.Context, addr string) (*clientConn, error) {
 	deadline, _ := dctx.Deadline()
 	_ = conn.SetDeadline(deadline)
 	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })
+	if creds.TLS != nil {
+		tc := tls.Client(conn, clientTLS(creds.TLS, addr))
+		if err := tc.Handshake(); err != nil {
+			stop()
+			_ = conn.Close()
+			var ne net.Error
+			switch {
+			case ctx.Err() != nil:
+				return nil, status.FromContextError(context.Cause(ctx)).Err()
+			case errors.As(err, &ne) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+				return nil, status.Errorf(codes.Unavailable, "framed: TLS with %s: %v", addr, err)
+			}
+			// A certificate refused, by either end: trying again will not
+			// help (and a gRPC call would meet the same certificate).
+			return nil, status.Errorf(codes.Unauthenticated, "TLS with %s: %v", addr, err)
+		}
+		conn = tc
+	}
 	head := make([]byte, len(preface))
 	_, err = io.WriteString(conn, preface)
-	if err == nil {
-		_, err = io.ReadFull(conn, head)
+	if err == nil || creds.TLS != nil {
+		// Under TLS 1.3 a server refuses a client's certificate after the
+		// client's handshake ended: its alert is there to read even when
+		// the write already failed.
+		_, rerr := io.ReadFull(conn, head)
+		var op *net.OpError
+		if errors.As(rerr, &op) && op.Op == "remote error" { // crypto/tls's word for an alert
+			stop()
+			_ = conn.Close()
+			return nil, status.Errorf(codes.Unauthenticated, "TLS with %s: the server refused this client's certificate: %v", addr, rerr)
+		}
+		err = cmp.Or(err, rerr)
+	}
+	if err == nil && string(head) == preface && len(creds.Metadata) > 0 {
+		_, err = conn.Write(finish(appendPairs(appendRequestHead(nil, 0, 0, helloMethod), creds.Metadata)))
 	}
 	stopped := stop() // false: ctx ended, and may have cut the exchange
+	if string(head) == needTLS && stopped {
+		_ = conn.Close()
+		return nil, status.Errorf(codes.Unauthenticated, "%s serves TLS only: give the CA that signed its certificate (--tls-ca)", addr)
+	}
 	if err != nil || string(head) != preface || !stopped {
 		_ = conn.Close()
 		switch {
@@ -288,6 +338,20 @@ func dial(ctx context.Context, addr string) (*clientConn, error) {
 	cc.wg.Add(1)
 	go cc.read()
 	return cc, nil
+}
+
+// clientTLS is cfg for a dial of addr: the server name is addr's host
+// unless cfg names one.
+func clientTLS(cfg *tls.Config, addr string) *tls.Config {
+	if cfg.ServerName != "" {
+		return cfg
+	}
+	cfg = cfg.Clone()
+	cfg.ServerName = addr
+	if host, _, err := net.SplitHostPort(addr); err == nil {
+		cfg.ServerName = host
+	}
+	return cfg
 }
 
 func (cc *clientConn) live() bool {

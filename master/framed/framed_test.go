@@ -157,7 +157,7 @@ func grpcConn(t *testing.T, addr string) *grpc.ClientConn {
 func newClient(t *testing.T, addr string) (*Client, *countingConn) {
 	t.Helper()
 	fb := &countingConn{cc: grpcConn(t, addr)}
-	c := NewClient(addr, fb)
+	c := NewClient(addr, fb, Credentials{})
 	t.Cleanup(func() { _ = c.Close() })
 	return c, fb
 }
@@ -710,7 +710,7 @@ func TestCancelIsPromptAndConnStays(t *testing.T) {
 		t.Fatal("the connection changed or calls fell back")
 	}
 	// A cancel while waiting for another call's dial.
-	c2 := NewClient(s.addr, &failingConn{})
+	c2 := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c2.Close()
 	c2.mu.Lock()
 	c2.mu.dialing = &dialAttempt{done: make(chan struct{})} // a dial that never ends
@@ -737,7 +737,7 @@ func TestStopFailsInFlightAndWaitsForHandlers(t *testing.T) {
 		return nil, ctx.Err()
 	}}
 	s := startServer(t, "127.0.0.1:0", m, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	const n = 4
 	errc := make(chan error, n)
@@ -814,7 +814,7 @@ func TestStopLeavesNoGoroutines(t *testing.T) {
 	}
 	var clients []*Client
 	for range 3 {
-		c := NewClient(ln.Addr().String(), &failingConn{})
+		c := NewClient(ln.Addr().String(), &failingConn{}, Credentials{})
 		clients = append(clients, c)
 		r, err := list(testCtx(t), c, "x")
 		wantEcho(t, r, err, "x")
@@ -874,10 +874,10 @@ func TestClientClose(t *testing.T) {
 	}}
 	s := startServer(t, "127.0.0.1:0", m, nil)
 	// Close of a client never used.
-	if err := NewClient(s.addr, &failingConn{}).Close(); err != nil {
+	if err := NewClient(s.addr, &failingConn{}, Credentials{}).Close(); err != nil {
 		t.Fatal(err)
 	}
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	r, err := list(testCtx(t), c, "a")
 	wantEcho(t, r, err, "a")
 	errc := make(chan error, 1)
@@ -916,7 +916,7 @@ func TestRedialAfterServerRestart(t *testing.T) {
 	s := startServer(t, "127.0.0.1:0", m, nil)
 	addr := s.addr
 	fb := &failingConn{}
-	c := NewClient(addr, fb)
+	c := NewClient(addr, fb, Credentials{})
 	defer c.Close()
 	r, err := list(testCtx(t), c, "one")
 	wantEcho(t, r, err, "one")
@@ -989,7 +989,7 @@ func requestFrame(id uint64, timeout time.Duration, method string, msg []byte) [
 
 func TestServerClosesGarbage(t *testing.T) {
 	s := startServer(t, "127.0.0.1:0", &testMaster{}, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 
 	t.Run("not a preface", func(t *testing.T) {
@@ -1324,7 +1324,7 @@ func TestHostileServerAnswers(t *testing.T) {
 					}
 				}
 			})
-			c := NewClient(addr, &failingConn{})
+			c := NewClient(addr, &failingConn{}, Credentials{})
 			defer c.Close()
 			_, err := list(testCtx(t), c, "x")
 			if status.Code(err) != codes.Unavailable {
@@ -1352,7 +1352,7 @@ func TestHostileServerAnswers(t *testing.T) {
 				}
 			}
 		})
-		c := NewClient(addr, &failingConn{})
+		c := NewClient(addr, &failingConn{}, Credentials{})
 		defer c.Close()
 		for i := range 5 {
 			r, err := list(testCtx(t), c, fmt.Sprint(i))
@@ -1372,7 +1372,7 @@ func TestHostileServerAnswers(t *testing.T) {
 			_, _ = conn.Write(b)
 			_, _ = readRequest(fr) // hold the connection
 		})
-		c := NewClient(addr, &failingConn{})
+		c := NewClient(addr, &failingConn{}, Credentials{})
 		defer c.Close()
 		if _, err := list(testCtx(t), c, "x"); status.Code(err) != codes.Internal {
 			t.Fatalf("undecodable reply: %v", err)
@@ -1391,7 +1391,7 @@ func TestHostileServerAnswers(t *testing.T) {
 				_ = conn.Close()
 			}
 		}()
-		c := NewClient(ln.Addr().String(), &failingConn{})
+		c := NewClient(ln.Addr().String(), &failingConn{}, Credentials{})
 		defer c.Close()
 		ctx, cancel := context.WithCancel(context.Background())
 		go func() {
@@ -1479,7 +1479,7 @@ func TestConcurrentMixedSizesIntact(t *testing.T) {
 	const clients, workers, calls = 3, 6, 20
 	var cs []*Client
 	for range clients {
-		c := NewClient(s.addr, &failingConn{})
+		c := NewClient(s.addr, &failingConn{}, Credentials{})
 		defer c.Close()
 		cs = append(cs, c)
 	}
@@ -1526,7 +1526,7 @@ func TestConcurrentMixedSizesIntact(t *testing.T) {
 
 func TestConcurrentFirstCallsShareOneDial(t *testing.T) {
 	s := startServer(t, "127.0.0.1:0", &testMaster{}, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	inParallel(t, 32, func(i int) error {
 		r, err := list(testCtx(t), c, fmt.Sprint(i))
@@ -1585,7 +1585,7 @@ func TestReplyOverMaxMessage(t *testing.T) {
 		return echo(req), nil
 	}}
 	s := startServer(t, "127.0.0.1:0", m, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	if _, err := list(testCtx(t), c, "huge"); status.Code(err) != codes.ResourceExhausted {
 		t.Fatalf("reply over MaxMessage: %v", err)

@@ -103,7 +103,7 @@ func shrinkBuffers(t *testing.T, c *Client, s *testServer) {
 func TestReviewCancelWhileWriteBlocked(t *testing.T) {
 	g := newGate()
 	s := startServer(t, "127.0.0.1:0", g, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	if _, err := list(testCtx(t), c, "warm"); err != nil {
 		t.Fatal(err)
@@ -165,7 +165,7 @@ wait:
 func TestReviewDeadlineWhileWriteBlocked(t *testing.T) {
 	g := newGate()
 	s := startServer(t, "127.0.0.1:0", g, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	if _, err := list(testCtx(t), c, "warm"); err != nil {
 		t.Fatal(err)
@@ -227,7 +227,7 @@ func TestReviewLargeTrailer(t *testing.T) {
 		t.Fatalf("over gRPC: %v, trailer of %d values", err, len(gtr.Get("big")))
 	}
 
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	other := make(chan error, 1)
 	go func() {
@@ -277,7 +277,7 @@ func TestReviewCloseCancelsInFlight(t *testing.T) {
 	}
 	gc := grpcConn(t, s.addr)
 	gerr := inFlightAtClose(gc, func() { _ = gc.Close() })
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	ferr := inFlightAtClose(c, func() { _ = c.Close() })
 	if status.Code(gerr) != codes.Canceled {
 		t.Logf("note: grpc.ClientConn gave %v", gerr)
@@ -321,7 +321,7 @@ func TestReviewCancelReachesHandler(t *testing.T) {
 	if !cancelOne(grpcConn(t, s.addr)) {
 		t.Fatal("over gRPC the handler's context did not end at the cancel")
 	}
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	if !cancelOne(c) {
 		t.Error("framed: the handler's context did not end within 1s of the caller's cancel (gRPC: at once)")
@@ -336,7 +336,7 @@ func TestReviewCancelReachesHandler(t *testing.T) {
 func TestReviewCancelledCallsFreeSlots(t *testing.T) {
 	g := newGate()
 	s := startServer(t, "127.0.0.1:0", g, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -375,7 +375,7 @@ func TestReviewContextErrorFromHandler(t *testing.T) {
 		return nil, errorsJoin("lookup", context.DeadlineExceeded)
 	}}
 	s := startServer(t, "127.0.0.1:0", m, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	gc := grpcConn(t, s.addr)
 	for _, p := range []string{"deadline", "canceled"} {
@@ -402,7 +402,7 @@ func TestReviewStatusDetails(t *testing.T) {
 		return nil, st.Err()
 	}}
 	s := startServer(t, "127.0.0.1:0", m, nil)
-	c := NewClient(s.addr, &failingConn{})
+	c := NewClient(s.addr, &failingConn{}, Credentials{})
 	defer c.Close()
 	_, gerr := list(testCtx(t), grpcConn(t, s.addr), "x")
 	_, ferr := list(testCtx(t), c, "x")
@@ -452,7 +452,7 @@ func TestReviewDeadlineDuringPreface(t *testing.T) {
 	const tries = 40
 	for range tries {
 		fb := &failingConn{}
-		c := NewClient(ln.Addr().String(), fb)
+		c := NewClient(ln.Addr().String(), fb, Credentials{})
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Millisecond)
 		_, _ = list(ctx, c, "x")
 		cancel()

@@ -2,6 +2,8 @@ package framed
 
 import (
 	"context"
+	"crypto/tls"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +14,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
@@ -33,6 +36,7 @@ const (
 // through the interceptor given to NewServer. It is a grpc.ServiceRegistrar,
 // so a service's generated Register function registers with it.
 type Server struct {
+	tls       *tls.Config // nil: plaintext
 	intercept grpc.UnaryServerInterceptor
 	log       *slog.Logger
 	methods   map[string]method // by full name
@@ -63,6 +67,13 @@ func NewServer(intercept grpc.UnaryServerInterceptor, log *slog.Logger) *Server 
 	s.mu.sniffing = map[net.Conn]struct{}{}
 	return s
 }
+
+// RequireTLS makes every connection Split accepts open with a TLS
+// handshake under cfg, within the preface's deadline; call it before
+// Split. A framed client that speaks plaintext is told so (see
+// needTLS); anything else without TLS is closed. The gRPC server then
+// needs TLSCredentials.
+func (s *Server) RequireTLS(cfg *tls.Config) { s.tls = cfg }
 
 // RegisterService registers desc's unary methods (its streams are gRPC's
 // alone). Call it before serving.
@@ -155,7 +166,22 @@ func (s *Server) startSniff(conn net.Conn) bool {
 func (s *Server) sniff(l *splitListener, conn net.Conn) {
 	head := make([]byte, len(preface))
 	_ = conn.SetReadDeadline(time.Now().Add(prefaceTimeout))
-	_, err := io.ReadFull(conn, head)
+	var err error
+	raw := conn
+	if s.tls != nil {
+		conn, err = s.startTLS(conn)
+	}
+	if err == nil {
+		_, err = io.ReadFull(conn, head)
+	}
+	if tc, ok := conn.(*tls.Conn); ok && err != nil && !tc.ConnectionState().HandshakeComplete {
+		// The handshake failed and its alert is on the way. Under TLS 1.3
+		// the client writes its preface before it learns that; closing
+		// with that preface unread would reset the connection and lose
+		// the alert, so read it away first, briefly.
+		_ = raw.SetReadDeadline(time.Now().Add(time.Second))
+		_, _ = io.Copy(io.Discard, io.LimitReader(raw, 64<<10))
+	}
 	_ = conn.SetReadDeadline(time.Time{})
 	s.mu.Lock()
 	delete(s.mu.sniffing, conn)
@@ -177,6 +203,28 @@ func (s *Server) sniff(l *splitListener, conn net.Conn) {
 	}
 }
 
+// startTLS wraps conn in TLS if its first byte opens a TLS handshake. A
+// framed client speaking plaintext is answered needTLS; any other
+// plaintext fails. The handshake runs on the caller's first read.
+func (s *Server) startTLS(conn net.Conn) (net.Conn, error) {
+	first := make([]byte, 1)
+	if _, err := io.ReadFull(conn, first); err != nil {
+		return conn, err
+	}
+	const handshakeRecord = 0x16
+	if first[0] == handshakeRecord {
+		return tls.Server(&prefixConn{Conn: conn, prefix: first}, s.tls), nil
+	}
+	head := make([]byte, len(preface))
+	head[0] = first[0]
+	if _, err := io.ReadFull(conn, head[1:]); err == nil && string(head) == preface {
+		_ = conn.SetWriteDeadline(time.Now().Add(prefaceTimeout))
+		_, _ = io.WriteString(conn, needTLS)
+	}
+	s.log.Debug("framed: a plaintext connection to a TLS port, closing it", "from", conn.RemoteAddr())
+	return conn, errors.New("framed: plaintext on a TLS port")
+}
+
 // http2Preface opens every gRPC connection.
 const http2Preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -184,6 +232,7 @@ const http2Preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 type serverConn struct {
 	conn   net.Conn
 	peer   *peer.Peer
+	md     metadata.MD     // the hello's; set before the first call, then read-only
 	ctx    context.Context // ends when the connection closes
 	cancel context.CancelFunc
 	wmu    sync.Mutex // one answer written at a time
@@ -196,6 +245,9 @@ type serverConn struct {
 // serve answers conn's calls until it closes or the server stops.
 func (s *Server) serve(conn net.Conn) {
 	c := &serverConn{conn: conn, peer: &peer.Peer{Addr: conn.RemoteAddr(), LocalAddr: conn.LocalAddr()}}
+	if info, ok := tlsInfo(conn); ok {
+		c.peer.AuthInfo = info
+	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.mu.calls = map[uint64]context.CancelFunc{}
 	defer c.cancel()
@@ -219,6 +271,7 @@ func (s *Server) serve(conn net.Conn) {
 	}
 	fr := newFrameReader(conn, &s.bufs)
 	slots := make(chan struct{}, maxInFlight)
+	calls := 0 // frames before the hello's
 	for {
 		body, err := fr.next(s.idle)
 		if errors.Is(err, errIdle) && len(slots) > 0 {
@@ -236,6 +289,16 @@ func (s *Server) serve(conn net.Conn) {
 			s.log.Warn("framed: closing a connection", "from", conn.RemoteAddr(), "err", err)
 			return
 		}
+		if req.method == helloMethod {
+			err := c.hello(req.message, calls)
+			s.bufs.put(body)
+			if err != nil {
+				s.log.Warn("framed: closing a connection", "from", conn.RemoteAddr(), "err", err)
+				return
+			}
+			continue
+		}
+		calls++
 		if req.method == "" { // a cancel frame
 			s.bufs.put(body)
 			c.mu.Lock()
@@ -272,10 +335,32 @@ func (s *Server) serve(conn net.Conn) {
 	}
 }
 
+// hello keeps the metadata of a hello, which must come first and once.
+func (c *serverConn) hello(msg []byte, before int) error {
+	if before > 0 || c.md != nil {
+		return fmt.Errorf("%w: a hello after other frames", errFrame)
+	}
+	if len(msg) < 4 || len(msg) > maxHello || int(binary.BigEndian.Uint32(msg)) != len(msg)-4 {
+		return fmt.Errorf("%w: a hello of %d bytes", errFrame, len(msg))
+	}
+	md, err := parsePairs(msg[4:])
+	if err != nil {
+		return fmt.Errorf("%w: hello: %v", errFrame, err)
+	}
+	if md == nil {
+		md = metadata.MD{}
+	}
+	c.md = md
+	return nil
+}
+
 // handle runs one call and writes its answer.
 func (s *Server) handle(ctx context.Context, c *serverConn, req request) {
 	st := &stream{method: req.method}
 	ctx = grpc.NewContextWithServerTransportStream(peer.NewContext(ctx, c.peer), st)
+	if c.md != nil {
+		ctx = metadata.NewIncomingContext(ctx, c.md)
+	}
 	var reply any
 	var err error
 	if m, ok := s.methods[req.method]; ok {
@@ -459,3 +544,56 @@ func (c *prefixConn) Read(p []byte) (int, error) {
 	}
 	return c.Conn.Read(p)
 }
+
+// ConnectionState is the TLS state of a connection that Split read
+// through a TLS listener (see TLSCredentials).
+func (c *prefixConn) ConnectionState() (tls.ConnectionState, bool) {
+	return connState(c.Conn)
+}
+
+func connState(conn net.Conn) (tls.ConnectionState, bool) {
+	switch c := conn.(type) {
+	case *tls.Conn:
+		return c.ConnectionState(), true
+	case *prefixConn:
+		return c.ConnectionState()
+	}
+	return tls.ConnectionState{}, false
+}
+
+// tlsInfo is gRPC's account of a TLS connection, for peer.AuthInfo.
+func tlsInfo(conn net.Conn) (credentials.TLSInfo, bool) {
+	cs, ok := connState(conn)
+	if !ok {
+		return credentials.TLSInfo{}, false
+	}
+	return credentials.TLSInfo{State: cs, CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.PrivacyAndIntegrity}}, true
+}
+
+// TLSCredentials are a gRPC server's transport credentials when the
+// listener given to Split terminates TLS (tls.NewListener): the
+// handshake is done by the time gRPC sees a connection, so they only
+// report its state, and an interceptor can name the peer by its
+// certificate as with grpc's own TLS credentials. A connection that did
+// not come through TLS is refused.
+func TLSCredentials() credentials.TransportCredentials { return terminated{} }
+
+type terminated struct{}
+
+func (terminated) ClientHandshake(context.Context, string, net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	return nil, nil, errors.New("framed: TLSCredentials are a server's")
+}
+
+func (terminated) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	info, ok := tlsInfo(conn)
+	if !ok {
+		return nil, nil, errors.New("framed: a connection without TLS on a TLS listener")
+	}
+	return conn, info, nil
+}
+
+func (terminated) Info() credentials.ProtocolInfo {
+	return credentials.ProtocolInfo{SecurityProtocol: "tls"}
+}
+func (t terminated) Clone() credentials.TransportCredentials { return t }
+func (terminated) OverrideServerName(string) error           { return nil }

@@ -18,6 +18,19 @@ import (
 // server. It is as long as HTTP/2's client preface (see Split).
 const preface = "tidepool framed rpc v1\r\n"
 
+// needTLS is what a server that requires TLS answers a plaintext
+// preface instead of echoing it, so the client can say what is wrong.
+const needTLS = "tidepool framed: TLS\r\n\r\n"
+
+// helloMethod names the hello, the request a client with credentials
+// sends right after the preface: its message is metadata pairs, the
+// incoming metadata of every later call on the connection. No gRPC method
+// is named without a leading '/'.
+const helloMethod = "hello"
+
+// maxHello bounds a hello's message.
+const maxHello = 64 << 10
+
 // MaxMessage is the largest request or reply message, as the master's
 // gRPC limit.
 const MaxMessage = 64 << 20
@@ -159,6 +172,32 @@ func parseRequest(body []byte) (request, error) {
 	return r, nil
 }
 
+// parsePairs decodes what appendPairs wrote, less its size: nil if empty.
+func parsePairs(b []byte) (metadata.MD, error) {
+	var md metadata.MD
+	for len(b) > 0 {
+		if len(b) < 2 {
+			return nil, errors.New("pair key")
+		}
+		k := int(binary.BigEndian.Uint16(b))
+		if k+6 > len(b) {
+			return nil, errors.New("pair key")
+		}
+		key := string(b[2 : 2+k])
+		v := int(binary.BigEndian.Uint32(b[2+k:]))
+		b = b[6+k:]
+		if v > len(b) {
+			return nil, errors.New("pair value")
+		}
+		if md == nil {
+			md = metadata.MD{}
+		}
+		md.Append(key, string(b[:v]))
+		b = b[v:]
+	}
+	return md, nil
+}
+
 // answer is a decoded answer frame; message aliases body, the frame.
 type answer struct {
 	id      uint64
@@ -176,9 +215,15 @@ func appendAnswerHead(b []byte, id uint64, code codes.Code, text string, trailer
 	b = binary.BigEndian.AppendUint32(b, uint32(code))
 	b = binary.BigEndian.AppendUint32(b, uint32(len(text)))
 	b = append(b, text...)
+	return appendPairs(b, trailer)
+}
+
+// appendPairs appends md as u32 size | pairs (u16 key size, key, u32
+// value size, value): an answer's trailer, a hello's metadata.
+func appendPairs(b []byte, md metadata.MD) []byte {
 	at := len(b)
 	b = append(b, 0, 0, 0, 0)
-	for k, vs := range trailer {
+	for k, vs := range md {
 		for _, v := range vs {
 			b = binary.BigEndian.AppendUint16(b, uint16(len(k)))
 			b = append(b, k...)
@@ -209,27 +254,11 @@ func parseAnswer(body []byte) (answer, error) {
 	if n > len(rest) || n > maxTrailer {
 		return bad("trailer past the end")
 	}
-	tr := rest[:n]
 	a.message = rest[n:]
-	for len(tr) > 0 {
-		if len(tr) < 2 {
-			return bad("trailer key")
-		}
-		k := int(binary.BigEndian.Uint16(tr))
-		if k+6 > len(tr) {
-			return bad("trailer key")
-		}
-		key := string(tr[2 : 2+k])
-		v := int(binary.BigEndian.Uint32(tr[2+k:]))
-		tr = tr[6+k:]
-		if v > len(tr) {
-			return bad("trailer value")
-		}
-		if a.trailer == nil {
-			a.trailer = metadata.MD{}
-		}
-		a.trailer.Append(key, string(tr[:v]))
-		tr = tr[v:]
+	md, err := parsePairs(rest[:n])
+	if err != nil {
+		return bad(err.Error())
 	}
+	a.trailer = md
 	return a, nil
 }

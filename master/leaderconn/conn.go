@@ -12,6 +12,7 @@ package leaderconn
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"slices"
@@ -21,10 +22,12 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/tidepool-kv/tidepool/auth"
 	"github.com/tidepool-kv/tidepool/master/framed"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -44,7 +47,8 @@ const DefaultRetryFor = 20 * time.Second
 
 // Conn is a set of connections to the masters of one cluster.
 type Conn struct {
-	mu struct {
+	creds Credentials
+	mu    struct {
 		sync.Mutex
 		addrs      []string
 		dialled    []string // the addresses Dial was given: always in addrs
@@ -67,12 +71,20 @@ type master struct {
 	framed *framed.Client
 }
 
+// Credentials are what a Conn shows the masters.
+type Credentials struct {
+	// TLS, if set, is the client side of every connection; nil: plaintext.
+	TLS *tls.Config
+	// Token, if set, is the bearer token of every call.
+	Token string
+}
+
 // Dial prepares connections to the masters; it does not block.
-func Dial(addrs []string) (*Conn, error) {
+func Dial(addrs []string, creds Credentials) (*Conn, error) {
 	if len(addrs) == 0 {
 		return nil, errors.New("no master addresses given")
 	}
-	c := &Conn{}
+	c := &Conn{creds: creds}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.mu.addrs = append([]string(nil), addrs...)
 	c.mu.dialled = slices.Clone(addrs)
@@ -170,13 +182,24 @@ func (c *Conn) current() (string, grpc.ClientConnInterface, error) {
 	if m := c.mu.conns[addr]; m != nil {
 		return addr, m.framed, nil
 	}
-	cc, err := grpc.NewClient(addr, append(DialOptions(),
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))...)
+	tc := insecure.NewCredentials()
+	if c.creds.TLS != nil {
+		tc = credentials.NewTLS(c.creds.TLS)
+	}
+	opts := append(DialOptions(), grpc.WithTransportCredentials(tc),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))
+	fc := framed.Credentials{TLS: c.creds.TLS}
+	if c.creds.Token != "" {
+		// Over plaintext too: a pool with tokens and without TLS is a
+		// test's, or one whose network is trusted.
+		opts = append(opts, grpc.WithPerRPCCredentials(auth.Token(c.creds.Token, true)))
+		fc.Metadata = auth.BearerMetadata(c.creds.Token)
+	}
+	cc, err := grpc.NewClient(addr, opts...)
 	if err != nil {
 		return "", nil, fmt.Errorf("master address %q: %w", addr, err)
 	}
-	m := &master{grpc: cc, framed: framed.NewClient(addr, cc)}
+	m := &master{grpc: cc, framed: framed.NewClient(addr, cc, fc)}
 	c.mu.conns[addr] = m
 	return addr, m.framed, nil
 }

@@ -60,7 +60,7 @@ func TestFollowsLeaderTrailer(t *testing.T) {
 	follower := &fakeMaster{leader: laddr}
 	faddr := serve(t, follower)
 
-	c, err := Dial([]string{faddr})
+	c, err := Dial([]string{faddr}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +83,7 @@ func TestSkipsDeadMaster(t *testing.T) {
 	dead := ln.Addr().String()
 	ln.Close()
 	live := serve(t, &fakeMaster{})
-	c, err := Dial([]string{dead, live})
+	c, err := Dial([]string{dead, live}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +100,7 @@ func TestGivesUpWhenContextEnds(t *testing.T) {
 	}
 	dead := ln.Addr().String()
 	ln.Close()
-	c, err := Dial([]string{dead})
+	c, err := Dial([]string{dead}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,13 +114,13 @@ func TestGivesUpWhenContextEnds(t *testing.T) {
 	if !slices.Contains(got, codes.Unavailable) && !slices.Contains(got, codes.DeadlineExceeded) && !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("error %v, want Unavailable or the context's deadline", err)
 	}
-	if _, err := Dial(nil); err == nil {
+	if _, err := Dial(nil, Credentials{}); err == nil {
 		t.Fatal("Dial with no addresses succeeded")
 	}
 }
 
 func TestOtherErrorsReturnAtOnce(t *testing.T) {
-	c, err := Dial([]string{serve(t, &fakeMaster{})})
+	c, err := Dial([]string{serve(t, &fakeMaster{})}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -53,7 +53,7 @@ func TestDoOnceDoesNotRetryAfterSending(t *testing.T) {
 			pb.RegisterMasterServer(gs, f)
 			go gs.Serve(ln)
 			defer gs.Stop()
-			c, err := Dial([]string{ln.Addr().String()})
+			c, err := Dial([]string{ln.Addr().String()}, Credentials{})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -80,7 +80,7 @@ func TestReview10FramedFollowsLeaderTrailer(t *testing.T) {
 	l := review10Serve(t, "", leader)
 	follower := &fakeMaster{leader: l.addr}
 	f := review10Serve(t, "", follower)
-	c, err := Dial([]string{f.addr})
+	c, err := Dial([]string{f.addr}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +105,7 @@ func TestReview10FramedFollowsLeaderTrailer(t *testing.T) {
 func TestReview10RestartSamePort(t *testing.T) {
 	f := &fakeMaster{}
 	s := review10Serve(t, "", f)
-	c, err := Dial([]string{s.addr})
+	c, err := Dial([]string{s.addr}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,7 +145,7 @@ func TestReview10HungMasterShortDeadlines(t *testing.T) {
 	defer hung.Close() // never accepts
 	live := &fakeMaster{}
 	l := review10Serve(t, "", live)
-	c, err := Dial([]string{hung.Addr().String(), l.addr})
+	c, err := Dial([]string{hung.Addr().String(), l.addr}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}

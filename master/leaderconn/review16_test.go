@@ -75,7 +75,7 @@ func review16Refresh(t *testing.T, c *Conn) {
 func TestReview16RefreshLearnsReplacedMasters(t *testing.T) {
 	f := &review16Master{}
 	addr := review16Serve(t, f)
-	c, err := Dial([]string{addr})
+	c, err := Dial([]string{addr}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,7 +130,7 @@ func TestReview16CloseDoesNotWaitForRefresh(t *testing.T) {
 	pb.RegisterMasterServer(gs, f)
 	go gs.Serve(ln)
 	defer gs.Stop()
-	c, err := Dial([]string{ln.Addr().String()})
+	c, err := Dial([]string{ln.Addr().String()}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -45,7 +45,7 @@ func TestReview18SilentMasterNotReported(t *testing.T) {
 			c.Close()
 		}
 	}()
-	conn, err := Dial([]string{ln.Addr().String()})
+	conn, err := Dial([]string{ln.Addr().String()}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -45,7 +45,7 @@ func TestReview9LargeMessagesFixedWindows(t *testing.T) {
 	pb.RegisterMasterServer(gs, review9Big{})
 	go gs.Serve(ln)
 	t.Cleanup(gs.Stop)
-	c, err := Dial([]string{ln.Addr().String()})
+	c, err := Dial([]string{ln.Addr().String()}, Credentials{})
 	if err != nil {
 		t.Fatal(err)
 	}
