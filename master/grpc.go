@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/tidepool-kv/tidepool/auth"
 	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 	"github.com/tidepool-kv/tidepool/ticket"
@@ -63,6 +64,8 @@ func code(err error) codes.Code {
 		return codes.Unavailable
 	case errors.Is(err, ErrOutcomeUnknown):
 		return codes.Aborted
+	case errors.Is(err, auth.ErrPermissionDenied):
+		return codes.PermissionDenied
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, ErrPutExpired):
 		return codes.DeadlineExceeded
 	case errors.Is(err, context.Canceled):
@@ -201,11 +204,22 @@ func (s *Server) leaderOnly() error {
 func (s *Server) intercept(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 	start := time.Now()
 	ctx, err := s.authorize(ctx, info.FullMethod)
+	var ns namespace
+	if t := callerTenant(ctx); err == nil && t != "" {
+		ns = newNamespace(t)
+		err = ns.request(req)
+	}
 	if err != nil {
+		if _, ok := status.FromError(err); !ok {
+			err = s.toStatus(ctx, err)
+		}
 		s.metrics.request(info.FullMethod, status.Code(err), time.Since(start))
 		return nil, err
 	}
 	resp, err := h(ctx, req)
+	if ns.prefix != "" && err == nil {
+		ns.reply(resp)
+	}
 	if err != nil {
 		if _, ok := status.FromError(err); !ok || errors.Is(err, ErrNotLeader) {
 			err = s.toStatus(ctx, err)
@@ -470,6 +484,10 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		if id == 0 {
 			id = t.byKey[it.Key]
 		}
+		if p := t.pending[id]; p != nil && p.grant && !ownedBy(ctx, p.item.Tenant) {
+			errs[i] = fmt.Errorf("%w: grant %d is another tenant's", ErrNotInProgress, id)
+			continue
+		}
 		if p := t.pending[id]; p != nil && p.grant && len(p.item.Replicas) > 0 {
 			if it.Size != p.item.Size || len(it.Parent) > MaxKeyLen || len(it.Tenant) > MaxKeyLen {
 				errs[i] = fmt.Errorf("%w: PutEnd of %q: %d bytes in a grant of %d, or parent or tenant too long", ErrInvalidRequest, it.Key, it.Size, p.item.Size)
@@ -660,7 +678,7 @@ func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb
 		if id == 0 {
 			id = t.byKey[k]
 		}
-		if p := t.pending[id]; p != nil && (p.item.Key == k || p.grant) {
+		if p := t.pending[id]; p != nil && (p.item.Key == k || p.grant && ownedBy(ctx, p.item.Tenant)) {
 			t.done(id)
 			continue
 		}

@@ -1,16 +1,24 @@
 package agent
 
 import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
 
 	"github.com/tidepool-kv/tidepool/client"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -60,7 +68,11 @@ type Config struct {
 	// LeasedBlocks is how many blocks leased by lookups the agent keeps for
 	// the gets that follow; 0 means DefaultLeasedBlocks, negative none.
 	LeasedBlocks int
-	Logger       *slog.Logger
+	// Token, if set, is the bearer token every caller must present (the
+	// token the agent shows the masters, so only processes of its tenant
+	// use it): a call without it is refused with Unauthenticated.
+	Token  string
+	Logger *slog.Logger
 	// Registerer gets the tidepool_agent_* metrics; nil means none.
 	Registerer prometheus.Registerer
 }
@@ -126,7 +138,11 @@ func New(cfg Config) (*Server, error) {
 	}
 	// WaitForHandlers: Close must not unmap a region or return while a
 	// handler still runs.
-	s.grpc = grpc.NewServer(grpc.Creds(peerCreds{}), grpc.WaitForHandlers(true), grpc.MaxRecvMsgSize(maxMessage), grpc.MaxSendMsgSize(maxMessage))
+	opts := []grpc.ServerOption{grpc.Creds(peerCreds{}), grpc.WaitForHandlers(true), grpc.MaxRecvMsgSize(maxMessage), grpc.MaxSendMsgSize(maxMessage)}
+	if cfg.Token != "" {
+		opts = append(opts, grpc.UnaryInterceptor(s.checkToken))
+	}
+	s.grpc = grpc.NewServer(opts...)
 	pb.RegisterAgentServer(s.grpc, &service{s: s})
 	if cfg.Registerer != nil {
 		met := newCollector(s)
@@ -247,4 +263,29 @@ func (s *Server) sessionCount() (n int, bytes uint64) {
 		bytes += ss.size
 	}
 	return len(s.mu.sessions), bytes
+}
+
+// checkToken refuses a call that does not carry the agent's token. The
+// comparison is of SHA-256 sums in constant time, so its time says
+// nothing of how much of a guess was right.
+func (s *Server) checkToken(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	vals := md.Get("authorization")
+	token, ok := "", len(vals) == 1
+	if ok {
+		token, ok = strings.CutPrefix(vals[0], "Bearer ")
+	}
+	want := sha256.Sum256([]byte(s.cfg.Token))
+	got := sha256.Sum256([]byte(token))
+	if !ok || subtle.ConstantTimeCompare(want[:], got[:]) != 1 {
+		var from process
+		if p, ok := peer.FromContext(ctx); ok {
+			if pi, ok := p.AuthInfo.(peerInfo); ok {
+				from = pi.owner
+			}
+		}
+		s.log.Warn("refused a call without the agent's token", "method", info.FullMethod, "pid", from)
+		return nil, status.Error(codes.Unauthenticated, "agent: this agent needs its tenant's token (the Python SDK reads it from token_file or $TIDEPOOL_TOKEN_FILE)")
+	}
+	return h(ctx, req)
 }

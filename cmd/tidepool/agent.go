@@ -14,6 +14,7 @@ import (
 	"github.com/tidepool-kv/tidepool/client"
 	"github.com/tidepool-kv/tidepool/client/agent"
 	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	"github.com/tidepool-kv/tidepool/statuspage"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
@@ -98,8 +99,19 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 		}
 		return node.Close()
 	}
+	// Processes of a secure pool go through the agent alone: it holds the
+	// credentials, so it announces no masters to call directly, and it asks
+	// its callers for its token.
+	announced := cfg.Masters
+	if cfg.Credentials != (leaderconn.Credentials{}) {
+		announced = nil
+	}
+	if cfg.Credentials.TLS != nil && cfg.Credentials.Token == "" {
+		ln.Close()
+		return errors.Join(fmt.Errorf("%w: an agent of a TLS pool needs --token-file: the processes that call it must present that token", errUsage), closeNode(), c.Close())
+	}
 	srv, err := agent.New(agent.Config{
-		Client: c, Masters: cfg.Masters, SessionIdle: *idle, MaxSessionBytes: uint64(limit), MaxSessions: *maxSessions, MaxSessionsPerProcess: *perProcess,
+		Client: c, Masters: announced, Token: cfg.Credentials.Token, SessionIdle: *idle, MaxSessionBytes: uint64(limit), MaxSessions: *maxSessions, MaxSessionsPerProcess: *perProcess,
 		Logger: log.With("component", "agent"), Registerer: d.reg,
 	})
 	if err != nil {

@@ -441,13 +441,46 @@ def _item(st):
     return errors.from_code(st.code, st.message)
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor):
+    """Adds the agent's token to every call (an agent of a secure pool
+    refuses calls without it)."""
+
+    def __init__(self, token):
+        self._md = (("authorization", "Bearer " + token),)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        md = tuple(details.metadata or ()) + self._md
+        return continuation(_CallDetails(details.method, details.timeout, md, details.credentials,
+                                         details.wait_for_ready, details.compression), request)
+
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+        grpc.ClientCallDetails):
+    pass
+
+
+def _read_token(token_file):
+    """The token in token_file's first line, or None without a file."""
+    if not token_file:
+        return None
+    try:
+        with open(token_file) as f:
+            token = f.readline().strip()
+    except OSError as e:
+        raise errors.InvalidArgument("token_file %s: %s" % (token_file, e))
+    if not token:
+        raise errors.InvalidArgument("token_file %s is empty" % token_file)
+    return token
+
+
 class _Resources:
     """What a Client gives back when it ends: its channel to the agent and
     the regions it has mapped. Client.close() shuts them down or, for a
     Client dropped without close(), a weakref.finalize does; never in a
     forked child, whose parent still uses them."""
 
-    def __init__(self, target):
+    def __init__(self, target, token=None):
         self.pid = os.getpid()
         self.channel = grpc.insecure_channel(target, options=[
             ("grpc.max_send_message_length", _MAX_MESSAGE),
@@ -458,7 +491,10 @@ class _Resources:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ])
-        self.stub = agent_pb2_grpc.AgentStub(self.channel)
+        calls = self.channel
+        if token:
+            calls = grpc.intercept_channel(self.channel, _Bearer(token))
+        self.stub = agent_pb2_grpc.AgentStub(calls)
         # Every region mapped and not yet unmapped: the current one, and
         # retired ones until the agent has ended their sessions. Guarded
         # by the Client's lock while the Client lives.
@@ -650,7 +686,9 @@ class Client:
     batches are split). ``timeout`` bounds each request in seconds (None:
     no bound), and separately each wait for room in the region. ``wait``
     is how long the constructor waits for the agent to come up (0: fail at
-    once with Unavailable).
+    once with Unavailable). ``token_file`` (default $TIDEPOOL_TOKEN_FILE)
+    holds the token an agent of a secure pool asks its callers for: the
+    one it was started with (--token-file).
 
     The agent must run as this user: the client checks the uid of the
     process on the socket (SO_PEERCRED) before opening a session, and that
@@ -675,9 +713,10 @@ class Client:
     """
 
     def __init__(self, socket=DEFAULT_SOCKET, shm_bytes=DEFAULT_SHM_BYTES, client_name=None,
-                 timeout=60.0, wait=0.0):
+                 timeout=60.0, wait=0.0, token_file=None):
         if shm_bytes <= 0:
             raise errors.InvalidArgument("shm_bytes %d: want a positive size" % shm_bytes)
+        self._token = _read_token(token_file or os.environ.get("TIDEPOOL_TOKEN_FILE"))
         self.socket = socket
         self.client_name = client_name or "python-%d" % os.getpid()
         self._shm_bytes = shm_bytes
@@ -695,7 +734,7 @@ class Client:
         self._opened = 0  # sessions opened by this process
         self.reopened = 0  # sessions opened after the first (the agent forgot one, or one was retired)
         self._orphans = []  # a forked child's inherited channels, never touched again
-        self._res = _Resources(self._target)
+        self._res = _Resources(self._target, self._token)
         self._finalizer = weakref.finalize(self, self._res.shutdown)
         try:
             region = self._open(self._res, wait)
@@ -761,7 +800,7 @@ class Client:
                 if self._closed:
                     raise errors.ClientClosed("client closed")
                 if self._res is None:  # a forked child's first call
-                    self._res = _Resources(self._target)
+                    self._res = _Resources(self._target, self._token)
                     self._finalizer = weakref.finalize(self, self._res.shutdown)
                 if not need_region or self._region is not None or not self._opening:
                     break
