@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/tidepool-kv/tidepool/client"
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
@@ -344,6 +345,7 @@ func startStore(t *testing.T, ctx context.Context, id, masters, tier string) *st
 type upProc struct {
 	*proc
 	grpc, raft, engine, http string
+	creds                    leaderconn.Credentials // what the extents check shows the master
 }
 
 // startUp runs `tidepool up` in dir on free non-default ports.
@@ -354,7 +356,7 @@ func startUp(t *testing.T, ctx context.Context, dir string, extra ...string) *up
 		u.grpc, u.raft, u.engine, u.http = freeAddr(t), freeAddr(t), freeAddr(t), freeAddr(t)
 		return append([]string{"up", "--dir", dir, "--listen", u.grpc, "--raft", u.raft, "--engine", u.engine, "--http", u.http}, extra...), u.http
 	})
-	t.Cleanup(func() { checkNoSharedExtents(t, liveOf([]*proc{u.proc}, []string{u.grpc})...) })
+	t.Cleanup(func() { checkNoSharedExtentsAs(t, u.creds, liveOf([]*proc{u.proc}, []string{u.grpc})...) })
 	return u
 }
 
@@ -374,11 +376,17 @@ func (c *extentCheck) register(t *testing.T, live func() []string) {
 // not checked here; one that ends it on purpose checks before (logged).
 func checkNoSharedExtents(t *testing.T, masters ...string) {
 	t.Helper()
+	checkNoSharedExtentsAs(t, leaderconn.Credentials{}, masters...)
+}
+
+// checkNoSharedExtentsAs is checkNoSharedExtents showing the masters creds.
+func checkNoSharedExtentsAs(t *testing.T, creds leaderconn.Credentials, masters ...string) {
+	t.Helper()
 	if len(masters) == 0 {
 		t.Logf("extents not checked: no master runs")
 		return
 	}
-	c, err := client.New(client.Config{Masters: masters})
+	c, err := client.New(client.Config{Masters: masters, Credentials: creds})
 	if err != nil {
 		t.Logf("extents not checked: %v", err)
 		return

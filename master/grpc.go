@@ -205,9 +205,11 @@ func (s *Server) intercept(ctx context.Context, req any, info *grpc.UnaryServerI
 	start := time.Now()
 	ctx, err := s.authorize(ctx, info.FullMethod)
 	var ns namespace
-	if t := callerTenant(ctx); err == nil && t != "" {
-		ns = newNamespace(t)
-		err = ns.request(req)
+	if err == nil {
+		if t := callerTenant(ctx); t != "" {
+			ns = newNamespace(t)
+			err = ns.request(req)
+		}
 	}
 	if err != nil {
 		if _, ok := status.FromError(err); !ok {

@@ -43,7 +43,11 @@ func (s *Server) authorize(ctx context.Context, method string) (context.Context,
 	if s.auth == nil {
 		return ctx, nil
 	}
-	return s.auth.Check(ctx, method)
+	actx, err := s.auth.Check(ctx, method)
+	if err != nil {
+		return ctx, err
+	}
+	return actx, nil
 }
 
 // handshakeTimeout bounds a raft connection's TLS handshake.
