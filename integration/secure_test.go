@@ -1,10 +1,12 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -387,6 +389,51 @@ func TestSecurePool(t *testing.T) {
 		resp, err := ag.Exists(actx, &pb.KeysRequest{Keys: []string{"k", "c0"}})
 		if err != nil || len(resp.Exists) != 2 || !resp.Exists[0] || !resp.Exists[1] {
 			t.Errorf("agent exists with its token: %v, %v", resp, err)
+		}
+	})
+
+	t.Run("a tenant over its quota evicts its own objects", func(t *testing.T) {
+		const block = 64 << 10
+		ca, tokens := filepath.Join(p.certs, "ca.crt"), filepath.Join(p.certs, "admin.token")
+		mustCLI(t, ctx, nil, "admin", "quota", "set", "default", "--tier", "dram", "--bytes", "512KiB",
+			"--masters", p.grpc, "--tls-ca", ca, "--token-file", tokens)
+		var bKeys []string
+		for i := range 4 {
+			k := fmt.Sprintf("b-block-%d", i)
+			if err := b.Put(ctx, k, bytes.Repeat([]byte{byte(i)}, block)); err != nil {
+				t.Fatal(err)
+			}
+			bKeys = append(bKeys, k)
+		}
+		for i := range 24 {
+			if err := a.Put(ctx, fmt.Sprintf("a-block-%d", i), bytes.Repeat([]byte{byte(i)}, block)); err != nil {
+				t.Fatalf("tenant a's put %d under its quota: %v", i, err)
+			}
+		}
+		objs, err := a.List(ctx, "a-block-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(objs) > 8 || len(objs) == 0 {
+			t.Errorf("tenant a holds %d blocks of 64 KiB under a 512 KiB quota", len(objs))
+		}
+		if _, err := a.Get(ctx, "a-block-23"); err != nil {
+			t.Errorf("tenant a's newest block: %v", err)
+		}
+		for _, k := range bKeys {
+			if got, err := b.Get(ctx, k); err != nil || len(got) != block {
+				t.Errorf("tenant b's %s after a's evictions: %d bytes, %v", k, len(got), err)
+			}
+		}
+		r := mustCLI(t, ctx, nil, "admin", "quota", "--masters", p.grpc, "--tls-ca", ca, "--token-file", tokens)
+		if !strings.Contains(string(r.stdout), "default") || !strings.Contains(string(r.stdout), "524288") {
+			t.Errorf("admin quota lists:\n%s", r.stdout)
+		}
+		if n, err := counter(p.http, "tidepool_tenant_evictions_total", `tenant="default"`, `reason="quota"`); err != nil || n == 0 {
+			t.Errorf("tidepool_tenant_evictions_total of tenant default for its quota: %v (%v)", n, err)
+		}
+		if n, err := counter(p.http, "tidepool_tenant_evictions_total", `tenant="b"`); err == nil && n > 0 {
+			t.Errorf("tenant b lost %v objects to evictions", n)
 		}
 	})
 

@@ -7,6 +7,7 @@ import "errors"
 var (
 	ErrNotFound       = errors.New("object not found")
 	ErrNoSpace        = errors.New("no segment has room")
+	ErrOverQuota      = errors.New("over the tenant's quota")
 	ErrTooLarge       = errors.New("value larger than any segment")
 	ErrNoSegments     = errors.New("no store segments registered")
 	ErrPutInProgress  = errors.New("a put of this key is in progress")

@@ -39,7 +39,7 @@ type events struct {
 type event struct {
 	Event
 	// An eviction event's rounds, from its first (At is its last).
-	segment        string
+	about          string // what an eviction's rounds merge by
 	objects, bytes uint64
 	rounds         int
 	since          time.Time
@@ -61,15 +61,27 @@ func (e *events) add(at time.Time, kind, format string, args ...any) {
 // evicted records an eviction round of a segment, merged into that
 // segment's event if its first round was less than mergeEvictions ago.
 func (e *events) evicted(at time.Time, segment string, objects, bytes uint64) {
+	e.evictedTo(at, "from "+segment+" to its watermark", objects, bytes)
+}
+
+// evictedQuota records an eviction round of a tenant's objects in a tier
+// to its quota, merged as evicted's.
+func (e *events) evictedQuota(at time.Time, tenant, tier string, objects, bytes uint64) {
+	e.evictedTo(at, fmt.Sprintf("of tenant %s from %s to its quota", tenant, tier), objects, bytes)
+}
+
+// evictedTo records an eviction round; what says whose and why, and
+// rounds of the same what merge.
+func (e *events) evictedTo(at time.Time, what string, objects, bytes uint64) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	ev := event{Event: Event{At: at, Kind: "eviction"}, segment: segment, objects: objects, bytes: bytes, rounds: 1, since: at}
-	if i := slices.IndexFunc(e.list, func(p event) bool { return p.segment == segment && at.Sub(p.since) < mergeEvictions }); i >= 0 {
+	ev := event{Event: Event{At: at, Kind: "eviction"}, about: what, objects: objects, bytes: bytes, rounds: 1, since: at}
+	if i := slices.IndexFunc(e.list, func(p event) bool { return p.about == what && at.Sub(p.since) < mergeEvictions }); i >= 0 {
 		p := e.list[i]
 		ev.objects, ev.bytes, ev.rounds, ev.since = p.objects+objects, p.bytes+bytes, p.rounds+1, p.since
 		e.list = slices.Delete(e.list, i, i+1)
 	}
-	ev.Text = fmt.Sprintf("evicted %d objects (%d bytes) from %s to its watermark", ev.objects, ev.bytes, segment)
+	ev.Text = fmt.Sprintf("evicted %d objects (%d bytes) %s", ev.objects, ev.bytes, what)
 	if ev.rounds > 1 {
 		ev.Text += fmt.Sprintf(" in %d rounds over %v", ev.rounds, at.Sub(ev.since).Round(time.Second))
 	}

@@ -120,7 +120,7 @@ func (s *Server) evictObjects(ctx context.Context, victims []evictable, allowSof
 			v := sizes[keys[i]]
 			n++
 			bytes += v.size
-			s.metrics.evicted(reason, tier, v.size, now.Sub(v.lastUse()))
+			s.metrics.evicted(v.tenant, reason, tier, v.size, now.Sub(v.lastUse()))
 		}
 	}
 	return n, bytes, nil

@@ -36,6 +36,9 @@ type FSM struct {
 	segAt    []*segment           // by segment index (nil: gone; 0 is never used)
 	tenantIx map[string]uint16    // interned tenant names, by index
 	tenantAt []string             // tenant names by index (0: none)
+	tierAt   []pb.Tier            // segments' tiers by index, kept after a segment goes (see account)
+	use      map[quotaKey]tenantUse
+	quotas   map[quotaKey]tenantUse // limits set by SetQuota
 }
 
 type node struct {
@@ -89,6 +92,9 @@ func (f *FSM) reset() {
 	f.under = map[*object]struct{}{}
 	f.rares = map[*object]*rare{}
 	f.segAt = []*segment{nil}
+	f.tierAt = []pb.Tier{pb.Tier_TIER_UNSPECIFIED}
+	f.use = map[quotaKey]tenantUse{}
+	f.quotas = map[quotaKey]tenantUse{}
 	f.tenantIx = map[string]uint16{}
 	f.tenantAt = []string{""}
 }
@@ -194,6 +200,11 @@ func (f *FSM) Apply(l *raft.Log) any {
 		return f.adoptPage(op.Adopt, now)
 	case *pb.Command_SegmentFail:
 		return f.failSegment(op.SegmentFail)
+	case *pb.Command_SetQuota:
+		if len(f.quotas) >= maxQuotas && f.quotas[quotaKey{op.SetQuota.Tenant, op.SetQuota.Tier}].zero() {
+			return fmt.Errorf("%w: %d quotas already, the most a pool keeps", ErrInvalidRequest, maxQuotas)
+		}
+		return f.setQuota(op.SetQuota)
 	case *pb.Command_Drain:
 		n := f.nodes[op.Drain.Node]
 		if n == nil || n.down {
@@ -543,9 +554,11 @@ func (f *FSM) setState(o *object, s pb.ObjectState) {
 func (f *FSM) add(o *object) {
 	if old := f.objects.get(o.key()); old != nil {
 		f.counts.count(old, -1)
+		f.account(old, -1)
 	}
 	f.objects.put(o)
 	f.counts.count(o, 1)
+	f.account(o, 1)
 	if p := o.parent(); p != "" {
 		f.children[p]++
 	}
@@ -555,6 +568,7 @@ func (f *FSM) add(o *object) {
 func (f *FSM) forget(o *object) {
 	f.objects.remove(o.key())
 	f.counts.count(o, -1)
+	f.account(o, -1)
 	o.setFlag(flagGone, true)
 	delete(f.inFlight, o)
 	delete(f.copying, o)
@@ -737,8 +751,10 @@ func (f *FSM) addSegments(n *node) {
 		} else {
 			s.idx = uint32(len(f.segAt))
 			f.segAt = append(f.segAt, nil)
+			f.tierAt = append(f.tierAt, s.tier)
 		}
 		f.segAt[s.idx] = s
+		f.tierAt[s.idx] = s.tier
 		f.segments[id] = s
 		n.segments = append(n.segments, id)
 	}
@@ -796,7 +812,7 @@ func (f *FSM) dropSegmentIDs(n *node, ids []string) {
 func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	snap := &pb.Snapshot{PendingFrees: f.pending, Tombs: f.tombs.snapshot()}
+	snap := &pb.Snapshot{PendingFrees: f.pending, Tombs: f.tombs.snapshot(), Quotas: f.snapshotQuotas()}
 	for _, k := range f.objects.sortedKeys() {
 		o := f.objects.get(k)
 		snap.Objects = append(snap.Objects, &pb.Object{
@@ -912,6 +928,11 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	}
 	for _, t := range snap.Tombs {
 		f.tombs.add(t.Key, t.UntilUnixNano, 0)
+	}
+	for _, q := range snap.Quotas {
+		if err := f.setQuota(q); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	for _, pr := range snap.Reservations {
 		r := &reservation{id: pr.Id, allocUntil: pr.AllocUntilUnixNano, releaseAfter: pr.ReleaseAfterUnixNano}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"maps"
 	"testing"
 	"time"
 
@@ -240,6 +241,7 @@ func FuzzFSMApply(f *testing.F) {
 		{Op: &pb.Command_CopyStart{CopyStart: &pb.CopyStartCmd{Items: []*pb.CopyStartItem{{Key: "k1", Source: "n2/a@1", Candidates: []string{"n1/b@1"}, DeadlineUnixNano: now + 1e9, Reason: pb.CopyReason_COPY_REASON_REPAIR}}}}},
 		{Op: &pb.Command_CopyEnd{CopyEnd: &pb.CopyEndCmd{Items: []*pb.CopyEndItem{{Key: "k0", CopyId: 16 << 16}, {Key: "k1", CopyId: 1, Failed: true}}, FreeAfterUnixNano: now}}},
 		{Op: &pb.Command_Drain{Drain: &pb.DrainCmd{Node: "n2"}}},
+		{Op: &pb.Command_SetQuota{SetQuota: &pb.TenantQuota{Tenant: "t", Tier: pb.Tier_TIER_DRAM, Bytes: 1 << 20, Objects: 4}}},
 		{Op: &pb.Command_Adopt{Adopt: &pb.AdoptCmd{Node: "n1", Epoch: 1, Objects: []*pb.AdoptedObject{{Key: "k9", Segment: "a", Offset: 8192, Size: 64, HardPinned: true, Tenant: "t"}}, Done: true}}},
 		{Op: &pb.Command_DropReplicas{DropReplicas: &pb.DropReplicasCmd{Items: []*pb.DropReplicaCmd{{Key: "k1", Segment: "n2/a@1", Checksum: 200}, {Key: "k2", Segment: "n1/a@1", Checksum: 300}}}}},
 		{Op: &pb.Command_Reserve{Reserve: &pb.ReserveCmd{Segment: "n1/a@1", Bytes: 8192, MinSpan: 128, AllocUntilUnixNano: now + 1e9, ReleaseAfterUnixNano: now + 2e9, Reclaim: []*pb.Reclaimable{{Key: "k2", Segment: "n1/a@1"}}}}},
@@ -280,5 +282,19 @@ func countsAgree(t *testing.T, f *FSM) {
 	f.mu.RUnlock()
 	if got != want {
 		t.Fatalf("kept object counts %+v, the table has %+v", got, want)
+	}
+	// The tenants' use, kept as replicas come and go, against the same
+	// sums made afresh from the table.
+	f.mu.Lock()
+	kept := f.use
+	f.use = map[quotaKey]tenantUse{}
+	f.mu.Unlock()
+	f.walk(func(o *object) { f.account(o, 1) }, nil)
+	f.mu.Lock()
+	walked := f.use
+	f.use = kept
+	f.mu.Unlock()
+	if !maps.Equal(kept, walked) {
+		t.Fatalf("kept tenant use %v, the table has %v", kept, walked)
 	}
 }

@@ -53,7 +53,7 @@ func code(err error) codes.Code {
 		return codes.NotFound
 	case errors.Is(err, ErrInvalidRequest):
 		return codes.InvalidArgument
-	case errors.Is(err, ErrNoSpace), errors.Is(err, ErrNoSegments), errors.Is(err, ErrLogDisk):
+	case errors.Is(err, ErrNoSpace), errors.Is(err, ErrNoSegments), errors.Is(err, ErrLogDisk), errors.Is(err, ErrOverQuota):
 		return codes.ResourceExhausted
 	case errors.Is(err, ErrTooLarge):
 		return codes.OutOfRange
@@ -219,8 +219,11 @@ func (s *Server) intercept(ctx context.Context, req any, info *grpc.UnaryServerI
 		return nil, err
 	}
 	resp, err := h(ctx, req)
-	if ns.prefix != "" && err == nil {
-		ns.reply(resp)
+	if ns.prefix != "" {
+		s.metrics.tenantRequest(ns.tenant, info.FullMethod)
+		if err == nil {
+			ns.reply(resp)
+		}
 	}
 	if err != nil {
 		if _, ok := status.FromError(err); !ok || errors.Is(err, ErrNotLeader) {
@@ -277,10 +280,19 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	}
 	results := make([]*pb.PutStartResult, len(req.Items))
 	loops := m.s.fsm.loopingParents(len(req.Items), func(i int) (string, string) { return req.Items[i].Key, req.Items[i].Parent })
+	over, err := m.s.admitBatch(ctx, req.Items)
+	if err != nil {
+		return nil, err
+	}
 	for i, it := range req.Items {
 		if loops[i] {
 			results[i] = &pb.PutStartResult{Status: itemStatus(parentLoopError(it.Key, it.Parent))}
 			m.s.metrics.putFailed(codes.InvalidArgument)
+			continue
+		}
+		if err := over[i]; err != nil {
+			results[i] = &pb.PutStartResult{Status: itemStatus(err)}
+			m.s.metrics.putFailed(codes.ResourceExhausted)
 			continue
 		}
 		r, err := m.start(ctx, it, place, views, largest, host)

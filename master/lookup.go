@@ -32,7 +32,7 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 	}
 	objs := m.s.fsm.prefix(keys)
 	if req.CountOnly {
-		m.s.metrics.looked(len(keys), len(objs), nil)
+		m.s.metrics.looked(callerTenant(ctx), len(keys), len(objs), nil)
 		return &pb.LookupResponse{Matched: uint32(len(objs))}, nil
 	}
 	probed := len(keys)
@@ -47,7 +47,7 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 	}
 	resp := m.s.fsm.lookup(objs, now.UnixNano(), exp)
 	resp.LeaseTtlMs = uint64(m.s.cfg.LeaseTTL.Milliseconds())
-	m.s.noteLookup(probed, keys[:resp.Matched], resp)
+	m.s.noteLookup(callerTenant(ctx), probed, keys[:resp.Matched], resp)
 	return resp, nil
 }
 
@@ -214,7 +214,7 @@ func (f *FSM) childrenOf(key string, limit int) ([]*pb.ObjectInfo, bool) {
 // noteLookup counts a lookup of probed keys in the metrics, by the tier of
 // each matched block's fastest replica, and its matched blocks served from
 // SSD alone towards their promotion, as a get of them would.
-func (s *Server) noteLookup(probed int, keys []string, resp *pb.LookupResponse) {
+func (s *Server) noteLookup(tenant string, probed int, keys []string, resp *pb.LookupResponse) {
 	var slow []string
 	var byTier [pb.Tier_TIER_SSD + 1]int
 	at := 0
@@ -229,6 +229,6 @@ func (s *Server) noteLookup(probed int, keys []string, resp *pb.LookupResponse) 
 		}
 		at += int(n)
 	}
-	s.metrics.looked(probed, 0, byTier[:])
+	s.metrics.looked(tenant, probed, 0, byTier[:])
 	s.slowReads(slow)
 }

@@ -28,6 +28,12 @@ type metrics struct {
 	held     prometheus.Counter
 	probed   prometheus.Counter
 	matched  *prometheus.CounterVec
+
+	// Per tenant (an authenticated client's, or the tenant a put names).
+	tenantCalls   *prometheus.CounterVec // tenant, method
+	tenantProbed  *prometheus.CounterVec // tenant
+	tenantMatched *prometheus.CounterVec // tenant, tier
+	tenantEvicts  *prometheus.CounterVec // tenant, reason
 }
 
 func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
@@ -91,7 +97,24 @@ func newMetrics(reg prometheus.Registerer, s *Server) (*metrics, error) {
 		Name: "tidepool_master_lookup_blocks_matched_total",
 		Help: "Blocks of the cached prefixes lookups found, by the tier of each block's fastest replica (unlocated: count-only lookups, which read no replicas); over probed blocks, the prefix hit ratio.",
 	}, []string{"tier"})
-	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, m.copies, m.cpBytes, m.drops, m.held, m.probed, m.matched, stateCollector{s}} {
+	m.tenantCalls = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_tenant_requests_total",
+		Help: "Requests of an authenticated tenant's clients, by tenant and method (BatchPutEnd: puts, GetReplicas: gets, Lookup: lookups).",
+	}, []string{"tenant", "method"})
+	m.tenantProbed = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_tenant_lookup_blocks_probed_total",
+		Help: "Block keys an authenticated tenant's lookups asked about.",
+	}, []string{"tenant"})
+	m.tenantMatched = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_tenant_lookup_blocks_matched_total",
+		Help: "Blocks an authenticated tenant's lookups found, by the tier of each block's fastest replica; over probed blocks, its hit ratio per tier.",
+	}, []string{"tenant", "tier"})
+	m.tenantEvicts = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tidepool_tenant_evictions_total",
+		Help: "Objects of a tenant evicted, by tenant and reason (quota: to the tenant's own quota; the others as tidepool_master_evictions_total).",
+	}, []string{"tenant", "reason"})
+	for _, c := range []prometheus.Collector{m.requests, m.latency, m.revokes, m.putFails, m.corrupts, m.evicts, m.evBytes, m.evAge, m.copies, m.cpBytes, m.drops, m.held, m.probed, m.matched,
+		m.tenantCalls, m.tenantProbed, m.tenantMatched, m.tenantEvicts, stateCollector{s}} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -107,9 +130,23 @@ func (m *metrics) request(method string, c codes.Code, d time.Duration) {
 	m.latency.WithLabelValues(method).Observe(d.Seconds())
 }
 
-func (m *metrics) evicted(reason, tier string, bytes uint64, age time.Duration) {
+// tenantRequest counts a call of an authenticated tenant's client.
+func (m *metrics) tenantRequest(tenant, method string) {
+	if m == nil || tenant == "" {
+		return
+	}
+	if i := strings.LastIndexByte(method, '/'); i >= 0 {
+		method = method[i+1:]
+	}
+	m.tenantCalls.WithLabelValues(tenant, method).Inc()
+}
+
+func (m *metrics) evicted(tenant, reason, tier string, bytes uint64, age time.Duration) {
 	if m == nil {
 		return
+	}
+	if tenant != "" {
+		m.tenantEvicts.WithLabelValues(tenant, reason).Inc()
 	}
 	m.evicts.WithLabelValues(reason, tier).Inc()
 	m.evBytes.WithLabelValues(reason, tier).Add(float64(bytes))
@@ -130,17 +167,26 @@ func (m *metrics) copied(reason pb.CopyReason, result string, bytes uint64) {
 // looked counts a lookup of probed keys whose matched blocks' fastest
 // replicas are in the tiers byTier counts (indexed by pb.Tier), or, if
 // byTier is nil, unlocated matched blocks.
-func (m *metrics) looked(probed, unlocated int, byTier []int) {
+func (m *metrics) looked(tenant string, probed, unlocated int, byTier []int) {
 	if m == nil {
 		return
 	}
 	m.probed.Add(float64(probed))
+	if tenant != "" {
+		m.tenantProbed.WithLabelValues(tenant).Add(float64(probed))
+	}
+	add := func(tier string, n int) {
+		m.matched.WithLabelValues(tier).Add(float64(n))
+		if tenant != "" {
+			m.tenantMatched.WithLabelValues(tenant, tier).Add(float64(n))
+		}
+	}
 	if unlocated > 0 {
-		m.matched.WithLabelValues("unlocated").Add(float64(unlocated))
+		add("unlocated", unlocated)
 	}
 	for t, n := range byTier {
 		if n > 0 {
-			m.matched.WithLabelValues(pb.Tier(t).Name()).Add(float64(n))
+			add(pb.Tier(t).Name(), n)
 		}
 	}
 }
@@ -209,20 +255,25 @@ func (m *metrics) revoked(n int) {
 type stateCollector struct{ s *Server }
 
 var (
-	descObjects  = prometheus.NewDesc("tidepool_master_objects", "Objects in the table, by state.", []string{"state"}, nil)
-	descBytes    = prometheus.NewDesc("tidepool_master_object_bytes", "Bytes of complete objects.", nil, nil)
-	descCapacity = prometheus.NewDesc("tidepool_segment_capacity_bytes", "Capacity of a store segment.", []string{"segment", "node", "tier"}, nil)
-	descUsed     = prometheus.NewDesc("tidepool_segment_used_bytes", "Allocated bytes of a store segment.", []string{"segment", "node", "tier"}, nil)
-	descSegObjs  = prometheus.NewDesc("tidepool_segment_objects", "Objects with a replica on a store segment.", []string{"segment", "node", "tier"}, nil)
-	descLeader   = prometheus.NewDesc("tidepool_master_is_leader", "1 if this master is the raft leader.", nil, nil)
-	descTerm     = prometheus.NewDesc("tidepool_master_raft_term", "Current raft term.", nil, nil)
-	descUnder    = prometheus.NewDesc("tidepool_master_objects_under_replicated", "Complete objects on fewer nodes than their put asked for (a store died, a replica was corrupt): re-replication copies them.", nil, nil)
-	descRepairs  = prometheus.NewDesc("tidepool_master_repairs_in_flight", "Re-replication copies started and not yet ended.", nil, nil)
-	descLogDisk  = prometheus.NewDesc("tidepool_master_raft_log_disk_failing", "1 while the raft log's disk is full or failing (flushes fail) and this master refuses writes.", nil, nil)
+	descObjects      = prometheus.NewDesc("tidepool_master_objects", "Objects in the table, by state.", []string{"state"}, nil)
+	descBytes        = prometheus.NewDesc("tidepool_master_object_bytes", "Bytes of complete objects.", nil, nil)
+	descCapacity     = prometheus.NewDesc("tidepool_segment_capacity_bytes", "Capacity of a store segment.", []string{"segment", "node", "tier"}, nil)
+	descUsed         = prometheus.NewDesc("tidepool_segment_used_bytes", "Allocated bytes of a store segment.", []string{"segment", "node", "tier"}, nil)
+	descSegObjs      = prometheus.NewDesc("tidepool_segment_objects", "Objects with a replica on a store segment.", []string{"segment", "node", "tier"}, nil)
+	descLeader       = prometheus.NewDesc("tidepool_master_is_leader", "1 if this master is the raft leader.", nil, nil)
+	descTerm         = prometheus.NewDesc("tidepool_master_raft_term", "Current raft term.", nil, nil)
+	descUnder        = prometheus.NewDesc("tidepool_master_objects_under_replicated", "Complete objects on fewer nodes than their put asked for (a store died, a replica was corrupt): re-replication copies them.", nil, nil)
+	descRepairs      = prometheus.NewDesc("tidepool_master_repairs_in_flight", "Re-replication copies started and not yet ended.", nil, nil)
+	descTenantBytes  = prometheus.NewDesc("tidepool_tenant_bytes", "Bytes of a tenant's replicas in a tier (what its bytes quota there counts).", []string{"tenant", "tier"}, nil)
+	descTenantObjs   = prometheus.NewDesc("tidepool_tenant_objects", "Objects of a tenant with a replica in a tier (what its objects quota there counts).", []string{"tenant", "tier"}, nil)
+	descQuotaBytes   = prometheus.NewDesc("tidepool_tenant_quota_bytes", "A tenant's bytes quota in a tier (absent: none).", []string{"tenant", "tier"}, nil)
+	descQuotaObjects = prometheus.NewDesc("tidepool_tenant_quota_objects", "A tenant's objects quota in a tier (absent: none).", []string{"tenant", "tier"}, nil)
+	descLogDisk      = prometheus.NewDesc("tidepool_master_raft_log_disk_failing", "1 while the raft log's disk is full or failing (flushes fail) and this master refuses writes.", nil, nil)
 )
 
 func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descObjects, descBytes, descCapacity, descUsed, descSegObjs, descLeader, descTerm, descUnder, descRepairs, descLogDisk} {
+	for _, d := range []*prometheus.Desc{descObjects, descBytes, descCapacity, descUsed, descSegObjs, descLeader, descTerm, descUnder, descRepairs, descLogDisk,
+		descTenantBytes, descTenantObjs, descQuotaBytes, descQuotaObjects} {
 		ch <- d
 	}
 }
@@ -253,4 +304,15 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		failing = 1
 	}
 	ch <- prometheus.MustNewConstMetric(descLogDisk, prometheus.GaugeValue, failing)
+	for _, u := range c.s.fsm.tenantUsage() {
+		tier := u.Tier.Name()
+		ch <- prometheus.MustNewConstMetric(descTenantBytes, prometheus.GaugeValue, float64(u.Bytes), u.Tenant, tier)
+		ch <- prometheus.MustNewConstMetric(descTenantObjs, prometheus.GaugeValue, float64(u.Objects), u.Tenant, tier)
+		if u.QuotaBytes > 0 {
+			ch <- prometheus.MustNewConstMetric(descQuotaBytes, prometheus.GaugeValue, float64(u.QuotaBytes), u.Tenant, tier)
+		}
+		if u.QuotaObjects > 0 {
+			ch <- prometheus.MustNewConstMetric(descQuotaObjects, prometheus.GaugeValue, float64(u.QuotaObjects), u.Tenant, tier)
+		}
+	}
 }

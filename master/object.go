@@ -378,6 +378,11 @@ func (f *FSM) exts(o *object) []extent {
 
 // setExts replaces o's replicas.
 func (f *FSM) setExts(o *object, exts []extent) {
+	counted := f.objects.get(o.key()) == o
+	if counted {
+		f.account(o, -1)
+		defer f.account(o, 1)
+	}
 	if len(exts) == 1 {
 		o.one[0] = exts[0]
 	} else {

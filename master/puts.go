@@ -513,7 +513,9 @@ func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) [
 			same++
 		}
 		i += same
-		if it.Size == 0 || validTier(it.Tier) != nil {
+		if it.Size == 0 || validTier(it.Tier) != nil || m.s.fsm.hasQuota(it.Tenant, orDRAM(it.Tier)) {
+			// A put under a quota starts as usual, where room is made
+			// within the quota first.
 			return out // the runs answer a prefix of the requests
 		}
 		want := min(same, maxGrants-count, int((maxGrantBytes-bytes)/it.Size))
@@ -620,7 +622,7 @@ func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int
 		run.Reservations = append(run.Reservations, g.r.id)
 	}
 	for i := range count {
-		p := &pendingPut{item: &pb.PublishItem{Size: it.Size, Reservations: run.Reservations, ReplicasWanted: uint32(want)}, grant: true, deadline: deadline}
+		p := &pendingPut{item: &pb.PublishItem{Size: it.Size, Reservations: run.Reservations, ReplicasWanted: uint32(want), Tenant: it.Tenant}, grant: true, deadline: deadline}
 		for _, g := range got {
 			p.item.Replicas = append(p.item.Replicas, &pb.Extent{Segment: g.r.segment, Offset: g.off + uint64(i)*n, Length: it.Size})
 			p.resv = append(p.resv, g.r)

@@ -410,6 +410,11 @@ func (f *FSM) completeObjects(match func(key string) bool) []evictable {
 	return f.scan(func(o *object) bool { return match(o.key()) })
 }
 
+// scanTenant lists tenant's complete objects, in no order.
+func (f *FSM) scanTenant(tenant string) []evictable {
+	return f.scan(func(o *object) bool { return f.tenantOf(o) == tenant })
+}
+
 // completeOn lists the complete objects with a replica on segment id, in
 // no order; it builds nothing for the others.
 func (f *FSM) completeOn(id string) []evictable {

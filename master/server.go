@@ -678,6 +678,7 @@ func (s *Server) sweep() {
 	defer s.promote(ctx)
 	defer s.writeBack(ctx, now)
 	defer s.evictToWatermark(ctx, now)
+	defer s.enforceQuotas(ctx)
 	for _, id := range dead {
 		s.log.Warn("store node silent, declaring it dead", "node", id, "ttl", s.cfg.NodeTTL)
 		if _, err := s.apply(ctx, &pb.Command{Op: &pb.Command_NodeDown{NodeDown: &pb.NodeDownCmd{Node: id, Epoch: live[id]}}}); err != nil {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -18,11 +19,12 @@ import (
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+	"github.com/tidepool-kv/tidepool/tiers"
 )
 
 func runAdmin(ctx context.Context, e *env, args []string) error {
 	if len(args) == 0 {
-		return fmt.Errorf("%w: want a subcommand: rails, evict, pin, unpin, drain or members", errUsage)
+		return fmt.Errorf("%w: want a subcommand: rails, evict, pin, unpin, drain, members or quota", errUsage)
 	}
 	switch args[0] {
 	case "rails":
@@ -37,8 +39,10 @@ func runAdmin(ctx context.Context, e *env, args []string) error {
 		return runAdminDrain(ctx, e, args[1:])
 	case "members":
 		return runAdminMembers(ctx, e, args[1:])
+	case "quota":
+		return runAdminQuota(ctx, e, args[1:])
 	}
-	return fmt.Errorf("%w: unknown admin subcommand %q (want rails, evict, pin, unpin, drain or members)", errUsage, args[0])
+	return fmt.Errorf("%w: unknown admin subcommand %q (want rails, evict, pin, unpin, drain, members or quota)", errUsage, args[0])
 }
 
 // runAdminRails prints the rail table a daemon serves at /debug/rails.
@@ -331,4 +335,64 @@ func orDash(s string) string {
 		return "-"
 	}
 	return s
+}
+
+// runAdminQuota is `tidepool admin quota [set TENANT --tier T [--bytes SIZE] [--objects N]]`.
+func runAdminQuota(ctx context.Context, e *env, args []string) error {
+	var tier, size string
+	var objects uint64
+	ctx, call, pos, done, err := adminCommand(ctx, e, time.Minute, "quota", "[set TENANT --tier T [--bytes SIZE] [--objects N]]",
+		"Without arguments, list every tenant's use and limits per tier. With set, limit TENANT in one tier:\n"+
+			"the bytes of its replicas there and its objects with a replica there (0, the default, for no limit;\n"+
+			"both 0 removes the quota). A put that would pass a limit first evicts the tenant's own least recently\n"+
+			"used objects in that tier, and fails only if they are not enough.", args, 0, 2, func(fs *flag.FlagSet) {
+			fs.StringVar(&tier, "tier", "", "with set: the tier (hbm, dram or ssd)")
+			fs.StringVar(&size, "bytes", "0", "with set: the most bytes of the tenant's replicas in the tier (e.g. 8GiB; 0: no limit)")
+			fs.Uint64Var(&objects, "objects", 0, "with set: the most objects of the tenant with a replica in the tier (0: no limit)")
+		})
+	if err != nil {
+		return err
+	}
+	defer done()
+	var resp *pb.QuotasResponse
+	switch {
+	case len(pos) == 0:
+		err = call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) (err error) {
+			resp, err = a.Quotas(ctx, &pb.QuotasRequest{}, o...)
+			return err
+		})
+	case pos[0] == "set" && len(pos) == 2:
+		t, ok := pb.Tier_value["TIER_"+strings.ToUpper(tier)]
+		if !ok || tier == "" || strings.EqualFold(tier, "unspecified") {
+			return fmt.Errorf("%w: --tier %q: want hbm, dram or ssd", errUsage, tier)
+		}
+		var bytes int64
+		if size != "0" {
+			if bytes, err = tiers.ParseSize(size); err != nil {
+				return fmt.Errorf("%w: --bytes %q: %v", errUsage, size, err)
+			}
+		}
+		q := &pb.TenantQuota{Tenant: pos[1], Tier: pb.Tier(t), Bytes: uint64(bytes), Objects: objects}
+		err = call(func(ctx context.Context, a pb.AdminClient, o ...grpc.CallOption) (err error) {
+			resp, err = a.SetQuota(ctx, q, o...)
+			return err
+		})
+	default:
+		return fmt.Errorf("%w: want no arguments, or set TENANT", errUsage)
+	}
+	if err != nil {
+		return err
+	}
+	tw := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "TENANT\tTIER\tOBJECTS\tBYTES\tQUOTA OBJECTS\tQUOTA BYTES")
+	limit := func(n uint64) string {
+		if n == 0 {
+			return "-"
+		}
+		return strconv.FormatUint(n, 10)
+	}
+	for _, u := range resp.Tenants {
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", u.Tenant, u.Tier.Name(), u.Objects, u.Bytes, limit(u.QuotaObjects), limit(u.QuotaBytes))
+	}
+	return tw.Flush()
 }

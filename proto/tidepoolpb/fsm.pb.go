@@ -117,6 +117,7 @@ type Command struct {
 	//	*Command_Publish
 	//	*Command_Release
 	//	*Command_SegmentFail
+	//	*Command_SetQuota
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -337,6 +338,15 @@ func (x *Command) GetSegmentFail() *SegmentFailCmd {
 	return nil
 }
 
+func (x *Command) GetSetQuota() *TenantQuota {
+	if x != nil {
+		if x, ok := x.Op.(*Command_SetQuota); ok {
+			return x.SetQuota
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -417,6 +427,10 @@ type Command_SegmentFail struct {
 	SegmentFail *SegmentFailCmd `protobuf:"bytes,20,opt,name=segment_fail,json=segmentFail,proto3,oneof"`
 }
 
+type Command_SetQuota struct {
+	SetQuota *TenantQuota `protobuf:"bytes,21,opt,name=set_quota,json=setQuota,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -454,6 +468,8 @@ func (*Command_Publish) isCommand_Op() {}
 func (*Command_Release) isCommand_Op() {}
 
 func (*Command_SegmentFail) isCommand_Op() {}
+
+func (*Command_SetQuota) isCommand_Op() {}
 
 // SegmentFailCmd takes a segment whose I/O fails out of the pool: its
 // replicas are dropped (objects with none left are lost) and placement
@@ -2643,6 +2659,7 @@ type Snapshot struct {
 	PendingFrees  []*PendingFree         `protobuf:"bytes,4,rep,name=pending_frees,json=pendingFrees,proto3" json:"pending_frees,omitempty"`
 	Reservations  []*Reservation         `protobuf:"bytes,5,rep,name=reservations,proto3" json:"reservations,omitempty"`
 	Tombs         []*Tomb                `protobuf:"bytes,6,rep,name=tombs,proto3" json:"tombs,omitempty"`
+	Quotas        []*TenantQuota         `protobuf:"bytes,7,rep,name=quotas,proto3" json:"quotas,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2719,6 +2736,13 @@ func (x *Snapshot) GetTombs() []*Tomb {
 	return nil
 }
 
+func (x *Snapshot) GetQuotas() []*TenantQuota {
+	if x != nil {
+		return x.Quotas
+	}
+	return nil
+}
+
 // A removed key that clients may still answer from their lookup caches
 // until a time (see RemoveCmd.cached_until_unix_nano).
 type Tomb struct {
@@ -2777,7 +2801,7 @@ var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xb9\b\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xf2\b\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -2801,7 +2825,8 @@ const file_fsm_proto_rawDesc = "" +
 	"\areserve\x18\x11 \x01(\v2\x17.tidepool.v1.ReserveCmdH\x00R\areserve\x123\n" +
 	"\apublish\x18\x12 \x01(\v2\x17.tidepool.v1.PublishCmdH\x00R\apublish\x123\n" +
 	"\arelease\x18\x13 \x01(\v2\x17.tidepool.v1.ReleaseCmdH\x00R\arelease\x12@\n" +
-	"\fsegment_fail\x18\x14 \x01(\v2\x1b.tidepool.v1.SegmentFailCmdH\x00R\vsegmentFailB\x04\n" +
+	"\fsegment_fail\x18\x14 \x01(\v2\x1b.tidepool.v1.SegmentFailCmdH\x00R\vsegmentFail\x127\n" +
+	"\tset_quota\x18\x15 \x01(\v2\x18.tidepool.v1.TenantQuotaH\x00R\bsetQuotaB\x04\n" +
 	"\x02op\"N\n" +
 	"\x0eSegmentFailCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
@@ -2973,14 +2998,15 @@ const file_fsm_proto_rawDesc = "" +
 	"\vPendingFree\x12+\n" +
 	"\x06extent\x18\x01 \x01(\v2\x13.tidepool.v1.ExtentR\x06extent\x12&\n" +
 	"\x0fafter_unix_nano\x18\x02 \x01(\x03R\rafterUnixNano\x12\x17\n" +
-	"\acopy_id\x18\x03 \x01(\x04R\x06copyId\"\xba\x02\n" +
+	"\acopy_id\x18\x03 \x01(\x04R\x06copyId\"\xec\x02\n" +
 	"\bSnapshot\x12-\n" +
 	"\aobjects\x18\x01 \x03(\v2\x13.tidepool.v1.ObjectR\aobjects\x12'\n" +
 	"\x05nodes\x18\x02 \x03(\v2\x11.tidepool.v1.NodeR\x05nodes\x120\n" +
 	"\amembers\x18\x03 \x03(\v2\x16.tidepool.v1.MemberCmdR\amembers\x12=\n" +
 	"\rpending_frees\x18\x04 \x03(\v2\x18.tidepool.v1.PendingFreeR\fpendingFrees\x12<\n" +
 	"\freservations\x18\x05 \x03(\v2\x18.tidepool.v1.ReservationR\freservations\x12'\n" +
-	"\x05tombs\x18\x06 \x03(\v2\x11.tidepool.v1.TombR\x05tombs\"@\n" +
+	"\x05tombs\x18\x06 \x03(\v2\x11.tidepool.v1.TombR\x05tombs\x120\n" +
+	"\x06quotas\x18\a \x03(\v2\x18.tidepool.v1.TenantQuotaR\x06quotas\"@\n" +
 	"\x04Tomb\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12&\n" +
 	"\x0funtil_unix_nano\x18\x02 \x01(\x03R\runtilUnixNano*\xa4\x01\n" +
@@ -3042,9 +3068,10 @@ var file_fsm_proto_goTypes = []any{
 	(*PendingFree)(nil),     // 31: tidepool.v1.PendingFree
 	(*Snapshot)(nil),        // 32: tidepool.v1.Snapshot
 	(*Tomb)(nil),            // 33: tidepool.v1.Tomb
-	(*SegmentSpec)(nil),     // 34: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),   // 35: tidepool.v1.AdoptedObject
-	(ObjectState)(0),        // 36: tidepool.v1.ObjectState
+	(*TenantQuota)(nil),     // 34: tidepool.v1.TenantQuota
+	(*SegmentSpec)(nil),     // 35: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),   // 36: tidepool.v1.AdoptedObject
+	(ObjectState)(0),        // 37: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
 	20, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
@@ -3066,37 +3093,39 @@ var file_fsm_proto_depIdxs = []int32{
 	5,  // 16: tidepool.v1.Command.publish:type_name -> tidepool.v1.PublishCmd
 	6,  // 17: tidepool.v1.Command.release:type_name -> tidepool.v1.ReleaseCmd
 	2,  // 18: tidepool.v1.Command.segment_fail:type_name -> tidepool.v1.SegmentFailCmd
-	21, // 19: tidepool.v1.ReserveCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	28, // 20: tidepool.v1.PublishItem.replicas:type_name -> tidepool.v1.Extent
-	4,  // 21: tidepool.v1.PublishCmd.items:type_name -> tidepool.v1.PublishItem
-	7,  // 22: tidepool.v1.Reservation.spans:type_name -> tidepool.v1.FreeSpan
-	0,  // 23: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
-	9,  // 24: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
-	11, // 25: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
-	28, // 26: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
-	0,  // 27: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
-	15, // 28: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
-	19, // 29: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	21, // 30: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	34, // 31: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	35, // 32: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	35, // 33: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
-	36, // 34: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	28, // 35: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	14, // 36: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
-	34, // 37: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	28, // 38: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	29, // 39: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	30, // 40: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	27, // 41: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	31, // 42: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	8,  // 43: tidepool.v1.Snapshot.reservations:type_name -> tidepool.v1.Reservation
-	33, // 44: tidepool.v1.Snapshot.tombs:type_name -> tidepool.v1.Tomb
-	45, // [45:45] is the sub-list for method output_type
-	45, // [45:45] is the sub-list for method input_type
-	45, // [45:45] is the sub-list for extension type_name
-	45, // [45:45] is the sub-list for extension extendee
-	0,  // [0:45] is the sub-list for field type_name
+	34, // 19: tidepool.v1.Command.set_quota:type_name -> tidepool.v1.TenantQuota
+	21, // 20: tidepool.v1.ReserveCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	28, // 21: tidepool.v1.PublishItem.replicas:type_name -> tidepool.v1.Extent
+	4,  // 22: tidepool.v1.PublishCmd.items:type_name -> tidepool.v1.PublishItem
+	7,  // 23: tidepool.v1.Reservation.spans:type_name -> tidepool.v1.FreeSpan
+	0,  // 24: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
+	9,  // 25: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
+	11, // 26: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
+	28, // 27: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
+	0,  // 28: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
+	15, // 29: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
+	19, // 30: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	21, // 31: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	35, // 32: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	36, // 33: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	36, // 34: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
+	37, // 35: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	28, // 36: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	14, // 37: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
+	35, // 38: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	28, // 39: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	29, // 40: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	30, // 41: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	27, // 42: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	31, // 43: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	8,  // 44: tidepool.v1.Snapshot.reservations:type_name -> tidepool.v1.Reservation
+	33, // 45: tidepool.v1.Snapshot.tombs:type_name -> tidepool.v1.Tomb
+	34, // 46: tidepool.v1.Snapshot.quotas:type_name -> tidepool.v1.TenantQuota
+	47, // [47:47] is the sub-list for method output_type
+	47, // [47:47] is the sub-list for method input_type
+	47, // [47:47] is the sub-list for extension type_name
+	47, // [47:47] is the sub-list for extension extendee
+	0,  // [0:47] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -3125,6 +3154,7 @@ func file_fsm_proto_init() {
 		(*Command_Publish)(nil),
 		(*Command_Release)(nil),
 		(*Command_SegmentFail)(nil),
+		(*Command_SetQuota)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

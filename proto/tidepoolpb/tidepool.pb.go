@@ -3669,6 +3669,244 @@ func (x *DrainProgress) GetDone() bool {
 	return false
 }
 
+// TenantQuota is a tenant's limits in one tier: the bytes of its replicas
+// there and the objects with a replica there; zero is no limit. A put that
+// would take the tenant over a limit first evicts the tenant's own least
+// recently used objects of that tier, and fails (RESOURCE_EXHAUSTED) only
+// when they are not enough.
+type TenantQuota struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tenant        string                 `protobuf:"bytes,1,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	Tier          Tier                   `protobuf:"varint,2,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	Bytes         uint64                 `protobuf:"varint,3,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Objects       uint64                 `protobuf:"varint,4,opt,name=objects,proto3" json:"objects,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TenantQuota) Reset() {
+	*x = TenantQuota{}
+	mi := &file_tidepool_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TenantQuota) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TenantQuota) ProtoMessage() {}
+
+func (x *TenantQuota) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TenantQuota.ProtoReflect.Descriptor instead.
+func (*TenantQuota) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{50}
+}
+
+func (x *TenantQuota) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
+func (x *TenantQuota) GetTier() Tier {
+	if x != nil {
+		return x.Tier
+	}
+	return Tier_TIER_UNSPECIFIED
+}
+
+func (x *TenantQuota) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *TenantQuota) GetObjects() uint64 {
+	if x != nil {
+		return x.Objects
+	}
+	return 0
+}
+
+type QuotasRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *QuotasRequest) Reset() {
+	*x = QuotasRequest{}
+	mi := &file_tidepool_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *QuotasRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*QuotasRequest) ProtoMessage() {}
+
+func (x *QuotasRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use QuotasRequest.ProtoReflect.Descriptor instead.
+func (*QuotasRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{51}
+}
+
+// TenantUsage is what one tenant holds in one tier, and its limits there.
+type TenantUsage struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tenant        string                 `protobuf:"bytes,1,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	Tier          Tier                   `protobuf:"varint,2,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	Bytes         uint64                 `protobuf:"varint,3,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Objects       uint64                 `protobuf:"varint,4,opt,name=objects,proto3" json:"objects,omitempty"`
+	QuotaBytes    uint64                 `protobuf:"varint,5,opt,name=quota_bytes,json=quotaBytes,proto3" json:"quota_bytes,omitempty"`
+	QuotaObjects  uint64                 `protobuf:"varint,6,opt,name=quota_objects,json=quotaObjects,proto3" json:"quota_objects,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TenantUsage) Reset() {
+	*x = TenantUsage{}
+	mi := &file_tidepool_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TenantUsage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TenantUsage) ProtoMessage() {}
+
+func (x *TenantUsage) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
+func (*TenantUsage) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{52}
+}
+
+func (x *TenantUsage) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
+func (x *TenantUsage) GetTier() Tier {
+	if x != nil {
+		return x.Tier
+	}
+	return Tier_TIER_UNSPECIFIED
+}
+
+func (x *TenantUsage) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *TenantUsage) GetObjects() uint64 {
+	if x != nil {
+		return x.Objects
+	}
+	return 0
+}
+
+func (x *TenantUsage) GetQuotaBytes() uint64 {
+	if x != nil {
+		return x.QuotaBytes
+	}
+	return 0
+}
+
+func (x *TenantUsage) GetQuotaObjects() uint64 {
+	if x != nil {
+		return x.QuotaObjects
+	}
+	return 0
+}
+
+type QuotasResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tenants       []*TenantUsage         `protobuf:"bytes,1,rep,name=tenants,proto3" json:"tenants,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *QuotasResponse) Reset() {
+	*x = QuotasResponse{}
+	mi := &file_tidepool_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *QuotasResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*QuotasResponse) ProtoMessage() {}
+
+func (x *QuotasResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use QuotasResponse.ProtoReflect.Descriptor instead.
+func (*QuotasResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *QuotasResponse) GetTenants() []*TenantUsage {
+	if x != nil {
+		return x.Tenants
+	}
+	return nil
+}
+
 var File_tidepool_proto protoreflect.FileDescriptor
 
 const file_tidepool_proto_rawDesc = "" +
@@ -3948,7 +4186,23 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x05moved\x18\x03 \x01(\x04R\x05moved\x12\x18\n" +
 	"\adropped\x18\x04 \x01(\x04R\adropped\x12\x18\n" +
 	"\awaiting\x18\x05 \x01(\x04R\awaiting\x12\x12\n" +
-	"\x04done\x18\x06 \x01(\bR\x04done*G\n" +
+	"\x04done\x18\x06 \x01(\bR\x04done\"|\n" +
+	"\vTenantQuota\x12\x16\n" +
+	"\x06tenant\x18\x01 \x01(\tR\x06tenant\x12%\n" +
+	"\x04tier\x18\x02 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x14\n" +
+	"\x05bytes\x18\x03 \x01(\x04R\x05bytes\x12\x18\n" +
+	"\aobjects\x18\x04 \x01(\x04R\aobjects\"\x0f\n" +
+	"\rQuotasRequest\"\xc2\x01\n" +
+	"\vTenantUsage\x12\x16\n" +
+	"\x06tenant\x18\x01 \x01(\tR\x06tenant\x12%\n" +
+	"\x04tier\x18\x02 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x14\n" +
+	"\x05bytes\x18\x03 \x01(\x04R\x05bytes\x12\x18\n" +
+	"\aobjects\x18\x04 \x01(\x04R\aobjects\x12\x1f\n" +
+	"\vquota_bytes\x18\x05 \x01(\x04R\n" +
+	"quotaBytes\x12#\n" +
+	"\rquota_objects\x18\x06 \x01(\x04R\fquotaObjects\"D\n" +
+	"\x0eQuotasResponse\x122\n" +
+	"\atenants\x18\x01 \x03(\v2\x18.tidepool.v1.TenantUsageR\atenants*G\n" +
 	"\x04Tier\x12\x14\n" +
 	"\x10TIER_UNSPECIFIED\x10\x00\x12\f\n" +
 	"\bTIER_HBM\x10\x01\x12\r\n" +
@@ -3978,7 +4232,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
 	"\x0eSegmentObjects\x12\".tidepool.v1.SegmentObjectsRequest\x1a#.tidepool.v1.SegmentObjectsResponse\x12>\n" +
 	"\x05Adopt\x12\x19.tidepool.v1.AdoptRequest\x1a\x1a.tidepool.v1.AdoptResponse\x12F\n" +
-	"\x05Leave\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\xe4\x03\n" +
+	"\x05Leave\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse2\xea\x04\n" +
 	"\x05Admin\x12:\n" +
 	"\x03Pin\x12\x17.tidepool.v1.PinRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12=\n" +
 	"\x05Unpin\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12>\n" +
@@ -3986,7 +4240,9 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x05Drain\x12\x19.tidepool.v1.DrainRequest\x1a\x1a.tidepool.v1.DrainProgress0\x01\x12D\n" +
 	"\aMembers\x12\x1b.tidepool.v1.MembersRequest\x1a\x1c.tidepool.v1.MembersResponse\x12H\n" +
 	"\tAddMember\x12\x1d.tidepool.v1.AddMemberRequest\x1a\x1c.tidepool.v1.MembersResponse\x12N\n" +
-	"\fRemoveMember\x12 .tidepool.v1.RemoveMemberRequest\x1a\x1c.tidepool.v1.MembersResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
+	"\fRemoveMember\x12 .tidepool.v1.RemoveMemberRequest\x1a\x1c.tidepool.v1.MembersResponse\x12A\n" +
+	"\bSetQuota\x12\x18.tidepool.v1.TenantQuota\x1a\x1b.tidepool.v1.QuotasResponse\x12A\n" +
+	"\x06Quotas\x12\x1a.tidepool.v1.QuotasRequest\x1a\x1b.tidepool.v1.QuotasResponseB2Z0github.com/tidepool-kv/tidepool/proto/tidepoolpbb\x06proto3"
 
 var (
 	file_tidepool_proto_rawDescOnce sync.Once
@@ -4001,7 +4257,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 50)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 54)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -4055,6 +4311,10 @@ var file_tidepool_proto_goTypes = []any{
 	(*EvictResponse)(nil),          // 49: tidepool.v1.EvictResponse
 	(*DrainRequest)(nil),           // 50: tidepool.v1.DrainRequest
 	(*DrainProgress)(nil),          // 51: tidepool.v1.DrainProgress
+	(*TenantQuota)(nil),            // 52: tidepool.v1.TenantQuota
+	(*QuotasRequest)(nil),          // 53: tidepool.v1.QuotasRequest
+	(*TenantUsage)(nil),            // 54: tidepool.v1.TenantUsage
+	(*QuotasResponse)(nil),         // 55: tidepool.v1.QuotasResponse
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -4093,63 +4353,70 @@ var file_tidepool_proto_depIdxs = []int32{
 	44, // 33: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
 	0,  // 34: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
 	18, // 35: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	4,  // 36: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	12, // 37: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	9,  // 38: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
-	12, // 39: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 40: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	12, // 41: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	12, // 42: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	12, // 43: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	17, // 44: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	24, // 45: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	20, // 46: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	22, // 47: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
-	32, // 48: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	34, // 49: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	37, // 50: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	43, // 51: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	41, // 52: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	38, // 53: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
-	43, // 54: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	47, // 55: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	12, // 56: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	48, // 57: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	50, // 58: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	26, // 59: tidepool.v1.Admin.Members:input_type -> tidepool.v1.MembersRequest
-	27, // 60: tidepool.v1.Admin.AddMember:input_type -> tidepool.v1.AddMemberRequest
-	28, // 61: tidepool.v1.Admin.RemoveMember:input_type -> tidepool.v1.RemoveMemberRequest
-	5,  // 62: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	13, // 63: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	10, // 64: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
-	13, // 65: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 66: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	15, // 67: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	16, // 68: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	13, // 69: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	19, // 70: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	31, // 71: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	21, // 72: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	23, // 73: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
-	33, // 74: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	19, // 75: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	40, // 76: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	46, // 77: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	42, // 78: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	39, // 79: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
-	46, // 80: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	13, // 81: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	13, // 82: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	49, // 83: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	51, // 84: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	29, // 85: tidepool.v1.Admin.Members:output_type -> tidepool.v1.MembersResponse
-	29, // 86: tidepool.v1.Admin.AddMember:output_type -> tidepool.v1.MembersResponse
-	29, // 87: tidepool.v1.Admin.RemoveMember:output_type -> tidepool.v1.MembersResponse
-	62, // [62:88] is the sub-list for method output_type
-	36, // [36:62] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	0,  // 36: tidepool.v1.TenantQuota.tier:type_name -> tidepool.v1.Tier
+	0,  // 37: tidepool.v1.TenantUsage.tier:type_name -> tidepool.v1.Tier
+	54, // 38: tidepool.v1.QuotasResponse.tenants:type_name -> tidepool.v1.TenantUsage
+	4,  // 39: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	12, // 40: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	9,  // 41: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
+	12, // 42: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 43: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	12, // 44: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	12, // 45: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	12, // 46: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	17, // 47: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	24, // 48: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	20, // 49: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	22, // 50: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
+	32, // 51: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	34, // 52: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	37, // 53: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	43, // 54: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	41, // 55: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	38, // 56: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	43, // 57: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	47, // 58: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	12, // 59: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	48, // 60: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	50, // 61: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	26, // 62: tidepool.v1.Admin.Members:input_type -> tidepool.v1.MembersRequest
+	27, // 63: tidepool.v1.Admin.AddMember:input_type -> tidepool.v1.AddMemberRequest
+	28, // 64: tidepool.v1.Admin.RemoveMember:input_type -> tidepool.v1.RemoveMemberRequest
+	52, // 65: tidepool.v1.Admin.SetQuota:input_type -> tidepool.v1.TenantQuota
+	53, // 66: tidepool.v1.Admin.Quotas:input_type -> tidepool.v1.QuotasRequest
+	5,  // 67: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	13, // 68: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	10, // 69: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
+	13, // 70: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 71: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	15, // 72: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	16, // 73: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	13, // 74: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	19, // 75: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	31, // 76: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	21, // 77: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	23, // 78: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
+	33, // 79: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	19, // 80: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	40, // 81: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	46, // 82: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	42, // 83: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	39, // 84: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	46, // 85: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	13, // 86: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	13, // 87: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	49, // 88: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	51, // 89: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	29, // 90: tidepool.v1.Admin.Members:output_type -> tidepool.v1.MembersResponse
+	29, // 91: tidepool.v1.Admin.AddMember:output_type -> tidepool.v1.MembersResponse
+	29, // 92: tidepool.v1.Admin.RemoveMember:output_type -> tidepool.v1.MembersResponse
+	55, // 93: tidepool.v1.Admin.SetQuota:output_type -> tidepool.v1.QuotasResponse
+	55, // 94: tidepool.v1.Admin.Quotas:output_type -> tidepool.v1.QuotasResponse
+	67, // [67:95] is the sub-list for method output_type
+	39, // [39:67] is the sub-list for method input_type
+	39, // [39:39] is the sub-list for extension type_name
+	39, // [39:39] is the sub-list for extension extendee
+	0,  // [0:39] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -4163,7 +4430,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   50,
+			NumMessages:   54,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

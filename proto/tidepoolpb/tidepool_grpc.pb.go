@@ -951,6 +951,8 @@ const (
 	Admin_Members_FullMethodName      = "/tidepool.v1.Admin/Members"
 	Admin_AddMember_FullMethodName    = "/tidepool.v1.Admin/AddMember"
 	Admin_RemoveMember_FullMethodName = "/tidepool.v1.Admin/RemoveMember"
+	Admin_SetQuota_FullMethodName     = "/tidepool.v1.Admin/SetQuota"
+	Admin_Quotas_FullMethodName       = "/tidepool.v1.Admin/Quotas"
 )
 
 // AdminClient is the client API for Admin service.
@@ -976,6 +978,10 @@ type AdminClient interface {
 	// RemoveMember takes a voter out; refused if the remaining voters that
 	// answer would not make a quorum of the rest.
 	RemoveMember(ctx context.Context, in *RemoveMemberRequest, opts ...grpc.CallOption) (*MembersResponse, error)
+	// SetQuota sets a tenant's limits in one tier (zero: none); Quotas
+	// lists every tenant's use and limits per tier.
+	SetQuota(ctx context.Context, in *TenantQuota, opts ...grpc.CallOption) (*QuotasResponse, error)
+	Quotas(ctx context.Context, in *QuotasRequest, opts ...grpc.CallOption) (*QuotasResponse, error)
 }
 
 type adminClient struct {
@@ -1065,6 +1071,26 @@ func (c *adminClient) RemoveMember(ctx context.Context, in *RemoveMemberRequest,
 	return out, nil
 }
 
+func (c *adminClient) SetQuota(ctx context.Context, in *TenantQuota, opts ...grpc.CallOption) (*QuotasResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(QuotasResponse)
+	err := c.cc.Invoke(ctx, Admin_SetQuota_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminClient) Quotas(ctx context.Context, in *QuotasRequest, opts ...grpc.CallOption) (*QuotasResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(QuotasResponse)
+	err := c.cc.Invoke(ctx, Admin_Quotas_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServer is the server API for Admin service.
 // All implementations must embed UnimplementedAdminServer
 // for forward compatibility.
@@ -1088,6 +1114,10 @@ type AdminServer interface {
 	// RemoveMember takes a voter out; refused if the remaining voters that
 	// answer would not make a quorum of the rest.
 	RemoveMember(context.Context, *RemoveMemberRequest) (*MembersResponse, error)
+	// SetQuota sets a tenant's limits in one tier (zero: none); Quotas
+	// lists every tenant's use and limits per tier.
+	SetQuota(context.Context, *TenantQuota) (*QuotasResponse, error)
+	Quotas(context.Context, *QuotasRequest) (*QuotasResponse, error)
 	mustEmbedUnimplementedAdminServer()
 }
 
@@ -1118,6 +1148,12 @@ func (UnimplementedAdminServer) AddMember(context.Context, *AddMemberRequest) (*
 }
 func (UnimplementedAdminServer) RemoveMember(context.Context, *RemoveMemberRequest) (*MembersResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method RemoveMember not implemented")
+}
+func (UnimplementedAdminServer) SetQuota(context.Context, *TenantQuota) (*QuotasResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method SetQuota not implemented")
+}
+func (UnimplementedAdminServer) Quotas(context.Context, *QuotasRequest) (*QuotasResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Quotas not implemented")
 }
 func (UnimplementedAdminServer) mustEmbedUnimplementedAdminServer() {}
 func (UnimplementedAdminServer) testEmbeddedByValue()               {}
@@ -1259,6 +1295,42 @@ func _Admin_RemoveMember_Handler(srv interface{}, ctx context.Context, dec func(
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Admin_SetQuota_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(TenantQuota)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).SetQuota(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_SetQuota_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).SetQuota(ctx, req.(*TenantQuota))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Admin_Quotas_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(QuotasRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServer).Quotas(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Admin_Quotas_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServer).Quotas(ctx, req.(*QuotasRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Admin_ServiceDesc is the grpc.ServiceDesc for Admin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -1289,6 +1361,14 @@ var Admin_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "RemoveMember",
 			Handler:    _Admin_RemoveMember_Handler,
+		},
+		{
+			MethodName: "SetQuota",
+			Handler:    _Admin_SetQuota_Handler,
+		},
+		{
+			MethodName: "Quotas",
+			Handler:    _Admin_Quotas_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

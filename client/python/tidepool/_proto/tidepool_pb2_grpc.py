@@ -776,6 +776,16 @@ class AdminStub(object):
                 request_serializer=tidepool__pb2.RemoveMemberRequest.SerializeToString,
                 response_deserializer=tidepool__pb2.MembersResponse.FromString,
                 )
+        self.SetQuota = channel.unary_unary(
+                '/tidepool.v1.Admin/SetQuota',
+                request_serializer=tidepool__pb2.TenantQuota.SerializeToString,
+                response_deserializer=tidepool__pb2.QuotasResponse.FromString,
+                )
+        self.Quotas = channel.unary_unary(
+                '/tidepool.v1.Admin/Quotas',
+                request_serializer=tidepool__pb2.QuotasRequest.SerializeToString,
+                response_deserializer=tidepool__pb2.QuotasResponse.FromString,
+                )
 
 
 class AdminServicer(object):
@@ -834,6 +844,20 @@ class AdminServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetQuota(self, request, context):
+        """SetQuota sets a tenant's limits in one tier (zero: none); Quotas
+        lists every tenant's use and limits per tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Quotas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -871,6 +895,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.RemoveMember,
                     request_deserializer=tidepool__pb2.RemoveMemberRequest.FromString,
                     response_serializer=tidepool__pb2.MembersResponse.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=tidepool__pb2.TenantQuota.FromString,
+                    response_serializer=tidepool__pb2.QuotasResponse.SerializeToString,
+            ),
+            'Quotas': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quotas,
+                    request_deserializer=tidepool__pb2.QuotasRequest.FromString,
+                    response_serializer=tidepool__pb2.QuotasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -999,5 +1033,39 @@ class Admin(object):
         return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Admin/RemoveMember',
             tidepool__pb2.RemoveMemberRequest.SerializeToString,
             tidepool__pb2.MembersResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Admin/SetQuota',
+            tidepool__pb2.TenantQuota.SerializeToString,
+            tidepool__pb2.QuotasResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Quotas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Admin/Quotas',
+            tidepool__pb2.QuotasRequest.SerializeToString,
+            tidepool__pb2.QuotasResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

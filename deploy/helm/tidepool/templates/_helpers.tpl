@@ -62,3 +62,92 @@ master.initialReplicas masters, for --peers. */}}
 {{- end -}}
 {{ join "," $peers }}
 {{- end -}}
+
+{{/* With tls.enabled, fails rendering unless every Secret the enabled
+pods need is named. Included once, from master.yaml. */}}
+{{- define "tidepool.tlsCheck" -}}
+{{- if .Values.tls.enabled -}}
+{{- $missing := list -}}
+{{- if not .Values.tls.caSecret -}}
+{{- $missing = append $missing "tls.caSecret (a Secret with key ca.crt: the CA that signs the pool's certificates)" -}}
+{{- end -}}
+{{- if not .Values.tls.masterSecret -}}
+{{- $missing = append $missing "tls.masterSecret (a kubernetes.io/tls Secret: the masters' certificate, OU master)" -}}
+{{- end -}}
+{{- if and .Values.store.enabled (not .Values.tls.storeSecret) -}}
+{{- $missing = append $missing "tls.storeSecret (a kubernetes.io/tls Secret: the stores' certificate, OU store; or store.enabled=false)" -}}
+{{- end -}}
+{{- if and .Values.agent.enabled (not .Values.agent.tokenSecret) -}}
+{{- $missing = append $missing "agent.tokenSecret (a Secret with key token: the client token of the agent and its callers; or agent.enabled=false)" -}}
+{{- end -}}
+{{- if and (not .Values.tokens.secret) (or .Values.agent.enabled (and .Values.store.enabled .Values.store.tokenSecret)) -}}
+{{- $missing = append $missing "tokens.secret (a Secret with key tokens.json: the tokens the masters accept, the agent's among them)" -}}
+{{- end -}}
+{{- if $missing -}}
+{{- fail (printf "tls.enabled is true but these values are not set: %s" (join "; " $missing)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the pods mount the Secrets of tls.enabled. */}}
+{{- define "tidepool.tlsDir" -}}/etc/tidepool{{- end -}}
+
+{{/* The TLS flags of a daemon with a certificate: pass (list . SECRET),
+SECRET its kubernetes.io/tls Secret. Indented for a container's args. */}}
+{{- define "tidepool.tlsArgs" -}}
+{{- $dir := include "tidepool.tlsDir" (index . 0) -}}
+- --tls-ca={{ $dir }}/ca/ca.crt
+{{- if index . 1 }}
+- --tls-cert={{ $dir }}/tls/tls.crt
+- --tls-key={{ $dir }}/tls/tls.key
+{{- end }}
+{{- end -}}
+
+{{/* The read-only mounts of the Secrets: pass (list . CERTSECRET
+TOKENSSECRET TOKENSECRET), each "" where the pod has none. */}}
+{{- define "tidepool.tlsMounts" -}}
+{{- $dir := include "tidepool.tlsDir" (index . 0) -}}
+- {name: tls-ca, mountPath: {{ $dir }}/ca, readOnly: true}
+{{- if index . 1 }}
+- {name: tls, mountPath: {{ $dir }}/tls, readOnly: true}
+{{- end }}
+{{- if index . 2 }}
+- {name: tokens, mountPath: {{ $dir }}/tokens, readOnly: true}
+{{- end }}
+{{- if index . 3 }}
+- {name: token, mountPath: {{ $dir }}/token, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* The Secret volumes: pass (list . CERTSECRET TOKENSSECRET TOKENSECRET)
+as for tidepool.tlsMounts. Only the keys the daemon reads are projected
+(a missing key keeps the pod from starting, with an event naming it);
+keys and tokens are readable by the container's user (root) alone. */}}
+{{- define "tidepool.tlsVolumes" -}}
+{{- $root := index . 0 -}}
+- name: tls-ca
+  secret:
+    secretName: {{ $root.Values.tls.caSecret | quote }}
+    items: [{key: ca.crt, path: ca.crt}]
+{{- with index . 1 }}
+- name: tls
+  secret:
+    secretName: {{ . | quote }}
+    defaultMode: 0400
+    items: [{key: tls.crt, path: tls.crt}, {key: tls.key, path: tls.key}]
+{{- end }}
+{{- with index . 2 }}
+- name: tokens
+  secret:
+    secretName: {{ . | quote }}
+    defaultMode: 0400
+    items: [{key: tokens.json, path: tokens.json}]
+{{- end }}
+{{- with index . 3 }}
+- name: token
+  secret:
+    secretName: {{ . | quote }}
+    defaultMode: 0400
+    items: [{key: token, path: token}]
+{{- end }}
+{{- end -}}

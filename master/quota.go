@@ -1,0 +1,341 @@
+package master
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/tidepool-kv/tidepool/auth"
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
+
+// Quotas. A tenant's use of a tier is the bytes of its objects' replicas
+// there and the objects with a replica there, kept by the FSM as replicas
+// come and go (account), so a put's check costs no walk of the table. The
+// limits are raft state (SetQuota), the same on every master. The leader
+// enforces them: a put that would take its tenant over a limit first
+// evicts the tenant's own least recently used objects in that tier, down
+// to the limit less the evict ratio (so the next puts find room without a
+// walk each), and fails only if that is not enough; the sweep does the
+// same for a tenant over a limit by other means (demotion, a lowered
+// limit). Only named tenants are accounted.
+
+// quotaKey names a tenant's use of one tier.
+type quotaKey struct {
+	tenant string
+	tier   pb.Tier
+}
+
+// tenantUse is what a tenant holds in one tier, or its limits there.
+type tenantUse struct{ bytes, objects uint64 }
+
+func (u tenantUse) zero() bool { return u == tenantUse{} }
+
+// account adds (sign 1) or takes back (-1) o's replicas in its tenant's
+// use. Extents name their tier by segment index (tierAt), which outlives
+// a dropped segment, so taking back matches what was added.
+func (f *FSM) account(o *object, sign int) {
+	tenant := f.tenantOf(o)
+	if tenant == "" {
+		return
+	}
+	var seen [8]bool
+	for _, r := range f.exts(o) {
+		if int(r.seg) >= len(f.tierAt) {
+			continue
+		}
+		tier := f.tierAt[r.seg]
+		k := quotaKey{tenant, tier}
+		u := f.use[k]
+		u.bytes += uint64(sign) * o.size // wraps back for -1
+		if int(tier) < len(seen) && !seen[tier] {
+			seen[tier] = true
+			u.objects += uint64(sign)
+		}
+		if u.zero() {
+			delete(f.use, k)
+		} else {
+			f.use[k] = u
+		}
+	}
+}
+
+// setQuota applies a SetQuota command.
+func (f *FSM) setQuota(q *pb.TenantQuota) error {
+	if err := validQuota(q); err != nil {
+		return err
+	}
+	k := quotaKey{q.Tenant, q.Tier}
+	if q.Bytes == 0 && q.Objects == 0 {
+		delete(f.quotas, k)
+	} else {
+		f.quotas[k] = tenantUse{q.Bytes, q.Objects}
+	}
+	return nil
+}
+
+// maxQuotas bounds the limits the FSM keeps (a tenant and tier each).
+const maxQuotas = 4 * maxTenants
+
+func validQuota(q *pb.TenantQuota) error {
+	switch {
+	case q.Tenant == "":
+		return fmt.Errorf("%w: a quota needs a tenant", ErrInvalidRequest)
+	case auth.ValidTenant(q.Tenant) != nil:
+		return fmt.Errorf("%w: %v", ErrInvalidRequest, auth.ValidTenant(q.Tenant))
+	case q.Tier == pb.Tier_TIER_UNSPECIFIED || validTier(q.Tier) != nil:
+		return fmt.Errorf("%w: a quota needs a tier (hbm, dram or ssd)", ErrInvalidRequest)
+	}
+	return nil
+}
+
+// quotaOf is tenant's limits and use in tier.
+func (f *FSM) quotaOf(tenant string, tier pb.Tier) (limit, used tenantUse) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	k := quotaKey{tenant, tier}
+	return f.quotas[k], f.use[k]
+}
+
+// overQuota lists the tenants and tiers whose use is above their limits.
+func (f *FSM) overQuota() []quotaKey {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var out []quotaKey
+	for k, l := range f.quotas {
+		u := f.use[k]
+		if l.bytes > 0 && u.bytes > l.bytes || l.objects > 0 && u.objects > l.objects {
+			out = append(out, k)
+		}
+	}
+	slices.SortFunc(out, func(a, b quotaKey) int { return cmp.Or(cmp.Compare(a.tenant, b.tenant), cmp.Compare(a.tier, b.tier)) })
+	return out
+}
+
+// tenantUsage is every tenant's use and limits, by tenant and tier.
+func (f *FSM) tenantUsage() []*pb.TenantUsage {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	keys := map[quotaKey]bool{}
+	for k := range f.use {
+		keys[k] = true
+	}
+	for k := range f.quotas {
+		keys[k] = true
+	}
+	out := make([]*pb.TenantUsage, 0, len(keys))
+	for k := range keys {
+		u, l := f.use[k], f.quotas[k]
+		out = append(out, &pb.TenantUsage{Tenant: k.tenant, Tier: k.tier, Bytes: u.bytes, Objects: u.objects, QuotaBytes: l.bytes, QuotaObjects: l.objects})
+	}
+	slices.SortFunc(out, func(a, b *pb.TenantUsage) int {
+		return cmp.Or(cmp.Compare(a.Tenant, b.Tenant), cmp.Compare(a.Tier, b.Tier))
+	})
+	return out
+}
+
+func (f *FSM) snapshotQuotas() []*pb.TenantQuota {
+	var out []*pb.TenantQuota
+	for k, l := range f.quotas {
+		out = append(out, &pb.TenantQuota{Tenant: k.tenant, Tier: k.tier, Bytes: l.bytes, Objects: l.objects})
+	}
+	slices.SortFunc(out, func(a, b *pb.TenantQuota) int {
+		return cmp.Or(cmp.Compare(a.Tenant, b.Tenant), cmp.Compare(a.Tier, b.Tier))
+	})
+	return out
+}
+
+// wouldExceed reports by how much a tenant's use of tier would pass its
+// limits with n more objects of bytes more: zero if it stays within.
+func wouldExceed(limit, used tenantUse, n, bytes uint64) (overBytes, overObjects uint64) {
+	if limit.bytes > 0 && used.bytes+bytes > limit.bytes {
+		overBytes = used.bytes + bytes - limit.bytes
+	}
+	if limit.objects > 0 && used.objects+n > limit.objects {
+		overObjects = used.objects + n - limit.objects
+	}
+	return overBytes, overObjects
+}
+
+// hasQuota reports whether tenant has limits in tier.
+func (f *FSM) hasQuota(tenant string, tier pb.Tier) bool {
+	if tenant == "" {
+		return false
+	}
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return !f.quotas[quotaKey{tenant, tier}].zero()
+}
+
+// admitBatch makes room within their tenants' quotas for a batch's puts
+// (see admitQuota) and returns the error of each that does not fit, by
+// index. A put of a key already complete takes no room and is left out.
+func (s *Server) admitBatch(ctx context.Context, items []*pb.PutStartRequest) (map[int]error, error) {
+	type group struct {
+		idx   []int
+		sizes []uint64
+	}
+	var groups map[quotaKey]*group
+	var order []quotaKey
+	now := s.cfg.Now().UnixNano()
+	for i, it := range items {
+		k := quotaKey{it.Tenant, orDRAM(it.Tier)}
+		if !s.fsm.hasQuota(k.tenant, k.tier) || s.fsm.putState(it.Key, now) == pb.ObjectState_OBJECT_STATE_COMPLETE {
+			continue
+		}
+		if groups == nil {
+			groups = map[quotaKey]*group{}
+		}
+		g := groups[k]
+		if g == nil {
+			g = &group{}
+			groups[k] = g
+			order = append(order, k)
+		}
+		g.idx = append(g.idx, i)
+		g.sizes = append(g.sizes, it.Size*uint64(max(it.Replicas, 1)))
+	}
+	var over map[int]error
+	for _, k := range order {
+		g := groups[k]
+		fit, err := s.admitQuota(ctx, k.tenant, k.tier, g.sizes)
+		if err != nil {
+			return nil, err
+		}
+		for _, i := range g.idx[fit:] {
+			if over == nil {
+				over = map[int]error{}
+			}
+			limit, used := s.fsm.quotaOf(k.tenant, k.tier)
+			over[i] = fmt.Errorf("%w: tenant %s holds %d objects, %d bytes in %s (quota %d objects, %d bytes; 0: none), "+
+				"and none of its objects there can be evicted (leased, pinned or being copied)",
+				ErrOverQuota, k.tenant, used.objects, used.bytes, k.tier.Name(), limit.objects, limit.bytes)
+		}
+	}
+	return over, nil
+}
+
+// admitQuota makes room within tenant's limits in tier for n puts of bytes
+// in all, evicting the tenant's own least recently used objects there. It
+// returns how many of the n fit (in order: the first ones); an error only
+// if raft failed.
+func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, sizes []uint64) (int, error) {
+	var total uint64
+	for _, sz := range sizes {
+		total += sz
+	}
+	limit, used := s.fsm.quotaOf(tenant, tier)
+	ob, oo := wouldExceed(limit, used, uint64(len(sizes)), total)
+	if ob == 0 && oo == 0 {
+		return len(sizes), nil
+	}
+	// Down to the limit less the evict ratio, so that the next puts find
+	// room without a walk of the table each.
+	slack := func(l uint64) uint64 { return uint64(float64(l) * s.cfg.EvictRatio) }
+	needBytes, needObjects := ob, oo
+	if ob > 0 {
+		needBytes = min(ob+slack(limit.bytes), used.bytes)
+	}
+	if oo > 0 {
+		needObjects = min(oo+slack(limit.objects), used.objects)
+	}
+	if _, err := s.evictTenant(ctx, tenant, tier, needBytes, needObjects); err != nil {
+		return 0, err
+	}
+	limit, used = s.fsm.quotaOf(tenant, tier)
+	fit := 0
+	var b uint64
+	for _, sz := range sizes {
+		if ob, oo := wouldExceed(limit, used, uint64(fit+1), b+sz); ob > 0 || oo > 0 {
+			break
+		}
+		fit++
+		b += sz
+	}
+	return fit, nil
+}
+
+// evictTenant evicts tenant's least recently used objects with a replica
+// in tier, never leased or hard-pinned ones, until needBytes of its
+// replicas there and needObjects objects went; it returns how many went.
+func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, needBytes, needObjects uint64) (int, error) {
+	now := s.cfg.Now()
+	l := s.leadership()
+	if !l.leading {
+		return 0, ErrNotLeader
+	}
+	segTier := map[string]pb.Tier{}
+	for _, v := range s.fsm.segmentViews() {
+		segTier[v.id] = v.tier
+	}
+	objs := s.fsm.scanTenant(tenant)
+	objs = filterObjects(objs, func(o evictable) bool {
+		return !o.copying && slices.ContainsFunc(o.segments, func(id string) bool { return segTier[id] == tier }) &&
+			(!now.Before(l.evictable) || o.madeIn(l.term))
+	})
+	leased := s.byRecency(objs, now)
+	var victims []evictable
+	var bytes, n uint64
+	for _, soft := range []bool{false, true} {
+		for _, o := range objs {
+			if bytes >= needBytes && n >= needObjects {
+				break
+			}
+			if o.hard || leased[o.key] || slices.ContainsFunc(victims, func(v evictable) bool { return v.key == o.key }) ||
+				(!soft && o.softPin > now.UnixNano()) {
+				continue
+			}
+			victims = append(victims, o)
+			n++
+			for _, id := range o.segments {
+				if segTier[id] == tier {
+					bytes += o.size
+				}
+			}
+		}
+	}
+	if len(victims) == 0 {
+		return 0, nil
+	}
+	evicted, freed, err := s.evictObjects(ctx, victims, true, "quota", tier.Name())
+	if evicted > 0 {
+		s.log.Info("evicted a tenant's objects to its quota", "tenant", tenant, "tier", tier.Name(), "objects", evicted, "bytes", freed)
+		s.events.evictedQuota(now, tenant, tier.Name(), uint64(evicted), freed)
+	}
+	return evicted, err
+}
+
+// enforceQuotas is the sweep's part: tenants over a limit (a lowered
+// limit, objects demoted into a tier) come down to it less the evict ratio.
+func (s *Server) enforceQuotas(ctx context.Context) {
+	if s.cfg.Now().Before(s.evictableFrom()) {
+		return
+	}
+	for _, k := range s.fsm.overQuota() {
+		if _, err := s.admitQuota(ctx, k.tenant, k.tier, nil); err != nil {
+			s.log.Warn("evict to a tenant's quota", "tenant", k.tenant, "tier", k.tier.Name(), "err", err)
+			return
+		}
+	}
+}
+
+// SetQuota sets a tenant's limits in one tier through raft; the sweep
+// brings a tenant over them down within a second.
+func (a *adminService) SetQuota(ctx context.Context, req *pb.TenantQuota) (*pb.QuotasResponse, error) {
+	if err := validQuota(req); err != nil {
+		return nil, err
+	}
+	if err := a.s.leaderOnly(); err != nil {
+		return nil, err
+	}
+	if _, err := a.s.apply(ctx, &pb.Command{Op: &pb.Command_SetQuota{SetQuota: req}}); err != nil {
+		return nil, err
+	}
+	return &pb.QuotasResponse{Tenants: a.s.fsm.tenantUsage()}, nil
+}
+
+// Quotas answers on any master, from its FSM.
+func (a *adminService) Quotas(context.Context, *pb.QuotasRequest) (*pb.QuotasResponse, error) {
+	return &pb.QuotasResponse{Tenants: a.s.fsm.tenantUsage()}, nil
+}
