@@ -229,6 +229,9 @@ func (s *Server) intercept(ctx context.Context, req any, info *grpc.UnaryServerI
 		if _, ok := status.FromError(err); !ok || errors.Is(err, ErrNotLeader) {
 			err = s.toStatus(ctx, err)
 		}
+		if ns.prefix != "" {
+			err = ns.status(err)
+		}
 	}
 	s.metrics.request(info.FullMethod, status.Code(err), time.Since(start))
 	return resp, err
@@ -529,6 +532,15 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			errs[i] = fmt.Errorf("%w: PutEnd item of %q", ErrInvalidRequest, it.Key)
 			continue
 		}
+		if callerTenant(ctx) != "" {
+			// Where another leader placed a put, this one takes the
+			// client's word for its replicas: space free in their
+			// reservation, which may be another tenant's put still being
+			// written. A tenant's put in flight across a failover fails
+			// instead (the client puts it again).
+			errs[i] = fmt.Errorf("%w: %q was placed by an earlier leader; put it again", ErrNotInProgress, it.Key)
+			continue
+		}
 		// Another leader placed it: the client says what it asked for (an
 		// older one does not: then what was placed).
 		pi := &pb.PublishItem{
@@ -692,7 +704,8 @@ func (m *masterService) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb
 		if id == 0 {
 			id = t.byKey[k]
 		}
-		if p := t.pending[id]; p != nil && (p.item.Key == k || p.grant && ownedBy(ctx, p.item.Tenant)) {
+		// A grant has no key until it ends: it is its tenant's to revoke.
+		if p := t.pending[id]; p != nil && (p.grant && ownedBy(ctx, p.item.Tenant) || !p.grant && p.item.Key == k) {
 			t.done(id)
 			continue
 		}

@@ -34,7 +34,7 @@ func Policy() auth.Policy {
 
 // peerCreds are what this master shows another.
 func (s *Server) peerCreds() leaderconn.Credentials {
-	return leaderconn.Credentials{TLS: s.cfg.Security.PeerTLS}
+	return leaderconn.Credentials{TLS: s.cfg.Security.PeerTLS, Token: s.cfg.Security.PeerToken}
 }
 
 // authorize names the caller of a unary call (nil auth: the anonymous

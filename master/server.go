@@ -115,6 +115,11 @@ type Security struct {
 	// Tokens, if set, are the bearer tokens callers may present. With
 	// TLS or Tokens set, a call without a credential is refused.
 	Tokens *auth.Tokens
+	// PeerToken is the token of the master role this master presents to
+	// the others where it has no certificate: a cluster of masters with
+	// Tokens and without TLS needs it (raft itself is then plaintext, and
+	// only TLS protects it).
+	PeerToken string
 }
 
 func (s Security) enabled() bool { return s.TLS != nil || s.Tokens != nil }
@@ -220,6 +225,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if (cfg.Security.TLS == nil) != (cfg.Security.PeerTLS == nil) {
 		return nil, errors.New("master: Security.TLS and Security.PeerTLS go together")
+	}
+	if sec := cfg.Security; sec.Tokens != nil && sec.TLS == nil && sec.PeerToken == "" && (len(cfg.Peers) > 1 || cfg.Join) {
+		return nil, errors.New("master: masters with tokens and without TLS present a master's token to each other: give one (--token-file)")
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable(), listings: newListings()}
 	// Stop waits for the handlers, while raft still runs (see Close).

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"strings"
 
+	"google.golang.org/grpc/status"
+
 	"github.com/tidepool-kv/tidepool/auth"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -128,11 +130,51 @@ func (n namespace) request(req any) error {
 	return nil
 }
 
-// reply rewrites resp, a Master service reply, in place.
+// reply rewrites resp, a Master service reply, in place: keys, and the
+// keys quoted in its items' errors.
 func (n namespace) reply(resp any) {
-	if r, ok := resp.(*pb.ListResponse); ok {
+	items := func(sts ...*pb.ItemStatus) {
+		for _, st := range sts {
+			if st != nil && st.Message != "" {
+				st.Message = n.message(st.Message)
+			}
+		}
+	}
+	switch r := resp.(type) {
+	case *pb.ListResponse:
 		for _, o := range r.Objects {
 			o.Key, o.Parent = n.out(o.Key), n.out(o.Parent)
 		}
+	case *pb.ItemsResponse:
+		items(r.Results...)
+	case *pb.BatchPutEndResponse:
+		items(r.Results...)
+	case *pb.PutStartResult:
+		items(r.Status)
+	case *pb.BatchPutStartResponse:
+		for _, it := range r.Results {
+			items(it.Status)
+		}
+	case *pb.GetReplicasResponse:
+		for _, o := range r.Results {
+			items(o.Status)
+		}
 	}
+}
+
+// message is an error's text as the tenant put its keys: errors quote
+// keys (%q), so a quoted key loses the namespace's prefix.
+func (n namespace) message(s string) string {
+	return strings.ReplaceAll(s, `"`+n.prefix, `"`)
+}
+
+// status is err with its message as message makes it.
+func (n namespace) status(err error) error {
+	st, ok := status.FromError(err)
+	if !ok {
+		return err
+	}
+	p := st.Proto()
+	p.Message = n.message(p.Message)
+	return status.FromProto(p).Err()
 }

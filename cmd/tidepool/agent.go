@@ -65,6 +65,9 @@ func runAgent(ctx context.Context, e *env, args []string) error {
 		ctx = untilEOF(ctx, e.stdin, log)
 	}
 
+	if segBytes > 0 && (m.files.Enabled() || m.tokenFile != "") {
+		return fmt.Errorf("%w: --segment makes the agent a store node, which a secure pool admits only with a store's certificate or token, not the agent's client one: run `tidepool store` beside the agent instead", errUsage)
+	}
 	ln, err := listenUnix(*socket)
 	if err != nil {
 		return err

@@ -147,7 +147,7 @@ type masterFlags struct {
 	promoteAfter                                int
 	noWriteBack                                 bool
 	tls                                         auth.Files
-	tokens                                      string
+	tokens, tokenFile                           string
 }
 
 func (m *masterFlags) register(fs *flag.FlagSet) {
@@ -167,6 +167,7 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	fs.Float64Var(&m.evictRatio, "evict-ratio", master.DefaultEvictRatio, "how far below the high watermark eviction goes")
 	promoteFlag(fs, &m.promoteAfter)
 	tlsFlags(fs, &m.tls)
+	fs.StringVar(&m.tokenFile, "token-file", "", "file whose first line is a master-role token this master presents to the others (needed with --tokens and without TLS, where masters have no certificate)")
 	fs.StringVar(&m.tokens, "tokens", "", "tokens file (JSON: name, role, tenant, sha256 of each bearer token; reread on SIGHUP); with it or TLS, every call needs a token or a client certificate")
 	fs.BoolVar(&m.noWriteBack, "no-write-back", false, "copy cold DRAM objects to SSD only when demoting them, not ahead of need (fewer SSD writes; puts spill to SSD while DRAM is full)")
 }
@@ -206,6 +207,13 @@ func (m *masterFlags) config(reg prometheus.Registerer, log *slog.Logger) (maste
 		if cfg.Security.PeerTLS, err = m.tls.ClientConfig(auth.Master); err != nil {
 			return cfg, fmt.Errorf("%w: %v", errUsage, err)
 		}
+	}
+	if m.tokenFile != "" {
+		tok, err := auth.ReadToken(m.tokenFile)
+		if err != nil {
+			return cfg, fmt.Errorf("%w: --token-file: %v", errUsage, err)
+		}
+		cfg.Security.PeerToken = tok
 	}
 	if m.tokens != "" {
 		t, err := auth.LoadTokens(m.tokens)

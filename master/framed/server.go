@@ -184,7 +184,7 @@ func (s *Server) sniff(l *splitListener, conn net.Conn) {
 	}
 	_ = conn.SetReadDeadline(time.Time{})
 	s.mu.Lock()
-	delete(s.mu.sniffing, conn)
+	delete(s.mu.sniffing, raw)
 	s.mu.Unlock()
 	switch {
 	case err != nil:
