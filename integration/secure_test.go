@@ -437,6 +437,45 @@ func TestSecurePool(t *testing.T) {
 		}
 	})
 
+	t.Run("the status page shows each tenant", func(t *testing.T) {
+		dom := chromium(t, ctx, "--dump-dom", "http://"+p.http+"/")
+		tenants := map[string]map[string]string{}
+		for _, a := range attrs(dom, "tenant") {
+			tenants[a["tenant"]] = a
+		}
+		if tenants["default"] == nil || tenants["b"] == nil {
+			t.Fatalf("the page's tenants: %v\n%s", tenants, dom)
+		}
+		if tenants["default"]["probed"] == "0" {
+			t.Errorf("tenant default's lookups not counted: %v", tenants["default"])
+		}
+		var usage *pb.QuotasResponse
+		err := p.conn(t, admin).Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, o ...grpc.CallOption) (err error) {
+			usage, err = pb.NewAdminClient(cc).Quotas(ctx, &pb.QuotasRequest{}, o...)
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		shown := map[string]map[string]string{}
+		for _, a := range attrs(dom, "tenant-use") {
+			shown[a["tier"]+"/"+a["objects"]+"/"+a["bytes"]+"/"+a["quota-bytes"]] = a
+		}
+		for _, u := range usage.Tenants {
+			k := fmt.Sprintf("%s/%d/%d/%d", u.Tier.Name(), u.Objects, u.Bytes, u.QuotaBytes)
+			if shown[k] == nil {
+				t.Errorf("tenant %s's use %s is not on the page (%v)", u.Tenant, k, shown)
+			}
+		}
+		if dir := os.Getenv("TIDEPOOL_SCREENSHOTS"); dir != "" {
+			path, err := filepath.Abs(filepath.Join(dir, "status-page-tenants.png"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			chromium(t, ctx, "--screenshot="+path, "--window-size=1280,1300", "http://"+p.http+"/")
+		}
+	})
+
 	if n, err := counter(p.http, "tidepool_auth_refused_total"); err != nil || n == 0 {
 		t.Errorf("tidepool_auth_refused_total %v (%v), want refusals counted", n, err)
 	}

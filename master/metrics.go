@@ -1,6 +1,8 @@
 package master
 
 import (
+	"cmp"
+	"slices"
 	"strings"
 	"time"
 
@@ -314,5 +316,62 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		if u.QuotaObjects > 0 {
 			ch <- prometheus.MustNewConstMetric(descQuotaObjects, prometheus.GaugeValue, float64(u.QuotaObjects), u.Tenant, tier)
 		}
+	}
+}
+
+// TenantStat is one tenant's lookup counters on this master since it
+// started and its use of each tier, for the status page.
+type TenantStat struct {
+	Tenant  string
+	Probed  uint64
+	Matched map[string]uint64 // by tier, as tidepool_tenant_lookup_blocks_matched_total
+	Usage   []*pb.TenantUsage
+}
+
+// TenantStats is every tenant with lookups counted or objects held, by
+// name.
+func (s *Server) TenantStats() []TenantStat {
+	byName := map[string]*TenantStat{}
+	get := func(t string) *TenantStat {
+		if byName[t] == nil {
+			byName[t] = &TenantStat{Tenant: t, Matched: map[string]uint64{}}
+		}
+		return byName[t]
+	}
+	if m := s.metrics; m != nil {
+		eachCounter(m.tenantProbed, func(labels map[string]string, v float64) { get(labels["tenant"]).Probed = uint64(v) })
+		eachCounter(m.tenantMatched, func(labels map[string]string, v float64) {
+			get(labels["tenant"]).Matched[labels["tier"]] = uint64(v)
+		})
+	}
+	for _, u := range s.fsm.tenantUsage() {
+		t := get(u.Tenant)
+		t.Usage = append(t.Usage, u)
+	}
+	out := make([]TenantStat, 0, len(byName))
+	for _, t := range byName {
+		out = append(out, *t)
+	}
+	slices.SortFunc(out, func(a, b TenantStat) int { return cmp.Compare(a.Tenant, b.Tenant) })
+	return out
+}
+
+// eachCounter calls fn with the labels and value of each of c's counters.
+func eachCounter(c *prometheus.CounterVec, fn func(labels map[string]string, v float64)) {
+	ch := make(chan prometheus.Metric, 64)
+	go func() {
+		c.Collect(ch)
+		close(ch)
+	}()
+	for m := range ch {
+		var d dto.Metric
+		if m.Write(&d) != nil {
+			continue
+		}
+		labels := map[string]string{}
+		for _, l := range d.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		fn(labels, d.GetCounter().GetValue())
 	}
 }

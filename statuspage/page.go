@@ -37,6 +37,9 @@ type Page struct {
 	// Hits, on a master, is its lookup counters since it started: the
 	// block keys asked about and the blocks matched, by tier.
 	Hits func() (probed uint64, matched map[string]uint64)
+	// Tenants, on a master, is each tenant's lookup counters and use of
+	// each tier, by name.
+	Tenants func() []Tenant
 	// Node, on a store, is its id: its segments come first and are marked.
 	Node string
 	// Rails, on a store, describes its engine's rails.
@@ -57,6 +60,29 @@ var tmpl = template.Must(template.New("page").Funcs(template.FuncMap{
 	"rfc3339": func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
 }).Parse(pageHTML))
 
+// Tenant is one tenant's lookup counters and use, as a master counts them.
+type Tenant struct {
+	Name    string
+	Probed  uint64
+	Matched map[string]uint64 // by tier
+	Tiers   []TenantTier
+}
+
+// TenantTier is a tenant's use of one tier and its limits there (0: none).
+type TenantTier struct {
+	Tier                     string
+	Bytes, Objects           uint64
+	QuotaBytes, QuotaObjects uint64
+}
+
+// Fill is the fraction of the bytes quota used (0 without one).
+func (t TenantTier) Fill() float64 { return ratio(t.Bytes, t.QuotaBytes) }
+
+type tenantView struct {
+	Tenant
+	Hits *hits
+}
+
 // view is what the template renders.
 type view struct {
 	Title    string
@@ -67,6 +93,7 @@ type view struct {
 	Tiers    []tierUsage
 	Segments []segment
 	Hits     *hits
+	Tenants  []tenantView
 	Events   []Event
 	Node     string
 	Rails    []engine.RailInfo
@@ -124,6 +151,11 @@ func (p *Page) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	if p.Hits != nil {
 		v.Hits = lookupHits(p.Hits())
+	}
+	if p.Tenants != nil {
+		for _, t := range p.Tenants() {
+			v.Tenants = append(v.Tenants, tenantView{Tenant: t, Hits: lookupHits(t.Probed, t.Matched)})
+		}
 	}
 	if p.Events != nil {
 		v.Events = p.Events()

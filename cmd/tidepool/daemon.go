@@ -322,7 +322,7 @@ func runMaster(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	page := &statuspage.Page{Title: "master " + m.id, Status: srv.Status, Events: masterEvents(srv), Hits: srv.LookupHits}
+	page := &statuspage.Page{Title: "master " + m.id, Status: srv.Status, Events: masterEvents(srv), Hits: srv.LookupHits, Tenants: masterTenants(srv)}
 	stopHTTP, err := serveHTTP(d.http, d.reg, func() error { return leaderKnown(srv, m.id) }, nil, page, log)
 	if err != nil {
 		return errors.Join(err, stop())
@@ -524,6 +524,22 @@ func masterEvents(srv *master.Server) func() []statuspage.Event {
 	}
 }
 
+// masterTenants is the master's tenants for its status page.
+func masterTenants(srv *master.Server) func() []statuspage.Tenant {
+	return func() []statuspage.Tenant {
+		var out []statuspage.Tenant
+		for _, t := range srv.TenantStats() {
+			pt := statuspage.Tenant{Name: t.Tenant, Probed: t.Probed, Matched: t.Matched}
+			for _, u := range t.Usage {
+				pt.Tiers = append(pt.Tiers, statuspage.TenantTier{Tier: u.Tier.Name(), Bytes: u.Bytes, Objects: u.Objects,
+					QuotaBytes: u.QuotaBytes, QuotaObjects: u.QuotaObjects})
+			}
+			out = append(out, pt)
+		}
+		return out
+	}
+}
+
 func registered(n *store.Node) error {
 	if n.Epoch() == 0 {
 		return errors.New("not registered with a master")
@@ -586,7 +602,7 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	if err != nil {
 		return errors.Join(err, stopMaster())
 	}
-	page := &statuspage.Page{Title: "tidepool up (master m1, store store-0)", Status: srv.Status, Events: masterEvents(srv), Hits: srv.LookupHits,
+	page := &statuspage.Page{Title: "tidepool up (master m1, store store-0)", Status: srv.Status, Events: masterEvents(srv), Hits: srv.LookupHits, Tenants: masterTenants(srv),
 		Node: s.id, Rails: n.Rails}
 	stopHTTP, err := serveHTTP(d.http, reg, func() error {
 		return errors.Join(leaderKnown(srv, m.id), registered(n))
