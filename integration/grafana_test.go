@@ -2,6 +2,7 @@ package integration
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -16,9 +17,10 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 
-	"github.com/tidepool-kv/tidepool/client"
-	"github.com/tidepool-kv/tidepool/engine"
+	"github.com/tidepool-kv/tidepool/auth"
+	"github.com/tidepool-kv/tidepool/master/leaderconn"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
@@ -83,8 +85,9 @@ func exported(text, name string) bool {
 // is one a live pool exports (a master and a store in `tidepool up`, and a
 // node agent moving bytes over TCP) once it has served what the panels
 // show: puts past DRAM into SSD and out of it (demotions, evictions),
-// gets, lookups, refusals, the agent's lookups, puts and gets. And Debian's
-// promtool finds nothing to fault in each daemon's /metrics.
+// gets, lookups, refusals, the agent's lookups, puts and gets, a tenant's
+// calls and quota (the pool is --secure, so its client is a tenant's).
+// And Debian's promtool finds nothing to fault in each daemon's /metrics.
 func TestGrafanaDashboard(t *testing.T) {
 	promtool, err := exec.LookPath("promtool")
 	if err != nil {
@@ -92,18 +95,27 @@ func TestGrafanaDashboard(t *testing.T) {
 	}
 	want := dashboardMetrics(t)
 	ctx := t.Context()
-	u := startUp(t, ctx, t.TempDir(), "--dram", "32MiB", "--ssd", "96MiB", "--lease-ttl", "1s")
+	dir := t.TempDir()
+	u := startUp(t, ctx, dir, "--dram", "32MiB", "--ssd", "96MiB", "--lease-ttl", "1s", "--secure")
+	p := &securePool{upProc: u, certs: filepath.Join(dir, "certs")}
+	if p.ca, err = (auth.Files{CA: filepath.Join(p.certs, "ca.crt")}).ClientConfig(auth.Master); err != nil {
+		t.Fatal(err)
+	}
+	admin := leaderconn.Credentials{TLS: p.ca, Token: p.token(t, "admin")}
+	tenant := leaderconn.Credentials{TLS: p.ca, Token: p.token(t, "client")}
+	u.creds = admin
 	sock := filepath.Join(t.TempDir(), "agent.sock")
 	agentHTTP := freeAddr(t)
 	startDaemon(t, ctx, "agent", func() ([]string, string) {
-		return []string{"agent", "--socket", sock, "--masters", u.grpc, "--http", agentHTTP, "--no-shm"}, agentHTTP
+		return []string{"agent", "--socket", sock, "--masters", u.grpc, "--http", agentHTTP, "--no-shm",
+			"--tls-ca", filepath.Join(p.certs, "ca.crt"), "--token-file", filepath.Join(p.certs, "client.token")}, agentHTTP
 	})
+	// A quota well above what the tenant puts in DRAM, so the gauges are
+	// there and no put waits on it.
+	mustCLI(t, ctx, nil, "admin", "quota", "set", "default", "--tier", "dram", "--bytes", "1GiB", "--masters", u.grpc,
+		"--tls-ca", filepath.Join(p.certs, "ca.crt"), "--token-file", filepath.Join(p.certs, "admin.token"))
 
-	c, err := client.New(client.Config{Masters: []string{u.grpc}, EngineConfig: engine.Config{NoShm: true}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
+	c := p.client(t, tenant)
 	value := bytes.Repeat([]byte{7}, 1<<20)
 	var chain []string
 	for i := range 160 { // 160 MiB into 128: demotions to SSD, evictions from it
@@ -129,8 +141,10 @@ func TestGrafanaDashboard(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A put the master refuses at placement.
-	if _, err := pb.NewMasterClient(dialMaster(t, u.grpc)).BatchPutStart(ctx, &pb.BatchPutStartRequest{
-		Items: []*pb.PutStartRequest{{Key: "dash/huge", Size: 1 << 40}}}); err != nil {
+	if err := p.conn(t, tenant).Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, o ...grpc.CallOption) error {
+		_, err := pb.NewMasterClient(cc).BatchPutStart(ctx, &pb.BatchPutStartRequest{Items: []*pb.PutStartRequest{{Key: "dash/huge", Size: 1 << 40}}}, o...)
+		return err
+	}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -141,6 +155,7 @@ func TestGrafanaDashboard(t *testing.T) {
 	}
 	t.Cleanup(func() { cc.Close() })
 	ag := pb.NewAgentClient(cc)
+	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+p.token(t, "client"))
 	open, err := ag.Open(ctx, &pb.OpenRequest{Client: "dashboard", ShmBytes: 4 << 20})
 	if err != nil {
 		t.Fatal(err)
