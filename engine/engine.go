@@ -57,8 +57,12 @@ type Config struct {
 	// (shared memory) and file (FileBacked segments). Ops to other engines then go over the rails.
 	NoShm bool
 	// TLS, if set, is the server side of this engine's listeners: every
-	// peer connection opens with a TLS handshake (within HandshakeTimeout).
+	// peer connection opens with a TLS handshake (within 10 s).
 	TLS *tls.Config
+	// AllowPlaintext, with TLS, also serves peers that open without a TLS
+	// handshake: a request's authority is its ticket either way, and TLS
+	// costs about half the bandwidth of a rail (docs/benchmarks.md).
+	AllowPlaintext bool
 	// PeerTLS, if set, is the client side of the TCP transport's dials:
 	// peers must serve TLS with a certificate it accepts. Unlike TLS, it
 	// does not apply to a Transport given in the config.

@@ -18,15 +18,13 @@ func (e *Engine) serveConn(nc net.Conn, idle *connIdle) {
 	tuneConn(nc)
 	if e.cfg.TLS != nil {
 		// untrackConn and the caps close the TCP connection beneath.
-		tc := tls.Server(nc, e.cfg.TLS)
-		_ = nc.SetDeadline(time.Now().Add(handshakeTimeout))
-		if err := tc.Handshake(); err != nil {
+		c, err := e.startTLS(nc)
+		if err != nil {
 			e.met.droppedConn("tls")
 			e.log.Debug("engine: TLS handshake failed", "peer", nc.RemoteAddr(), "err", err)
 			return
 		}
-		_ = nc.SetDeadline(time.Time{})
-		nc = tc
+		nc = c
 	}
 	s := serverConn{e: e, nc: nc, in: deadlineReader{nc: nc}}
 	s.br = bufio.NewReaderSize(&s.in, connReadBuf)
@@ -79,6 +77,67 @@ func isTimeout(err error) bool {
 
 // handshakeTimeout bounds a peer connection's TLS handshake.
 const handshakeTimeout = 10 * time.Second
+
+// startTLS shakes hands on a new peer connection, or, if the peer opened
+// without a TLS handshake and AllowPlaintext is set, serves it as it is.
+func (e *Engine) startTLS(nc net.Conn) (net.Conn, error) {
+	_ = nc.SetDeadline(time.Now().Add(handshakeTimeout))
+	defer nc.SetDeadline(time.Time{})
+	first := make([]byte, 1)
+	if _, err := io.ReadFull(nc, first); err != nil {
+		return nil, err
+	}
+	const handshakeRecord = 0x16 // a request's first byte never is
+	pc := unread(nc, first)
+	if first[0] != handshakeRecord {
+		if !e.cfg.AllowPlaintext {
+			return nil, errors.New("a plaintext request to a TLS rail")
+		}
+		return pc, nil
+	}
+	tc := tls.Server(pc, e.cfg.TLS)
+	if err := tc.Handshake(); err != nil {
+		return nil, err
+	}
+	return tc, nil
+}
+
+// unread returns nc with b read again first. A TCP connection stays one
+// (tcpUnread), so writes of net.Buffers keep their single writev.
+func unread(nc net.Conn, b []byte) net.Conn {
+	if tc, ok := nc.(*net.TCPConn); ok {
+		return &tcpUnread{TCPConn: tc, prefix: b}
+	}
+	return &connUnread{Conn: nc, prefix: b}
+}
+
+type tcpUnread struct {
+	*net.TCPConn
+	prefix []byte
+}
+
+func (c *tcpUnread) Read(p []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(p, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.TCPConn.Read(p)
+}
+
+type connUnread struct {
+	net.Conn
+	prefix []byte
+}
+
+func (c *connUnread) Read(p []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(p, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.Conn.Read(p)
+}
 
 // A request must finish within requestGrace plus its length at minPeerRate
 // bytes per second, or the server drops the connection.

@@ -466,6 +466,7 @@ func startStore(s *storeFlags, masters []string, creds *credentials, reg prometh
 		if ecfg.PeerTLS, err = creds.stores(); err != nil {
 			return nil, err
 		}
+		ecfg.AllowPlaintext = creds.plainRails
 	}
 	ts, err := mountTiers(s.tiers)
 	if err != nil {
@@ -564,6 +565,7 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	promoteFlag(fs, &promoteAfter)
 	var prefault bool
 	prefaultFlag(fs, &prefault)
+	plainRails := fs.Bool("plain-rails", false, "with --secure: the store also serves peers that move bytes without TLS (--plain-rails on theirs); the master's port stays TLS and every transfer still needs a ticket")
 	secure := fs.Bool("secure", false, "TLS on every connection and a token or certificate for every call: makes a development CA, certificates and tokens under DIR/certs once (see tidepool certs init) and prints how to call the pool")
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
@@ -578,7 +580,7 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	if *nMasters > 1 || *nStores > 1 {
 		return runCluster(ctx, e, d, clusterSpec{
 			masters: *nMasters, stores: *nStores, dir: *dir, listen: *listen, raft: *raftAddr, engine: *engineAddr,
-			dram: *dram, ssd: *ssd, leaseTTL: *leaseTTL, promoteAfter: promoteAfter, prefault: prefault, certs: certs,
+			dram: *dram, ssd: *ssd, leaseTTL: *leaseTTL, promoteAfter: promoteAfter, prefault: prefault, certs: certs, plainRails: *plainRails,
 		})
 	}
 	log, reg := d.log, d.reg
@@ -588,7 +590,7 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	var storeCreds credentials
 	if certs != "" {
 		m.tls, m.tokens = certs.files(auth.Master), certs.path("tokens.json")
-		storeCreds.files = certs.files(auth.Store)
+		storeCreds.files, storeCreds.plainRails = certs.files(auth.Store), *plainRails
 	}
 	srv, served, stopMaster, err := startMaster(&m, reg, log)
 	if err != nil {

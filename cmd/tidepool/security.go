@@ -23,13 +23,15 @@ func tlsFlags(fs *flag.FlagSet, f *auth.Files) {
 // credentials are what a caller of the masters shows them: the TLS of
 // --tls-* and the token of --token-file.
 type credentials struct {
-	files     auth.Files
-	tokenFile string
+	files      auth.Files
+	tokenFile  string
+	plainRails bool
 }
 
 func (c *credentials) register(fs *flag.FlagSet) {
 	tlsFlags(fs, &c.files)
 	fs.StringVar(&c.tokenFile, "token-file", "", "file whose first line is the bearer token presented to the masters (tidepool certs init writes ROLE.token)")
+	fs.BoolVar(&c.plainRails, "plain-rails", false, "with --tls-ca: move bytes to and from stores without TLS (a store: serve such peers too); every transfer still needs the master's ticket, but its bytes travel in the clear")
 }
 
 // masters is the client side of calls to the masters, which present a
@@ -56,7 +58,7 @@ func (c *credentials) masters() (leaderconn.Credentials, error) {
 // stores is the client side of the engine's rails to store nodes (nil:
 // plaintext).
 func (c *credentials) stores() (*tls.Config, error) {
-	if !c.files.Enabled() {
+	if !c.files.Enabled() || c.plainRails {
 		return nil, nil
 	}
 	cfg, err := c.files.ClientConfig(auth.Store)

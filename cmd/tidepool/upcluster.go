@@ -41,6 +41,7 @@ type clusterSpec struct {
 	promoteAfter                         int
 	prefault                             bool
 	certs                                devCerts // empty: not secure
+	plainRails                           bool     // with certs: stores serve plaintext rails too
 }
 
 // child is one process of the cluster.
@@ -110,6 +111,9 @@ func (c clusterSpec) argvs(httpAddr, level string) (names, https []string, argvs
 		}
 		if c.certs != "" {
 			argv = append(argv, c.certs.flags(auth.Store)...)
+			if c.plainRails {
+				argv = append(argv, "--plain-rails")
+			}
 		}
 		argvs = append(argvs, argv)
 	}
