@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -88,6 +89,7 @@ const (
 	reasonUnknownToken = "unknown_token"
 	reasonNoTokens     = "no_tokens_file"
 	reasonRole         = "role"
+	reasonTLS          = "tls"
 )
 
 // Check names the caller of method from ctx (a bearer token in the
@@ -135,20 +137,35 @@ func (a *Authenticator) identify(ctx context.Context) (Identity, error) {
 	return Identity{}, a.refuse(ctx, reasonNoCredential, codes.Unauthenticated, "no token and no client certificate")
 }
 
+// HandshakeFailed counts and logs a connection refused before any call:
+// a TLS handshake that failed (no certificate the CA signed, an expired
+// one, plaintext on a TLS port).
+func (a *Authenticator) HandshakeFailed(from net.Addr, err error) {
+	a.count(reasonTLS, from, err.Error())
+}
+
 // refuse counts and logs a refusal (at most once a second per reason) and
 // returns its status.
 func (a *Authenticator) refuse(ctx context.Context, reason string, code codes.Code, msg string) error {
+	var from net.Addr
+	if p, ok := peer.FromContext(ctx); ok {
+		from = p.Addr
+	}
+	a.count(reason, from, msg)
+	return status.Error(code, msg)
+}
+
+func (a *Authenticator) count(reason string, from net.Addr, msg string) {
 	a.refused.WithLabelValues(reason).Inc()
 	now := time.Now()
 	if last, ok := a.logged.Load(reason); !ok || now.Sub(last.(time.Time)) > time.Second {
 		a.logged.Store(reason, now)
-		from := "unknown"
-		if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
-			from = p.Addr.String()
+		addr := "unknown"
+		if from != nil {
+			addr = from.String()
 		}
-		a.log.Warn("refused a call", "reason", reason, "from", from, "why", msg)
+		a.log.Warn("refused a call", "reason", reason, "from", addr, "why", msg)
 	}
-	return status.Error(code, msg)
 }
 
 // UnaryInterceptor checks every unary call.

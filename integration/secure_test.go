@@ -235,6 +235,39 @@ func TestSecurePool(t *testing.T) {
 		}
 	})
 
+	t.Run("PutRevoke of another tenant's put is refused", func(t *testing.T) {
+		var started *pb.BatchPutStartResponse
+		err := p.conn(t, tenantA).Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, o ...grpc.CallOption) (err error) {
+			started, err = pb.NewMasterClient(cc).BatchPutStart(ctx, &pb.BatchPutStartRequest{Items: []*pb.PutStartRequest{{Key: "in-flight", Size: 4096}}}, o...)
+			return err
+		})
+		if err != nil || started.Results[0].Status.Code != 0 {
+			t.Fatalf("tenant a's put start: %v %v", started, err)
+		}
+		id := started.Results[0].PutId
+		revoke := func(creds leaderconn.Credentials, key string) (*pb.ItemsResponse, error) {
+			var resp *pb.ItemsResponse
+			err := p.conn(t, creds).Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, o ...grpc.CallOption) (err error) {
+				resp, err = pb.NewMasterClient(cc).PutRevoke(ctx, &pb.KeysRequest{Keys: []string{key}, PutIds: []uint64{id}}, o...)
+				return err
+			})
+			return resp, err
+		}
+		_, err = revoke(leaderconn.Credentials{TLS: p.ca}, "in-flight")
+		wantCode(t, "PutRevoke without a token", err, codes.Unauthenticated)
+		for _, key := range []string{"in-flight", ""} {
+			resp, err := revoke(tenantB, key)
+			if err == nil && resp.Results[0].Code == 0 {
+				t.Errorf("tenant b revoked tenant a's put %d naming %q", id, key)
+			}
+		}
+		// Still tenant a's to revoke: the refused calls changed nothing.
+		resp, err := revoke(tenantA, "in-flight")
+		if err != nil || resp.Results[0].Code != 0 {
+			t.Errorf("tenant a's own revoke after b's: %v %v", resp, err)
+		}
+	})
+
 	t.Run("a client token cannot run admin commands", func(t *testing.T) {
 		r := cli(t, ctx, nil, "admin", "evict", "--masters", p.grpc, "--tls-ca", filepath.Join(p.certs, "ca.crt"),
 			"--token-file", filepath.Join(p.certs, "client.token"), "--prefix", "")
@@ -476,6 +509,9 @@ func TestSecurePool(t *testing.T) {
 		}
 	})
 
+	if n, err := counter(p.http, "tidepool_auth_refused_total", `reason="tls"`); err != nil || n == 0 {
+		t.Errorf("tidepool_auth_refused_total{reason=\"tls\"} %v (%v), want the plaintext connections counted", n, err)
+	}
 	if n, err := counter(p.http, "tidepool_auth_refused_total"); err != nil || n == 0 {
 		t.Errorf("tidepool_auth_refused_total %v (%v), want refusals counted", n, err)
 	}

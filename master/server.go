@@ -249,7 +249,11 @@ func New(cfg Config) (*Server, error) {
 	// The same services' unary calls, framed, on the same port (see Serve).
 	s.framed = framed.NewServer(s.intercept, cfg.Logger)
 	if cfg.Security.TLS != nil {
-		s.framed.RequireTLS(cfg.Security.TLS)
+		var failed func(net.Addr, error)
+		if s.auth != nil {
+			failed = s.auth.HandshakeFailed
+		}
+		s.framed.RequireTLS(cfg.Security.TLS, failed)
 	}
 	for _, r := range []grpc.ServiceRegistrar{s.grpc, s.framed} {
 		pb.RegisterMasterServer(r, &masterService{s: s})

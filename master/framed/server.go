@@ -37,6 +37,7 @@ const (
 // so a service's generated Register function registers with it.
 type Server struct {
 	tls       *tls.Config // nil: plaintext
+	tlsFailed func(from net.Addr, err error)
 	intercept grpc.UnaryServerInterceptor
 	log       *slog.Logger
 	methods   map[string]method // by full name
@@ -71,9 +72,12 @@ func NewServer(intercept grpc.UnaryServerInterceptor, log *slog.Logger) *Server 
 // RequireTLS makes every connection Split accepts open with a TLS
 // handshake under cfg, within the preface's deadline; call it before
 // Split. A framed client that speaks plaintext is told so (see
-// needTLS); anything else without TLS is closed. The gRPC server then
-// needs TLSCredentials.
-func (s *Server) RequireTLS(cfg *tls.Config) { s.tls = cfg }
+// needTLS); anything else without TLS is closed. failed, if not nil,
+// hears of each connection refused so (to count and log). The gRPC
+// server then needs TLSCredentials.
+func (s *Server) RequireTLS(cfg *tls.Config, failed func(from net.Addr, err error)) {
+	s.tls, s.tlsFailed = cfg, failed
+}
 
 // RegisterService registers desc's unary methods (its streams are gRPC's
 // alone). Call it before serving.
@@ -173,6 +177,9 @@ func (s *Server) sniff(l *splitListener, conn net.Conn) {
 	}
 	if err == nil {
 		_, err = io.ReadFull(conn, head)
+	}
+	if s.tlsFailed != nil && err != nil && !errors.Is(err, io.EOF) && (conn == raw || !conn.(*tls.Conn).ConnectionState().HandshakeComplete) {
+		s.tlsFailed(raw.RemoteAddr(), err)
 	}
 	if tc, ok := conn.(*tls.Conn); ok && err != nil && !tc.ConnectionState().HandshakeComplete {
 		// The handshake failed and its alert is on the way. Under TLS 1.3

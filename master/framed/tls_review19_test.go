@@ -24,7 +24,7 @@ func TestReview19TLSConnsLeaveSniffing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := startTLSServer(t, srvCfg, make(chan context.Context))
+	s := startTLSServer(t, srvCfg, make(chan context.Context), nil)
 	clientCfg, err := p.files(p.dir, auth.Client).ClientConfig(auth.Master)
 	if err != nil {
 		t.Fatal(err)

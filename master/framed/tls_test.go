@@ -2,11 +2,19 @@ package framed
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
 	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"math/big"
 	"net"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -40,7 +48,7 @@ func (p pki) files(dir string, role auth.Role) auth.Files {
 
 // startTLSServer is startServer behind TLS: gRPC through TLSCredentials.
 // seen receives each framed or gRPC call's peer and metadata.
-func startTLSServer(t *testing.T, cfg *tls.Config, seen chan<- context.Context) *testServer {
+func startTLSServer(t *testing.T, cfg *tls.Config, seen chan<- context.Context, failed func(net.Addr, error)) *testServer {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -55,7 +63,7 @@ func startTLSServer(t *testing.T, cfg *tls.Config, seen chan<- context.Context) 
 	}
 	s := &testServer{addr: ln.Addr().String(), grpc: grpc.NewServer(grpc.Creds(TLSCredentials()), grpc.UnaryInterceptor(intercept)),
 		framed: NewServer(intercept, nil), done: make(chan struct{})}
-	s.framed.RequireTLS(cfg)
+	s.framed.RequireTLS(cfg, failed)
 	for _, r := range []grpc.ServiceRegistrar{s.grpc, s.framed} {
 		pb.RegisterMasterServer(r, &testMaster{})
 	}
@@ -79,7 +87,8 @@ func TestTLS(t *testing.T) {
 		t.Fatal(err)
 	}
 	seen := make(chan context.Context, 1)
-	s := startTLSServer(t, srvCfg, seen)
+	var failures atomic.Int64
+	s := startTLSServer(t, srvCfg, seen, func(net.Addr, error) { failures.Add(1) })
 	ctx := context.Background()
 	exists := func(c *Client) error {
 		_, err := pb.NewMasterClient(c).Exists(ctx, &pb.KeysRequest{Keys: []string{"y"}})
@@ -137,6 +146,7 @@ func TestTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	expired := clientConfigWith(t, expiredClientCert(t, p.dir), filepath.Join(p.dir, "ca.crt"))
 	for _, tc := range []struct {
 		name  string
 		creds Credentials
@@ -145,8 +155,10 @@ func TestTLS(t *testing.T) {
 		{"plaintext", Credentials{}, "serves TLS only"},
 		{"foreign CA", Credentials{TLS: foreignCA}, "unknown authority"},
 		{"foreign client certificate", Credentials{TLS: foreignCert}, "refused this client's certificate"},
+		{"expired client certificate", Credentials{TLS: expired}, "refused this client's certificate"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			before := failures.Load()
 			fb := &failingConn{}
 			c := NewClient(s.addr, fb, tc.creds)
 			defer c.Close()
@@ -157,6 +169,53 @@ func TestTLS(t *testing.T) {
 			if fb.used.Load() != 0 {
 				t.Errorf("the fallback carried %d calls", fb.used.Load())
 			}
+			// The server may learn of it after the client gave up.
+			for deadline := time.Now().Add(5 * time.Second); failures.Load() == before && time.Now().Before(deadline); {
+				time.Sleep(10 * time.Millisecond)
+			}
+			if failures.Load() == before {
+				t.Error("the server did not report the refused connection")
+			}
 		})
 	}
+}
+
+// expiredClientCert is a client certificate of tenant "default" that dir's
+// CA signed and that expired an hour ago.
+func expiredClientCert(t *testing.T, dir string) tls.Certificate {
+	t.Helper()
+	ca, err := tls.LoadX509KeyPair(filepath.Join(dir, "ca.crt"), filepath.Join(dir, "ca.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	caCert, err := x509.ParseCertificate(ca.Certificate[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(time.Now().UnixNano()),
+		Subject:      pkix.Name{CommonName: "expired", OrganizationalUnit: []string{"client"}, Organization: []string{"default"}},
+		NotBefore:    time.Now().Add(-48 * time.Hour), NotAfter: time.Now().Add(-time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, caCert, &key.PublicKey, ca.PrivateKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+// clientConfigWith is a client's TLS presenting cert and trusting caFile.
+func clientConfigWith(t *testing.T, cert tls.Certificate, caFile string) *tls.Config {
+	t.Helper()
+	cfg, err := auth.Files{CA: caFile}.ClientConfig(auth.Master)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Certificates = []tls.Certificate{cert}
+	return cfg
 }
