@@ -14,7 +14,8 @@ import (
 
 // FillConfig says what Fill puts.
 type FillConfig struct {
-	Masters []string
+	Masters     []string
+	Credentials leaderconn.Credentials
 	// Count objects, Batch a call (default 4096), with keys of KeyBytes
 	// (default 30) and values of ValueBytes (default 64), under Prefix.
 	Count, Batch, KeyBytes, ValueBytes int
@@ -43,7 +44,7 @@ func Fill(ctx context.Context, cfg FillConfig) (time.Duration, error) {
 	if len(cfg.Prefix)+9 > cfg.KeyBytes {
 		return 0, fmt.Errorf("bench fill: keys of %d bytes cannot hold the prefix %q and a 9-digit count", cfg.KeyBytes, cfg.Prefix)
 	}
-	c, err := leaderconn.Dial(cfg.Masters, leaderconn.Credentials{})
+	c, err := leaderconn.Dial(cfg.Masters, cfg.Credentials)
 	if err != nil {
 		return 0, fmt.Errorf("bench fill: %w", err)
 	}

@@ -16,8 +16,10 @@ import (
 
 // MetaConfig says what Meta measures.
 type MetaConfig struct {
-	// Masters are the cluster's master addresses.
-	Masters []string
+	// Masters are the cluster's master addresses, and Credentials what
+	// each client shows them.
+	Masters     []string
+	Credentials leaderconn.Credentials
 	// Ops are "put", "get" and "exists" (default all three).
 	Ops []string
 	// Batches are the keys per call (default 1, 128, 1024).
@@ -74,7 +76,7 @@ func Meta(ctx context.Context, cfg MetaConfig, row func(MetaRow)) ([]MetaRow, er
 	}
 	conns := make([]*leaderconn.Conn, slices.Max(cfg.Clients))
 	for i := range conns {
-		c, err := leaderconn.Dial(cfg.Masters, leaderconn.Credentials{})
+		c, err := leaderconn.Dial(cfg.Masters, cfg.Credentials)
 		if err != nil {
 			closeAll(conns)
 			return nil, fmt.Errorf("bench meta: %w", err)

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -509,6 +510,31 @@ func TestSecurePool(t *testing.T) {
 		}
 	})
 
+	t.Run("the tokens file is read again on SIGHUP", func(t *testing.T) {
+		const tenantC = "tenant-c-token-0123456789"
+		c := leaderconn.Credentials{TLS: p.ca, Token: tenantC}
+		if _, err := status(c); err == nil {
+			t.Fatal("tenant c's token works before it is in the file")
+		}
+		addTokenEntry(t, filepath.Join(p.certs, "tokens.json"), map[string]string{"name": "tenant-c", "role": "client", "tenant": "c", "token": tenantC})
+		if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, func() error { _, err := status(c); return err })
+		if !strings.Contains(p.out.String(), "tokens file reloaded") {
+			t.Error("the reload is not logged")
+		}
+	})
+
+	// Refusals are logged, never with the token that was refused.
+	for _, secret := range []string{"not-a-token-of-this-pool", tenantBToken} {
+		if strings.Contains(p.out.String(), secret) {
+			t.Errorf("the master's log holds a token: %q", secret)
+		}
+	}
+	if !strings.Contains(p.out.String(), "refused a call") {
+		t.Error("no refusal was logged")
+	}
 	if n, err := counter(p.http, "tidepool_auth_refused_total", `reason="tls"`); err != nil || n == 0 {
 		t.Errorf("tidepool_auth_refused_total{reason=\"tls\"} %v (%v), want the plaintext connections counted", n, err)
 	}

@@ -46,7 +46,7 @@ row per op, batch size and client count: keys/s, mean and p99 per call. Keys it 
 		fmt.Fprintf(e.stdout, rowFormat, "OP", "BATCH", "CLIENTS", "CALLS", "ERRORS", "KEYS/s", "MEAN ms", "P99 ms")
 	}
 	var firstFail string
-	_, err = measure.Meta(ctx, measure.MetaConfig{Masters: cfgp.Masters, Ops: ops, Batches: batchList, Clients: clientList, Duration: duration},
+	_, err = measure.Meta(ctx, measure.MetaConfig{Masters: cfgp.Masters, Credentials: cfgp.Credentials, Ops: ops, Batches: batchList, Clients: clientList, Duration: duration},
 		func(r measure.MetaRow) {
 			if r.FirstFail != "" && firstFail == "" {
 				firstFail = r.FirstFail
@@ -91,7 +91,7 @@ tidepool admin evict --prefix PREFIX.`,
 	if fc.Count < 1 || fc.Batch < 1 || fc.Batch > 16384 {
 		return fmt.Errorf("%w: --count must be positive and --batch 1 to 16384", errUsage)
 	}
-	fc.Masters = cfgp.Masters
+	fc.Masters, fc.Credentials = cfgp.Masters, cfgp.Credentials
 	step := max(fc.Count/10, 1)
 	start := time.Now()
 	fc.Progress = func(n int) {
