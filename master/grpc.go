@@ -283,7 +283,9 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	}
 	results := make([]*pb.PutStartResult, len(req.Items))
 	loops := m.s.fsm.loopingParents(len(req.Items), func(i int) (string, string) { return req.Items[i].Key, req.Items[i].Parent })
-	over, err := m.s.admitBatch(ctx, req.Items)
+	over, err := m.s.admitBatch(ctx, len(req.Items), func(i int) (quotaCharge, bool) {
+		return m.quotaCharge(req.Items[i], loops[i], place, views, largest)
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -308,6 +310,34 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		}
 	}
 	return &pb.BatchPutStartResponse{Results: results}, nil
+}
+
+// quotaCharge is what it asks of its tenant's quota, where it has one: in
+// the tier placement puts it (the one asked for, or where it spills), its
+// size once per replica that tier's nodes can hold. A put that fails
+// anyway (invalid, too large, a parent loop) or takes no room (its key is
+// complete) asks nothing, so makes no one evict.
+func (m *masterService) quotaCharge(it *pb.PutStartRequest, loop bool, place func(uint64, pb.Tier) []string,
+	views map[string]segmentView, largest uint64) (quotaCharge, bool) {
+	if it.Tenant == "" || loop || it.Size == 0 || it.Size > largest || validKey(it.Key) != nil || validTier(it.Tier) != nil {
+		return quotaCharge{}, false
+	}
+	cands := place(it.Size, it.Tier)
+	if len(cands) == 0 {
+		return quotaCharge{}, false
+	}
+	tier := views[cands[0]].tier
+	if !m.s.fsm.hasQuota(it.Tenant, tier) || m.s.fsm.putState(it.Key, m.s.cfg.Now().UnixNano()) != pb.ObjectState_OBJECT_STATE_UNSPECIFIED {
+		return quotaCharge{}, false
+	}
+	nodes := map[string]bool{}
+	for _, v := range views {
+		if v.tier == tier {
+			nodes[v.node] = true
+		}
+	}
+	replicas := min(uint64(max(it.Replicas, 1)), uint64(len(nodes)))
+	return quotaCharge{key: quotaKey{it.Tenant, tier}, bytes: satMul(it.Size, replicas)}, true
 }
 
 // start places one put. It is not committed until its PutEnd, so a start

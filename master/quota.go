@@ -4,6 +4,8 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"math"
+	"math/bits"
 	"slices"
 
 	"github.com/tidepool-kv/tidepool/auth"
@@ -149,11 +151,11 @@ func (f *FSM) snapshotQuotas() []*pb.TenantQuota {
 // wouldExceed reports by how much a tenant's use of tier would pass its
 // limits with n more objects of bytes more: zero if it stays within.
 func wouldExceed(limit, used tenantUse, n, bytes uint64) (overBytes, overObjects uint64) {
-	if limit.bytes > 0 && used.bytes+bytes > limit.bytes {
-		overBytes = used.bytes + bytes - limit.bytes
+	if b := satAdd(used.bytes, bytes); limit.bytes > 0 && b > limit.bytes {
+		overBytes = b - limit.bytes
 	}
-	if limit.objects > 0 && used.objects+n > limit.objects {
-		overObjects = used.objects + n - limit.objects
+	if o := satAdd(used.objects, n); limit.objects > 0 && o > limit.objects {
+		overObjects = o - limit.objects
 	}
 	return overBytes, overObjects
 }
@@ -168,46 +170,61 @@ func (f *FSM) hasQuota(tenant string, tier pb.Tier) bool {
 	return !f.quotas[quotaKey{tenant, tier}].zero()
 }
 
+// quotaCharge is what one put asks of its tenant's quota: in the tier it
+// lands in, its size for each replica that tier can hold.
+type quotaCharge struct {
+	key   quotaKey
+	bytes uint64
+}
+
 // admitBatch makes room within their tenants' quotas for a batch's puts
 // (see admitQuota) and returns the error of each that does not fit, by
-// index. A put of a key already complete takes no room and is left out.
-func (s *Server) admitBatch(ctx context.Context, items []*pb.PutStartRequest) (map[int]error, error) {
+// index. charge says what put i asks of which quota; false for none (no
+// quota there, or a put that fails for another reason or takes no room).
+func (s *Server) admitBatch(ctx context.Context, n int, charge func(i int) (quotaCharge, bool)) (map[int]error, error) {
 	type group struct {
 		idx   []int
-		sizes []uint64
+		bytes []uint64
 	}
 	var groups map[quotaKey]*group
 	var order []quotaKey
-	now := s.cfg.Now().UnixNano()
-	for i, it := range items {
-		k := quotaKey{it.Tenant, orDRAM(it.Tier)}
-		if !s.fsm.hasQuota(k.tenant, k.tier) || s.fsm.putState(it.Key, now) == pb.ObjectState_OBJECT_STATE_COMPLETE {
+	for i := range n {
+		c, ok := charge(i)
+		if !ok {
 			continue
 		}
 		if groups == nil {
 			groups = map[quotaKey]*group{}
 		}
-		g := groups[k]
+		g := groups[c.key]
 		if g == nil {
 			g = &group{}
-			groups[k] = g
-			order = append(order, k)
+			groups[c.key] = g
+			order = append(order, c.key)
 		}
 		g.idx = append(g.idx, i)
-		g.sizes = append(g.sizes, it.Size*uint64(max(it.Replicas, 1)))
+		g.bytes = append(g.bytes, c.bytes)
 	}
 	var over map[int]error
 	for _, k := range order {
 		g := groups[k]
-		fit, err := s.admitQuota(ctx, k.tenant, k.tier, g.sizes)
+		fits, err := s.admitQuota(ctx, k.tenant, k.tier, g.bytes)
 		if err != nil {
 			return nil, err
 		}
-		for _, i := range g.idx[fit:] {
+		limit, used := s.fsm.quotaOf(k.tenant, k.tier)
+		for j, i := range g.idx {
+			if fits[j] {
+				continue
+			}
 			if over == nil {
 				over = map[int]error{}
 			}
-			limit, used := s.fsm.quotaOf(k.tenant, k.tier)
+			if g.bytes[j] > limit.bytes && limit.bytes > 0 {
+				over[i] = fmt.Errorf("%w: a put of %d bytes in %s is more than tenant %s's whole quota there (%d bytes)",
+					ErrOverQuota, g.bytes[j], k.tier.Name(), k.tenant, limit.bytes)
+				continue
+			}
 			over[i] = fmt.Errorf("%w: tenant %s holds %d objects, %d bytes in %s (quota %d objects, %d bytes; 0: none), "+
 				"and none of its objects there can be evicted (leased, pinned or being copied)",
 				ErrOverQuota, k.tenant, used.objects, used.bytes, k.tier.Name(), limit.objects, limit.bytes)
@@ -216,49 +233,83 @@ func (s *Server) admitBatch(ctx context.Context, items []*pb.PutStartRequest) (m
 	return over, nil
 }
 
-// admitQuota makes room within tenant's limits in tier for n puts of bytes
-// in all, evicting the tenant's own least recently used objects there. It
-// returns how many of the n fit (in order: the first ones); an error only
-// if raft failed.
-func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, sizes []uint64) (int, error) {
-	var total uint64
-	for _, sz := range sizes {
-		total += sz
+// satAdd and satMul saturate instead of wrapping: a quota compares sums
+// a caller chose.
+func satAdd(a, b uint64) uint64 {
+	if s, carry := bits.Add64(a, b, 0); carry == 0 {
+		return s
 	}
-	limit, used := s.fsm.quotaOf(tenant, tier)
-	ob, oo := wouldExceed(limit, used, uint64(len(sizes)), total)
-	if ob == 0 && oo == 0 {
-		return len(sizes), nil
-	}
-	// Down to the limit less the evict ratio, so that the next puts find
-	// room without a walk of the table each.
-	slack := func(l uint64) uint64 { return uint64(float64(l) * s.cfg.EvictRatio) }
-	needBytes, needObjects := ob, oo
-	if ob > 0 {
-		needBytes = min(ob+slack(limit.bytes), used.bytes)
-	}
-	if oo > 0 {
-		needObjects = min(oo+slack(limit.objects), used.objects)
-	}
-	if _, err := s.evictTenant(ctx, tenant, tier, needBytes, needObjects); err != nil {
-		return 0, err
-	}
-	limit, used = s.fsm.quotaOf(tenant, tier)
-	fit := 0
-	var b uint64
-	for _, sz := range sizes {
-		if ob, oo := wouldExceed(limit, used, uint64(fit+1), b+sz); ob > 0 || oo > 0 {
-			break
-		}
-		fit++
-		b += sz
-	}
-	return fit, nil
+	return math.MaxUint64
 }
 
-// evictTenant evicts tenant's least recently used objects with a replica
-// in tier, never leased or hard-pinned ones, until needBytes of its
-// replicas there and needObjects objects went; it returns how many went.
+func satMul(a, b uint64) uint64 {
+	if hi, lo := bits.Mul64(a, b); hi == 0 {
+		return lo
+	}
+	return math.MaxUint64
+}
+
+// admitQuota makes room within tenant's limits in tier for puts of sizes
+// bytes each, evicting the tenant's own least recently used objects
+// there, and reports which fit (the ones that fit in order, a put larger
+// than the whole quota never). A new leader that may not yet evict what
+// an earlier one leased waits for that, once, as a put finding no room
+// does. It fails only if raft failed.
+func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, sizes []uint64) ([]bool, error) {
+	limit, _ := s.fsm.quotaOf(tenant, tier)
+	// What the puts that can fit at all ask for.
+	var total, n uint64
+	for _, sz := range sizes {
+		if limit.bytes == 0 || sz <= limit.bytes {
+			total = satAdd(total, sz)
+			n++
+		}
+	}
+	waited := false
+	for {
+		limit, used := s.fsm.quotaOf(tenant, tier)
+		ob, oo := wouldExceed(limit, used, n, total)
+		if ob == 0 && oo == 0 {
+			break
+		}
+		// Down to the limit less the evict ratio, so that the next puts
+		// find room without a walk of the table each.
+		slack := func(l uint64) uint64 { return uint64(float64(l) * s.cfg.EvictRatio) }
+		if ob > 0 {
+			ob = min(satAdd(ob, slack(limit.bytes)), used.bytes)
+		}
+		if oo > 0 {
+			oo = min(satAdd(oo, slack(limit.objects)), used.objects)
+		}
+		evicted, err := s.evictTenant(ctx, tenant, tier, ob, oo)
+		if err != nil {
+			return nil, err
+		}
+		if evicted > 0 || waited || !s.awaitEvictable(ctx, s.cfg.Now().Add(s.cfg.PutTimeout)) {
+			break
+		}
+		waited = true
+	}
+	limit, used := s.fsm.quotaOf(tenant, tier)
+	fits := make([]bool, len(sizes))
+	var b, k uint64
+	for i, sz := range sizes {
+		if ob, oo := wouldExceed(limit, used, k+1, satAdd(b, sz)); ob > 0 || oo > 0 {
+			continue
+		}
+		fits[i] = true
+		k++
+		b = satAdd(b, sz)
+	}
+	return fits, nil
+}
+
+// evictTenant makes room for tenant in tier: its least recently used
+// objects with a replica there, never leased or hard-pinned ones, until
+// needBytes of its replicas there and needObjects objects went. An object
+// that keeps its replica count elsewhere (a written-back SSD copy) loses
+// only its replicas in tier; the others are evicted. It returns how many
+// objects left the tier.
 func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, needBytes, needObjects uint64) (int, error) {
 	now := s.cfg.Now()
 	l := s.leadership()
@@ -269,12 +320,13 @@ func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, n
 	for _, v := range s.fsm.segmentViews() {
 		segTier[v.id] = v.tier
 	}
+	inTier := func(id string) bool { return segTier[id] == tier }
 	objs := s.fsm.scanTenant(tenant)
 	objs = filterObjects(objs, func(o evictable) bool {
-		return !o.copying && slices.ContainsFunc(o.segments, func(id string) bool { return segTier[id] == tier }) &&
-			(!now.Before(l.evictable) || o.madeIn(l.term))
+		return !o.copying && slices.ContainsFunc(o.segments, inTier) && (!now.Before(l.evictable) || o.madeIn(l.term))
 	})
 	leased := s.byRecency(objs, now)
+	picked := map[string]bool{}
 	var victims []evictable
 	var bytes, n uint64
 	for _, soft := range []bool{false, true} {
@@ -282,14 +334,14 @@ func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, n
 			if bytes >= needBytes && n >= needObjects {
 				break
 			}
-			if o.hard || leased[o.key] || slices.ContainsFunc(victims, func(v evictable) bool { return v.key == o.key }) ||
-				(!soft && o.softPin > now.UnixNano()) {
+			if o.hard || leased[o.key] || picked[o.key] || (!soft && o.softPin > now.UnixNano()) {
 				continue
 			}
+			picked[o.key] = true
 			victims = append(victims, o)
 			n++
 			for _, id := range o.segments {
-				if segTier[id] == tier {
+				if inTier(id) {
 					bytes += o.size
 				}
 			}
@@ -298,12 +350,27 @@ func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, n
 	if len(victims) == 0 {
 		return 0, nil
 	}
-	evicted, freed, err := s.evictObjects(ctx, victims, true, "quota", tier.Name())
-	if evicted > 0 {
-		s.log.Info("evicted a tenant's objects to its quota", "tenant", tenant, "tier", tier.Name(), "objects", evicted, "bytes", freed)
-		s.events.evictedQuota(now, tenant, tier.Name(), uint64(evicted), freed)
+	nodeOf := s.segmentNodes()
+	var drops []drop
+	whole := victims[:0:0]
+	for _, o := range victims {
+		if !s.keepsCountWithout(o, inTier, nodeOf) {
+			whole = append(whole, o)
+			continue
+		}
+		for _, id := range o.segments {
+			if inTier(id) {
+				drops = append(drops, drop{o, id})
+			}
+		}
 	}
-	return evicted, err
+	dropped := s.dropReplicas(ctx, drops, "quota")
+	evicted, freed, err := s.evictObjects(ctx, whole, true, "quota", tier.Name())
+	if gone := dropped + evicted; gone > 0 {
+		s.log.Info("made room within a tenant's quota", "tenant", tenant, "tier", tier.Name(), "evicted", evicted, "bytes", freed, "replicas_dropped", dropped)
+		s.events.evictedQuota(now, tenant, tier.Name(), uint64(gone), freed)
+	}
+	return dropped + evicted, err
 }
 
 // enforceQuotas is the sweep's part: tenants over a limit (a lowered

@@ -839,13 +839,19 @@ const freshFor = 3 * time.Second
 // DRAM replica with an SSD copy on its own node, or a replica beyond the
 // count.
 func (s *Server) keepsCount(o evictable, segment string, nodeOf map[string]string) bool {
+	return s.keepsCountWithout(o, func(id string) bool { return id == segment }, nodeOf)
+}
+
+// keepsCountWithout is keepsCount without every replica on a segment
+// gone says.
+func (s *Server) keepsCountWithout(o evictable, gone func(segment string) bool, nodeOf map[string]string) bool {
 	var before, after []string
 	for _, id := range o.segments {
 		n := nodeOf[id]
 		if !slices.Contains(before, n) {
 			before = append(before, n)
 		}
-		if id != segment && s.fresh(n) && !slices.Contains(after, n) {
+		if !gone(id) && s.fresh(n) && !slices.Contains(after, n) {
 			after = append(after, n)
 		}
 	}
