@@ -17,11 +17,11 @@ import (
 // come and go (account), so a put's check costs no walk of the table. The
 // limits are raft state (SetQuota), the same on every master. The leader
 // enforces them: a put that would take its tenant over a limit first
-// evicts the tenant's own least recently used objects in that tier, down
-// to the limit less the evict ratio (so the next puts find room without a
-// walk each), and fails only if that is not enough; the sweep does the
-// same for a tenant over a limit by other means (demotion, a lowered
-// limit). Only named tenants are accounted.
+// makes room from the tenant's own least recently used objects in that
+// tier (evictTenant), down to the limit less the evict ratio (so the next
+// puts find room without a walk each), and fails only if that is not
+// enough; the sweep does the same for a tenant over a limit by other means
+// (demotion, a lowered limit). Only named tenants are accounted.
 
 // quotaKey names a tenant's use of one tier.
 type quotaKey struct {
