@@ -217,7 +217,9 @@ def _check_peer(path, wait):
         finally:
             s.close()
         left = deadline - time.monotonic()
-        if left <= 0 or err.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN):
+        # EPIPE: seen, rarely, from a listening agent just after a forked
+        # child of this process exited; the next connect succeeds.
+        if left <= 0 or err.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.EPIPE):
             raise errors.Unavailable("open a session with the agent at %s: %s" % (path, err)) from None
         time.sleep(min(delay, left))
         delay = min(2 * delay, 0.2)
