@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 )
 
@@ -166,5 +167,29 @@ func TestOpenAuthenticator(t *testing.T) {
 	}
 	if _, err := a.Check(context.Background(), "/other/M"); status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("a method the policy does not name: %v", err)
+	}
+}
+
+func TestHasToken(t *testing.T) {
+	const token = "0123456789abcdef-agent"
+	for _, tc := range []struct {
+		name string
+		md   metadata.MD
+		want bool
+	}{
+		{"the token", metadata.Pairs("authorization", "Bearer "+token), true},
+		{"no metadata", nil, false},
+		{"another token", metadata.Pairs("authorization", "Bearer 0123456789abcdef-other"), false},
+		{"a prefix of it", metadata.Pairs("authorization", "Bearer "+token[:10]), false},
+		{"not bearer", metadata.Pairs("authorization", token), false},
+		{"twice", metadata.Pairs("authorization", "Bearer "+token, "authorization", "Bearer "+token), false},
+	} {
+		ctx := context.Background()
+		if tc.md != nil {
+			ctx = metadata.NewIncomingContext(ctx, tc.md)
+		}
+		if got := HasToken(ctx, token); got != tc.want {
+			t.Errorf("%s: HasToken %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }
