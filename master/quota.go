@@ -226,7 +226,7 @@ func (s *Server) admitBatch(ctx context.Context, n int, charge func(i int) (quot
 				continue
 			}
 			over[i] = fmt.Errorf("%w: tenant %s holds %d objects, %d bytes in %s (quota %d objects, %d bytes; 0: none), "+
-				"and none of its objects there can be evicted (leased, pinned or being copied)",
+				"and none of its objects there can be evicted (hard-pinned or being copied)",
 				ErrOverQuota, k.tenant, used.objects, used.bytes, k.tier.Name(), limit.objects, limit.bytes)
 		}
 	}
@@ -305,7 +305,7 @@ func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, si
 }
 
 // evictTenant makes room for tenant in tier: its least recently used
-// objects with a replica there, never leased or hard-pinned ones, until
+// objects with a replica there, never hard-pinned ones, until
 // needBytes of its replicas there and needObjects objects went. An object
 // that keeps its replica count elsewhere (a written-back SSD copy) loses
 // only its replicas in tier; the others are evicted. It returns how many
@@ -329,12 +329,16 @@ func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, n
 	picked := map[string]bool{}
 	var victims []evictable
 	var bytes, n uint64
-	for _, soft := range []bool{false, true} {
+	// Read-leased objects go last: an evicted object leaves the tenant's
+	// use at once, but its space only when its leases end, so until then
+	// the tier holds it beside the put that replaced it.
+	for pass := range 3 {
+		soft, leasedToo := pass > 0, pass > 1
 		for _, o := range objs {
 			if bytes >= needBytes && n >= needObjects {
 				break
 			}
-			if o.hard || leased[o.key] || picked[o.key] || (!soft && o.softPin > now.UnixNano()) {
+			if o.hard || (leased[o.key] && !leasedToo) || picked[o.key] || (!soft && o.softPin > now.UnixNano()) {
 				continue
 			}
 			picked[o.key] = true

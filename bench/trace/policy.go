@@ -26,8 +26,8 @@ func ratio(a, b int64) float64 {
 	return float64(a) / float64(b)
 }
 
-// count adds one request that found its first hit blocks cached.
-func (r *Result) count(req Request, hit int) {
+// Add counts one request that found its first hit blocks cached.
+func (r *Result) Add(req Request, hit int) {
 	r.Requests++
 	r.Blocks += int64(len(req.HashIDs))
 	r.HitBlocks += int64(hit)
@@ -49,7 +49,7 @@ func LRU(reqs []Request, capacity int) Result {
 		for hit < len(req.HashIDs) && at[req.HashIDs[hit]] != nil {
 			hit++
 		}
-		res.count(req, hit)
+		res.Add(req, hit)
 		if capacity <= 0 {
 			continue
 		}
@@ -104,7 +104,7 @@ func Belady(reqs []Request, capacity int) Result {
 		for hit < len(req.HashIDs) && h.has(req.HashIDs[hit]) {
 			hit++
 		}
-		res.count(req, hit)
+		res.Add(req, hit)
 		if capacity <= 0 {
 			continue
 		}

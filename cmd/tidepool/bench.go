@@ -75,6 +75,9 @@ func runBench(ctx context.Context, e *env, args []string) error {
 	if len(args) > 0 && args[0] == "fill" {
 		return runBenchFill(ctx, e, args[1:])
 	}
+	if len(args) > 0 && args[0] == "replay" {
+		return runBenchReplay(ctx, e, args[1:])
+	}
 	var ops, sizes listFlag
 	var conc, batches listFlag
 	var duration time.Duration
