@@ -100,11 +100,13 @@ func TestServerDropsStalledWrite(t *testing.T) {
 func TestServerConnectionCap(t *testing.T) {
 	p := startPeer(t, Config{MaxServerConns: 8}, NewMemSegment("seg", make([]byte, 1<<20)))
 	var idle []net.Conn
-	for range 8 {
+	for i := range 8 {
 		nc := dialRaw(t, p.addr)
 		idle = append(idle, nc)
+		// One at a time, so that they went idle in the order dialled
+		// (under load the server's goroutines may start out of order).
+		waitFor(t, "the connection to wait for a request", func() bool { return p.idleConns() == i+1 })
 	}
-	waitFor(t, "the idle connections to be accepted", func() bool { return p.accepts.Load() == 8 })
 	c := newClient(t, Config{NoShm: true})
 	for i := range 4 {
 		if _, err := run(t, c, func(b *Batch) *Task {
@@ -116,9 +118,20 @@ func TestServerConnectionCap(t *testing.T) {
 	if closedByPeer(idle[len(idle)-1]) {
 		t.Fatal("the newest idle connection was closed before the oldest")
 	}
-	if !closedByPeer(idle[0]) {
-		t.Fatal("the oldest idle connection is still open")
+	waitFor(t, "the oldest idle connection to close", func() bool { return closedByPeer(idle[0]) })
+}
+
+// idleConns is how many server connections wait for a request.
+func (e *Engine) idleConns() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n := 0
+	for _, idle := range e.mu.conns {
+		if idle.since.Load() > 0 {
+			n++
+		}
 	}
+	return n
 }
 
 // TestServerKeepsServingMidRequestAtCap: a connection in the middle of a
