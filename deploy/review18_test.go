@@ -163,21 +163,7 @@ func TestReview18GrowOneToThreeMasters(t *testing.T) {
 		}
 		return ps[j].g, ps[j].r, ps[j].h
 	}
-	start := func(bin string, args []string) {
-		cmd := exec.Command(bin, args...)
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			cmd.Process.Kill()
-			cmd.Wait()
-			if t.Failed() {
-				t.Logf("%s:\n%s", args[1], tail(out.String(), 1500))
-			}
-		})
-	}
+	start := func(bin string, args []string) { startProcess(t, bin, args) }
 	args0, objs := review18MasterArgs(t, 1, 0, local, t.TempDir())
 	bin := review18Binary(t, objs)
 	start(bin, args0)
@@ -205,6 +191,25 @@ func TestReview18GrowOneToThreeMasters(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+}
+
+// startProcess runs bin with args until the test ends, and logs the end
+// of its output if the test failed.
+func startProcess(t *testing.T, bin string, args []string) {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+		if t.Failed() {
+			t.Logf("tidepool %q:\n%s", args, tail(out.String(), 2000))
+		}
+	})
 }
 
 func tail(s string, n int) string {

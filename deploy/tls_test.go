@@ -653,22 +653,7 @@ func TestChartTLSLive(t *testing.T) {
 		}
 		return out
 	}
-	start := func(args []string) {
-		cmd := exec.Command(bin, args...)
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			cmd.Process.Kill()
-			cmd.Wait()
-			if t.Failed() {
-				s := out.String()
-				t.Logf("tidepool %q:\n%s", args, s[max(0, len(s)-2000):])
-			}
-		})
-	}
+	start := func(args []string) { startProcess(t, bin, args) }
 	ready := func(what string, port int) {
 		t.Helper()
 		c := http.Client{Timeout: 2 * time.Second}

@@ -113,30 +113,28 @@ func unread(nc net.Conn, b []byte) net.Conn {
 
 type tcpUnread struct {
 	*net.TCPConn
-	prefix []byte
+	prefix unreadBytes
 }
 
-func (c *tcpUnread) Read(p []byte) (int, error) {
-	if len(c.prefix) > 0 {
-		n := copy(p, c.prefix)
-		c.prefix = c.prefix[n:]
-		return n, nil
-	}
-	return c.TCPConn.Read(p)
-}
+func (c *tcpUnread) Read(p []byte) (int, error) { return c.prefix.read(p, c.TCPConn) }
 
 type connUnread struct {
 	net.Conn
-	prefix []byte
+	prefix unreadBytes
 }
 
-func (c *connUnread) Read(p []byte) (int, error) {
-	if len(c.prefix) > 0 {
-		n := copy(p, c.prefix)
-		c.prefix = c.prefix[n:]
+func (c *connUnread) Read(p []byte) (int, error) { return c.prefix.read(p, c.Conn) }
+
+// unreadBytes are read before the connection's own.
+type unreadBytes []byte
+
+func (b *unreadBytes) read(p []byte, r io.Reader) (int, error) {
+	if len(*b) > 0 {
+		n := copy(p, *b)
+		*b = (*b)[n:]
 		return n, nil
 	}
-	return c.Conn.Read(p)
+	return r.Read(p)
 }
 
 // A request must finish within requestGrace plus its length at minPeerRate

@@ -319,7 +319,8 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 // complete) asks nothing, so makes no one evict.
 func (m *masterService) quotaCharge(it *pb.PutStartRequest, loop bool, place func(uint64, pb.Tier) []string,
 	views map[string]segmentView, largest uint64) (quotaCharge, bool) {
-	if it.Tenant == "" || loop || it.Size == 0 || it.Size > largest || validKey(it.Key) != nil || validTier(it.Tier) != nil {
+	if it.Tenant == "" || !m.s.fsm.hasQuotas(it.Tenant) || loop || it.Size == 0 || it.Size > largest ||
+		validKey(it.Key) != nil || validTier(it.Tier) != nil {
 		return quotaCharge{}, false
 	}
 	cands := place(it.Size, it.Tier)

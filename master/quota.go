@@ -170,6 +170,19 @@ func (f *FSM) hasQuota(tenant string, tier pb.Tier) bool {
 	return !f.quotas[quotaKey{tenant, tier}].zero()
 }
 
+// hasQuotas reports whether tenant has limits in any tier: a put of a
+// tenant without is placed with no look at quotas.
+func (f *FSM) hasQuotas(tenant string) bool {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	for _, t := range []pb.Tier{pb.Tier_TIER_HBM, pb.Tier_TIER_DRAM, pb.Tier_TIER_SSD} {
+		if !f.quotas[quotaKey{tenant, t}].zero() {
+			return true
+		}
+	}
+	return false
+}
+
 // quotaCharge is what one put asks of its tenant's quota: in the tier it
 // lands in, its size for each replica that tier can hold.
 type quotaCharge struct {

@@ -3,6 +3,7 @@ package trace
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -69,7 +70,7 @@ func Read(r io.Reader, max int) ([]Request, error) {
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrFormat, err)
 	}
-	slices.SortStableFunc(out, func(a, b Request) int { return cmpInt(a.Timestamp, b.Timestamp) })
+	slices.SortStableFunc(out, func(a, b Request) int { return cmp.Compare(a.Timestamp, b.Timestamp) })
 	return out, nil
 }
 
@@ -109,14 +110,4 @@ func Distinct(reqs []Request) int {
 		}
 	}
 	return len(seen)
-}
-
-func cmpInt(a, b int64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
