@@ -16,11 +16,14 @@ import (
 
 // ReplayConfig is a replay of a trace against a running pool.
 type ReplayConfig struct {
-	// Pool makes a client of the pool that puts as tenant (its objects
-	// name it, so its quota applies); Admin runs Admin calls.
-	Pool  func(tenant string) (*client.Client, error)
-	Admin func(ctx context.Context, call func(pb.AdminClient) error) error
-	Trace []trace.Request
+	// Client reaches the pool; the replay sets its tenant (one per
+	// capacity) and turns its lookup cache off, so that every lookup
+	// reaches the master and counts for recency as each request of an
+	// engine that does not repeat itself within seconds would. Admin runs
+	// Admin calls.
+	Client client.Config
+	Admin  func(ctx context.Context, call func(pb.AdminClient) error) error
+	Trace  []trace.Request
 	// Capacities are the pool sizes to replay at, in blocks: each is the
 	// DRAM objects quota of a tenant of its own.
 	Capacities []int
@@ -50,6 +53,14 @@ type ReplayRow struct {
 	Getp50ms, Getp99ms       float64
 	Putp50ms, Putp99ms       float64
 	Errors                   int
+	FirstError               string `json:",omitempty"`
+}
+
+// failed counts a request's error, keeping the first.
+func (r *ReplayRow) failed(err error) {
+	if r.Errors++; r.FirstError == "" {
+		r.FirstError = err.Error()
+	}
 }
 
 // Replay replays cfg.Trace once per capacity, one request at a time: a
@@ -57,7 +68,7 @@ type ReplayRow struct {
 // rest. A block counts as hit only if its get succeeded, as for an
 // engine. After each capacity the tenant's objects are evicted.
 func Replay(ctx context.Context, cfg ReplayConfig, row func(ReplayRow)) ([]ReplayRow, error) {
-	if cfg.BlockBytes <= 0 || cfg.Pool == nil || cfg.Admin == nil {
+	if cfg.BlockBytes <= 0 || len(cfg.Client.Masters) == 0 || cfg.Admin == nil {
 		return nil, errors.New("bench: a replay needs a pool, an admin and a block size")
 	}
 	if cfg.Run == "" {
@@ -101,7 +112,9 @@ func replayAt(ctx context.Context, cfg ReplayConfig, capacity int) (ReplayRow, e
 			return err
 		})
 	}()
-	c, err := cfg.Pool(tenant)
+	cc := cfg.Client
+	cc.Tenant, cc.LookupCache = tenant, -1
+	c, err := client.New(cc)
 	if err != nil {
 		return row, err
 	}
@@ -121,7 +134,7 @@ func replayAt(ctx context.Context, cfg ReplayConfig, capacity int) (ReplayRow, e
 		m, err := c.Lookup(ctx, keys)
 		lookups = append(lookups, time.Since(start))
 		if err != nil {
-			row.Errors++
+			row.failed(err)
 			continue
 		}
 		hit := 0
@@ -141,7 +154,9 @@ func replayAt(ctx context.Context, cfg ReplayConfig, capacity int) (ReplayRow, e
 		row.Pool.Add(req, hit)
 		missed := req.InputLength - req.Tokens(hit)
 		ttft = append(ttft, fetch+time.Duration(cfg.PrefillUsPerToken*float64(missed)*float64(time.Microsecond)))
-		if hit < len(keys) {
+		// Of a chain longer than the pool, only a prefix fits (as in the
+		// simulations); the rest would be refused by the quota.
+		if keys = keys[:min(len(keys), capacity)]; hit < len(keys) {
 			parent := ""
 			if hit > 0 {
 				parent = keys[hit-1]
@@ -153,8 +168,8 @@ func replayAt(ctx context.Context, cfg ReplayConfig, capacity int) (ReplayRow, e
 			t0 := time.Now()
 			errs := c.BatchPutChain(ctx, parent, keys[hit:], values)
 			puts = append(puts, time.Since(t0))
-			if errors.Join(errs...) != nil {
-				row.Errors++
+			if err := errors.Join(errs...); err != nil {
+				row.failed(err)
 			}
 		}
 		if cfg.Progress != nil {

@@ -189,7 +189,7 @@ func (c *Client) lookup(ctx context.Context, keys []string, countOnly bool, aske
 		if req == nil {
 			req = &pb.LookupRequest{}
 		}
-		req.CountOnly = countOnly
+		req.CountOnly, req.Uncached = countOnly, c.descs == nil
 		listed := c.listedKeys.Load()
 		if listed {
 			req.Keys, req.PackedKeys, req.KeyLengths = keys, req.PackedKeys[:0], req.KeyLengths[:0]

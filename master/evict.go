@@ -31,8 +31,14 @@ const (
 // touch records an access for recency.
 func (s *Server) touch(keys []string, now time.Time) { s.fsm.touch(keys, now.UnixNano()) }
 
-// byRecency sorts objects least recently used first, and
-// reports which were read-leased at now when scanned.
+// byRecency sorts objects in the order eviction takes them, and reports
+// which were read-leased at now when scanned. The order is a segmented
+// LRU's: least recently used first, but objects read since their put (a
+// lookup or get leased them) are kept before objects only put, until read
+// ones are more than readShare of objs. An engine puts every block it
+// computed, and most are never asked for again (one-shot prompts, the
+// last turn of a conversation); a block read once is likely read again.
+// Replays of traces chose the share (docs/benchmarks.md).
 func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]bool) {
 	leased = map[string]bool{}
 	for _, o := range objs {
@@ -58,7 +64,42 @@ func (s *Server) byRecency(objs []evictable, now time.Time) (leased map[string]b
 		}
 		return cmp.Compare(a.key, b.key)
 	})
+	keepRead(objs)
 	return leased
+}
+
+// readShare is the share of the objects eviction weighs that those read
+// since their put may keep ahead of the others (the protected segment).
+const readShare = 0.6
+
+// keepRead reorders objs, least recently used first, into a segmented
+// LRU's order of eviction: objects not read since their put first, each
+// part least recently used first, except that while the read ones left
+// are more than readShare of objs, the oldest of them goes. Read means
+// leased by this leader: a new leader starts with plain LRU.
+func keepRead(objs []evictable) {
+	var read, unread []evictable
+	for _, o := range objs {
+		if o.lease != 0 {
+			read = append(read, o)
+		} else {
+			unread = append(unread, o)
+		}
+	}
+	if len(read) == 0 || len(unread) == 0 {
+		return
+	}
+	limit := int(readShare * float64(len(objs)))
+	r, u := 0, 0
+	for i := range objs {
+		if u == len(unread) || len(read)-r > limit {
+			objs[i] = read[r]
+			r++
+		} else {
+			objs[i] = unread[u]
+			u++
+		}
+	}
 }
 
 // pickVictims chooses, least recently used first, objects worth at least

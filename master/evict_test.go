@@ -144,8 +144,8 @@ func present(t *testing.T, m *member, keys ...string) []string {
 }
 
 // TestEvictPressureLRU: with the watermark sweep off, puts into a full
-// segment evict least recently used objects first; a get makes an object
-// recent again.
+// segment evict least recently used objects first; an object read since
+// its put outlasts those only put (a segmented LRU, see keepRead).
 func TestEvictPressureLRU(t *testing.T) {
 	t.Parallel()
 	e := newEvictEnv(t, func(cfg *Config) { cfg.HighWatermark = 1 })
@@ -161,7 +161,7 @@ func TestEvictPressureLRU(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Let the lease of that get end (and the leader become evictable):
-	// old00 is now merely the most recently used of the old objects.
+	// old00 is now merely read, and more recently used than the others.
 	time.Sleep(m.srv.cfg.LeaseTTL + 50*time.Millisecond)
 	e.waitEvictable(t)
 
@@ -171,18 +171,18 @@ func TestEvictPressureLRU(t *testing.T) {
 		if u := e.used(t); u > segCap {
 			t.Fatalf("used %d beyond capacity", u)
 		}
-		// Victims so far: old01..old(i+1), then old00, then new00...
+		// Victims so far: old01..old(i+1), then new00, never old00.
 		var want []string
 		for j, o := range old {
-			gone := (j >= 1 && j <= i+1) || (j == 0 && i >= 15)
+			gone := j >= 1 && j <= i+1
 			want = append(want, map[bool]string{true: "-" + o, false: o}[gone])
 		}
 		if got := present(t, m, old...); !slices.Equal(got, want) {
 			t.Fatalf("after put %d: old objects %v, want %v", i, got, want)
 		}
 	}
-	if got := present(t, m, fresh...); got[0] != "-new00" || !slices.Equal(got[1:], fresh[1:]) {
-		t.Fatalf("new objects %v: want only new00 evicted", got)
+	if got := present(t, m, fresh...); got[0] != "-new00" || got[1] != "-new01" || !slices.Equal(got[2:], fresh[2:]) {
+		t.Fatalf("new objects %v: want only new00 and new01 evicted", got)
 	}
 	if n := e.evictions(t, "allocation"); n != 17 {
 		t.Fatalf("allocation evictions %v, want 17", n)
@@ -436,7 +436,8 @@ func TestEvictSoftPin(t *testing.T) {
 }
 
 // TestEvictSkipsLeased: the policy never picks an object under a read
-// lease, even the least recently used one.
+// lease, and once the lease is over, the object read outlasts those only
+// put.
 func TestEvictSkipsLeased(t *testing.T) {
 	t.Parallel()
 	const ttl = 3 * time.Second
@@ -462,11 +463,52 @@ func TestEvictSkipsLeased(t *testing.T) {
 	if got := present(t, m, "k00", "k01", "k02"); !slices.Equal(got, []string{"k00", "-k01", "k02"}) {
 		t.Fatalf("with k00 leased: %v, want k01 evicted instead", got)
 	}
-	// Once the lease is over, k00 is the least recently used again.
 	time.Sleep(time.Until(leased.Add(ttl + 100*time.Millisecond)))
 	putObject(t, m, "n2", 64*kib)
-	if got := present(t, m, "k00", "k02"); !slices.Equal(got, []string{"-k00", "k02"}) {
-		t.Fatalf("after the lease: %v, want k00 evicted", got)
+	if got := present(t, m, "k00", "k02", "k03"); !slices.Equal(got, []string{"k00", "-k02", "k03"}) {
+		t.Fatalf("after the lease: %v, want k02 evicted", got)
+	}
+}
+
+// TestPickVictimsOrder: least recently used first, objects read since
+// their put after those only put until read ones would be more than
+// readShare of them, and never a leased or hard-pinned one.
+func TestPickVictimsOrder(t *testing.T) {
+	now := time.Unix(1000, 0)
+	obj := func(key string, used int64, read, leased bool) evictable {
+		o := evictable{key: key, used: used, freed: 1}
+		if read {
+			o.lease = now.UnixNano() - 1 // ended
+		}
+		if leased {
+			o.lease = now.UnixNano() + 1
+		}
+		return o
+	}
+	for _, tc := range []struct {
+		name string
+		objs []evictable
+		want []string // every object, in the order eviction takes them
+	}{
+		{"plain LRU", []evictable{obj("c", 3, false, false), obj("a", 1, false, false), obj("b", 2, false, false)}, []string{"a", "b", "c"}},
+		{"only put first", []evictable{obj("a", 1, true, false), obj("b", 2, false, false), obj("c", 3, true, false), obj("d", 4, false, false), obj("e", 5, false, false)},
+			[]string{"b", "d", "e", "a", "c"}},
+		{"read beyond their share", []evictable{obj("a", 1, true, false), obj("b", 2, true, false), obj("c", 3, true, false), obj("d", 4, true, false), obj("e", 5, false, false)},
+			// 4 read of 5: more than 60% until one of them went.
+			[]string{"a", "e", "b", "c", "d"}},
+		{"all read", []evictable{obj("b", 2, true, false), obj("a", 1, true, false)}, []string{"a", "b"}},
+		{"leased skipped", []evictable{obj("a", 1, false, true), obj("b", 2, false, false), obj("c", 3, true, false)}, []string{"b", "c"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			victims, _ := (&Server{}).pickVictims(slices.Clone(tc.objs), uint64(len(tc.objs)), now)
+			var got []string
+			for _, v := range victims {
+				got = append(got, v.key)
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("victims %v, want %v", got, tc.want)
+			}
+		})
 	}
 }
 

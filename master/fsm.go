@@ -39,6 +39,11 @@ type FSM struct {
 	tierAt   []pb.Tier            // segments' tiers by index, kept after a segment goes (see account)
 	use      map[quotaKey]tenantUse
 	quotas   map[quotaKey]tenantUse // limits set by SetQuota
+	// The watcher, and the keys the entry being applied changed (see
+	// noteChange); not state.
+	watcher Watcher
+	changed map[string]struct{}
+	changes []tierChange
 }
 
 type node struct {
@@ -156,6 +161,7 @@ func (f *FSM) Apply(l *raft.Log) any {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	now := cmd.NowUnixNano
+	defer f.flushChanges(now)
 	f.releasePending(now)
 	f.tombs.expire(now)
 	switch op := cmd.Op.(type) {
@@ -545,6 +551,7 @@ func (c *objectCounts) count(o *object, n int) {
 
 // setState changes the state of an object in the table.
 func (f *FSM) setState(o *object, s pb.ObjectState) {
+	f.noteChange(o.key())
 	f.counts.count(o, -1)
 	o.setState(s)
 	f.counts.count(o, 1)
@@ -552,6 +559,7 @@ func (f *FSM) setState(o *object, s pb.ObjectState) {
 
 // add puts an object in the table, in place of any of its key.
 func (f *FSM) add(o *object) {
+	f.noteChange(o.key())
 	if old := f.objects.get(o.key()); old != nil {
 		f.counts.count(old, -1)
 		f.account(old, -1)
@@ -566,6 +574,7 @@ func (f *FSM) add(o *object) {
 
 // forget takes an object out of the table; its space is the caller's.
 func (f *FSM) forget(o *object) {
+	f.noteChange(o.key())
 	f.objects.remove(o.key())
 	f.counts.count(o, -1)
 	f.account(o, -1)
@@ -863,6 +872,13 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 		o.setFlag(flagGone, true) // a lookup holding one rereads it
 	}
 	f.reset()
+	// The watcher hears the restored table once, after, not key by key.
+	w := f.watcher
+	f.watcher = nil
+	defer func() {
+		f.watcher = w
+		f.restored(0)
+	}()
 	for _, m := range snap.Members {
 		f.members[m.Id] = m.Address
 	}

@@ -39,9 +39,9 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 	keys = keys[:len(objs)]
 	now := m.s.cfg.Now()
 	exp := now.Add(m.s.cfg.LeaseTTL).UnixNano()
-	// Cached: the client may answer these keys from its descriptor cache
-	// until the lease ends (see FSM.tombs).
-	if refused := m.s.lease(keys, objs, now.UnixNano(), exp, true); len(refused) > 0 {
+	// Cached unless the client keeps no cache: it may answer these keys
+	// from its descriptor cache until the lease ends (see FSM.tombs).
+	if refused := m.s.lease(keys, objs, now.UnixNano(), exp, !req.Uncached); len(refused) > 0 {
 		n := slices.IndexFunc(keys, func(k string) bool { return refused[k] })
 		keys, objs = keys[:n], objs[:n]
 	}

@@ -380,6 +380,7 @@ func (f *FSM) exts(o *object) []extent {
 func (f *FSM) setExts(o *object, exts []extent) {
 	counted := f.objects.get(o.key()) == o
 	if counted {
+		f.noteChange(o.key())
 		f.account(o, -1)
 		defer f.account(o, 1)
 	}

@@ -394,12 +394,27 @@ func (o evictable) lastUseNano() int64 {
 	return o.created
 }
 
-// touch records an access of keys at now (unix nanos), for recency.
+// touch records an access of keys at now (unix nanos), for recency, and
+// of their ancestors: a block is worth nothing without its prefix, so no
+// block is less recent than its descendants, and eviction (deeper first
+// among equals) keeps what stays of a chain matchable. The walk up stops
+// at an ancestor this or a later access touched already, so a chain put
+// in one batch walks its chain once; all walks of a call share
+// maxChainWalk steps.
 func (f *FSM) touch(keys []string, now int64) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
+	budget := maxChainWalk
 	for _, k := range keys {
-		if o := f.objects.get(k); o != nil {
+		o := f.objects.get(k)
+		if o == nil {
+			continue
+		}
+		o.used.Store(now)
+		for ; budget > 0; budget-- {
+			if o = f.objects.get(o.parent()); o == nil || o.used.Load() >= now {
+				break
+			}
 			o.used.Store(now)
 		}
 	}

@@ -233,6 +233,11 @@ func (s *Server) admitBatch(ctx context.Context, n int, charge func(i int) (quot
 			if over == nil {
 				over = map[int]error{}
 			}
+			if limit.objects > 0 && uint64(len(g.idx)) > limit.objects {
+				over[i] = fmt.Errorf("%w: a batch of %d puts in %s is more than tenant %s's whole quota there (%d objects)",
+					ErrOverQuota, len(g.idx), k.tier.Name(), k.tenant, limit.objects)
+				continue
+			}
 			if g.bytes[j] > limit.bytes && limit.bytes > 0 {
 				over[i] = fmt.Errorf("%w: a put of %d bytes in %s is more than tenant %s's whole quota there (%d bytes)",
 					ErrOverQuota, g.bytes[j], k.tier.Name(), k.tenant, limit.bytes)
@@ -338,20 +343,22 @@ func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, n
 	objs = filterObjects(objs, func(o evictable) bool {
 		return !o.copying && slices.ContainsFunc(o.segments, inTier) && (!now.Before(l.evictable) || o.madeIn(l.term))
 	})
-	leased := s.byRecency(objs, now)
+	// Least recently used first, read-leased or not: a quota bounds what
+	// a tenant keeps, and a lease (taken for a read that ends within
+	// milliseconds, lasting seconds) says nothing of what it reads next;
+	// passing over leased objects would evict newer puts before older
+	// reads. An evicted leased object leaves the quota at once and its
+	// space when its leases end.
+	s.byRecency(objs, now)
 	picked := map[string]bool{}
 	var victims []evictable
 	var bytes, n uint64
-	// Read-leased objects go last: an evicted object leaves the tenant's
-	// use at once, but its space only when its leases end, so until then
-	// the tier holds it beside the put that replaced it.
-	for pass := range 3 {
-		soft, leasedToo := pass > 0, pass > 1
+	for _, soft := range []bool{false, true} {
 		for _, o := range objs {
 			if bytes >= needBytes && n >= needObjects {
 				break
 			}
-			if o.hard || (leased[o.key] && !leasedToo) || picked[o.key] || (!soft && o.softPin > now.UnixNano()) {
+			if o.hard || picked[o.key] || (!soft && o.softPin > now.UnixNano()) {
 				continue
 			}
 			picked[o.key] = true

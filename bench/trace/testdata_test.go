@@ -2,9 +2,12 @@ package trace
 
 import (
 	"bytes"
+	"compress/gzip"
 	"flag"
+	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -19,6 +22,11 @@ var testdataTraces = map[string]GenConfig{
 	"chat-1k.jsonl": {Requests: 1000, Seed: 2, System: 0.1, Conversation: 0.8, OneShot: 0.1},
 	// Mostly one of a few hot system prompts and a short question.
 	"prompts-1k.jsonl": {Requests: 1000, Seed: 3, System: 0.8, Conversation: 0.1, OneShot: 0.1},
+	// The same three mixes, ten times as long, for the replays of
+	// docs/benchmarks.md (gzipped: the compression is not compared).
+	"mixed-10k.jsonl.gz":   {Requests: 10000, Seed: 11},
+	"chat-10k.jsonl.gz":    {Requests: 10000, Seed: 12, System: 0.1, Conversation: 0.8, OneShot: 0.1},
+	"prompts-10k.jsonl.gz": {Requests: 10000, Seed: 13, System: 0.8, Conversation: 0.1, OneShot: 0.1},
 }
 
 // TestTestdata: each committed trace is what its config generates, and
@@ -34,7 +42,7 @@ func TestTestdata(t *testing.T) {
 			if err := os.MkdirAll("testdata", 0o755); err != nil {
 				t.Fatal(err)
 			}
-			if err := os.WriteFile(path, buf.Bytes(), 0o644); err != nil {
+			if err := os.WriteFile(path, compressed(t, name, buf.Bytes()), 0o644); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -42,17 +50,42 @@ func TestTestdata(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !bytes.Equal(got, buf.Bytes()) {
+		if got = uncompressed(t, name, got); !bytes.Equal(got, buf.Bytes()) {
 			t.Errorf("%s is not what %+v generates (go test -run TestTestdata -update)", path, cfg)
 		}
-		f, err := os.Open(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		reqs, err := Read(f, 0)
-		f.Close()
+		reqs, err := ReadFile(path, 0)
 		if err != nil || len(reqs) != cfg.Requests {
 			t.Errorf("%s: %d requests, %v", path, len(reqs), err)
 		}
 	}
+}
+
+func compressed(t *testing.T, name string, b []byte) []byte {
+	if !strings.HasSuffix(name, ".gz") {
+		return b
+	}
+	var buf bytes.Buffer
+	z, _ := gzip.NewWriterLevel(&buf, gzip.BestCompression)
+	if _, err := z.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	if err := z.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+func uncompressed(t *testing.T, name string, b []byte) []byte {
+	if !strings.HasSuffix(name, ".gz") {
+		return b
+	}
+	z, err := gzip.NewReader(bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := io.ReadAll(z)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
 }

@@ -4,11 +4,14 @@ import (
 	"bufio"
 	"bytes"
 	"cmp"
+	"compress/gzip"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"slices"
+	"strings"
 )
 
 // BlockTokens is the tokens of one block of a trace's hash_ids.
@@ -40,6 +43,26 @@ const (
 
 // ErrFormat is a trace that does not parse.
 var ErrFormat = errors.New("trace: bad format")
+
+// ReadFile reads the trace in file, gzipped if its name ends in ".gz",
+// as Read does.
+func ReadFile(file string, max int) ([]Request, error) {
+	f, err := os.Open(file)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var r io.Reader = f
+	if strings.HasSuffix(file, ".gz") {
+		z, err := gzip.NewReader(f)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %s: %v", ErrFormat, file, err)
+		}
+		defer z.Close()
+		r = z
+	}
+	return Read(r, max)
+}
 
 // Read parses a trace, one JSON object a line (blank lines skipped), and
 // returns its requests in timestamp order (stable: equal timestamps keep

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -35,7 +34,7 @@ quota of that many blocks; the tenant's objects are evicted afterwards. Prints, 
 pool's block and token hit rates next to an LRU and a Belady simulation of the same trace and
 capacity, a TTFT estimate and the latencies. It sets quotas: in a secure pool, give an admin's token.`,
 		args, 0, 0, func(fs *flag.FlagSet, cfg *client.Config) {
-			fs.StringVar(&file, "trace", "", "the trace (bench/trace/testdata holds small ones)")
+			fs.StringVar(&file, "trace", "", "the trace, gzipped if it ends in .gz (bench/trace/testdata holds some)")
 			fs.IntVar(&requests, "requests", 0, "replay only the first N requests (0: all)")
 			fs.StringVar(&capacities, "capacity", "2%,10%,50%", "pool sizes: blocks, or percentages of the trace's distinct blocks")
 			fs.StringVar(&blockSize, "block-bytes", "16KiB", "value of one 512-token block (scaled down from a model's)")
@@ -50,12 +49,7 @@ capacity, a TTFT estimate and the latencies. It sets quotas: in a secure pool, g
 	if file == "" {
 		return fmt.Errorf("%w: --trace is required", errUsage)
 	}
-	f, err := os.Open(file)
-	if err != nil {
-		return err
-	}
-	reqs, err := trace.Read(f, requests)
-	f.Close()
+	reqs, err := trace.ReadFile(file, requests)
 	if err != nil {
 		return err
 	}
@@ -75,11 +69,7 @@ capacity, a TTFT estimate and the latencies. It sets quotas: in a secure pool, g
 	defer conn.Close()
 	fmt.Fprintf(e.stderr, "bench replay: %d requests, %d distinct blocks of %d bytes, capacities %v blocks\n", len(reqs), distinct, bb, caps)
 	cfg := measure.ReplayConfig{
-		Pool: func(tenant string) (*client.Client, error) {
-			c := *cfgp
-			c.Tenant = tenant
-			return client.New(c)
-		},
+		Client: *cfgp,
 		Admin: func(ctx context.Context, call func(pb.AdminClient) error) error {
 			return conn.Do(ctx, func(ctx context.Context, cc grpc.ClientConnInterface, _ ...grpc.CallOption) error {
 				return call(pb.NewAdminClient(cc))

@@ -2196,8 +2196,12 @@ type LookupRequest struct {
 	// field per key costs the reader an allocation and a UTF-8 check per
 	// key; packed keys cost neither, and one that is not UTF-8 matches
 	// nothing (no object can have it).
-	PackedKeys    []byte   `protobuf:"bytes,3,opt,name=packed_keys,json=packedKeys,proto3" json:"packed_keys,omitempty"`
-	KeyLengths    []uint32 `protobuf:"varint,4,rep,packed,name=key_lengths,json=keyLengths,proto3" json:"key_lengths,omitempty"`
+	PackedKeys []byte   `protobuf:"bytes,3,opt,name=packed_keys,json=packedKeys,proto3" json:"packed_keys,omitempty"`
+	KeyLengths []uint32 `protobuf:"varint,4,rep,packed,name=key_lengths,json=keyLengths,proto3" json:"key_lengths,omitempty"`
+	// The client keeps no descriptor cache, so it never answers a key from
+	// this lease after the key is removed: a removal within the lease then
+	// holds back no later put of the key (see BatchPutEndResponse.hold_ms).
+	Uncached      bool `protobuf:"varint,5,opt,name=uncached,proto3" json:"uncached,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2258,6 +2262,13 @@ func (x *LookupRequest) GetKeyLengths() []uint32 {
 		return x.KeyLengths
 	}
 	return nil
+}
+
+func (x *LookupRequest) GetUncached() bool {
+	if x != nil {
+		return x.Uncached
+	}
+	return false
 }
 
 // LookupResponse describes the matched prefix column by column, so a chain
@@ -4064,7 +4075,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x16leader_since_unix_nano\x18\v \x01(\x03R\x13leaderSinceUnixNano\x12\x17\n" +
 	"\aself_id\x18\f \x01(\tR\x06selfId\x12*\n" +
 	"\x11self_raft_address\x18\r \x01(\tR\x0fselfRaftAddress\x12$\n" +
-	"\x0eraft_log_error\x18\x0e \x01(\tR\fraftLogError\"\x84\x01\n" +
+	"\x0eraft_log_error\x18\x0e \x01(\tR\fraftLogError\"\xa0\x01\n" +
 	"\rLookupRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x1d\n" +
 	"\n" +
@@ -4072,7 +4083,8 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vpacked_keys\x18\x03 \x01(\fR\n" +
 	"packedKeys\x12\x1f\n" +
 	"\vkey_lengths\x18\x04 \x03(\rR\n" +
-	"keyLengths\"\xf0\x02\n" +
+	"keyLengths\x12\x1a\n" +
+	"\buncached\x18\x05 \x01(\bR\buncached\"\xf0\x02\n" +
 	"\x0eLookupResponse\x12\x18\n" +
 	"\amatched\x18\x01 \x01(\rR\amatched\x120\n" +
 	"\bsegments\x18\x02 \x03(\v2\x14.tidepool.v1.ReplicaR\bsegments\x12\x14\n" +
