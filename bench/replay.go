@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/tidepool-kv/tidepool/bench/trace"
@@ -32,6 +33,12 @@ type ReplayConfig struct {
 	BlockBytes int
 	// PrefillUsPerToken prices a token that missed, for the TTFT estimate.
 	PrefillUsPerToken float64
+	// Speed replays at that many times the trace's own pace (0: as fast
+	// as the pool answers); Concurrency is how many requests may be in
+	// flight (default 1: the pool sees the trace's order exactly, as the
+	// simulations do).
+	Speed       float64
+	Concurrency int
 	// Run names this replay's keys and tenants (default the start time).
 	Run string
 	// Progress, if set, hears of each request replayed.
@@ -63,10 +70,8 @@ func (r *ReplayRow) failed(err error) {
 	}
 }
 
-// Replay replays cfg.Trace once per capacity, one request at a time: a
-// lookup of its chain, gets of the matched blocks, a chain put of the
-// rest. A block counts as hit only if its get succeeded, as for an
-// engine. After each capacity the tenant's objects are evicted.
+// Replay replays cfg.Trace once per capacity (see replayer.request).
+// After each capacity the tenant's objects are evicted.
 func Replay(ctx context.Context, cfg ReplayConfig, row func(ReplayRow)) ([]ReplayRow, error) {
 	if cfg.BlockBytes <= 0 || len(cfg.Client.Masters) == 0 || cfg.Admin == nil {
 		return nil, errors.New("bench: a replay needs a pool, an admin and a block size")
@@ -119,68 +124,163 @@ func replayAt(ctx context.Context, cfg ReplayConfig, capacity int) (ReplayRow, e
 		return row, err
 	}
 	defer c.Close()
-	prefix := "replay/" + cfg.Run + "/" + strconv.Itoa(capacity) + "/"
-	var ttft, lookups, gets, puts []time.Duration
-	bufs := make([][]byte, 0, 64)
-	for i, req := range cfg.Trace {
-		if err := ctx.Err(); err != nil {
-			return row, err
+	r := &replayer{cfg: cfg, c: c, capacity: capacity, row: &row,
+		prefix: "replay/" + cfg.Run + "/" + strconv.Itoa(capacity) + "/"}
+	if err := r.run(ctx); err != nil {
+		return row, err
+	}
+	row.TTFTp50ms, row.TTFTp99ms = pct(r.ttft, 50), pct(r.ttft, 99)
+	row.Lookupp50ms, row.Lookupp99ms = pct(r.lookups, 50), pct(r.lookups, 99)
+	row.Getp50ms, row.Getp99ms = pct(r.gets, 50), pct(r.gets, 99)
+	row.Putp50ms, row.Putp99ms = pct(r.puts, 50), pct(r.puts, 99)
+	return row, nil
+}
+
+// replayer replays the trace at one capacity.
+type replayer struct {
+	cfg      ReplayConfig
+	c        *client.Client
+	capacity int
+	prefix   string
+
+	mu                        sync.Mutex // guards the rest
+	row                       *ReplayRow
+	done                      int
+	ttft, lookups, gets, puts []time.Duration
+}
+
+// run replays the requests in timestamp order, cfg.Concurrency at a time,
+// each no earlier than its time in the trace over cfg.Speed.
+func (r *replayer) run(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	next := make(chan trace.Request)
+	var wg sync.WaitGroup
+	for range max(r.cfg.Concurrency, 1) {
+		wg.Go(func() {
+			for req := range next {
+				r.request(ctx, req)
+			}
+		})
+	}
+	start := time.Now()
+	var err error
+	for _, req := range r.cfg.Trace {
+		if r.cfg.Speed > 0 {
+			at := start.Add(time.Duration(float64(req.Timestamp-r.cfg.Trace[0].Timestamp) * float64(time.Millisecond) / r.cfg.Speed))
+			if err = sleepUntil(ctx, at); err != nil {
+				break
+			}
 		}
-		keys := make([]string, len(req.HashIDs))
-		for j, id := range req.HashIDs {
-			keys[j] = prefix + strconv.FormatInt(id, 10)
-		}
-		start := time.Now()
-		m, err := c.Lookup(ctx, keys)
-		lookups = append(lookups, time.Since(start))
-		if err != nil {
-			row.failed(err)
+		select {
+		case next <- req:
 			continue
+		case <-ctx.Done():
+			err = ctx.Err()
 		}
-		hit := 0
-		if n := m.Len(); n > 0 {
-			bufs = bufs[:0]
-			for range n {
-				bufs = append(bufs, make([]byte, cfg.BlockBytes))
-			}
-			t0 := time.Now()
-			_, errs := c.GetMatched(ctx, m, bufs)
-			gets = append(gets, time.Since(t0))
-			for hit < n && errs[hit] == nil {
-				hit++
-			}
+		break
+	}
+	close(next)
+	wg.Wait()
+	return err
+}
+
+func sleepUntil(ctx context.Context, at time.Time) error {
+	d := time.Until(at)
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// request replays one request: a lookup of its chain, gets of the matched
+// blocks, a chain put of the rest. A block counts as hit only if its get
+// succeeded, as for an engine.
+func (r *replayer) request(ctx context.Context, req trace.Request) {
+	keys := make([]string, len(req.HashIDs))
+	for j, id := range req.HashIDs {
+		keys[j] = r.prefix + strconv.FormatInt(id, 10)
+	}
+	start := time.Now()
+	m, err := r.c.Lookup(ctx, keys)
+	lookup := time.Since(start)
+	if err != nil {
+		r.record(func() { r.lookups = append(r.lookups, lookup); r.row.failed(err) })
+		return
+	}
+	hit := 0
+	var get time.Duration
+	if n := m.Len(); n > 0 {
+		bufs := make([][]byte, n)
+		for j := range bufs {
+			bufs[j] = make([]byte, r.cfg.BlockBytes)
 		}
-		fetch := time.Since(start)
-		row.Pool.Add(req, hit)
-		missed := req.InputLength - req.Tokens(hit)
-		ttft = append(ttft, fetch+time.Duration(cfg.PrefillUsPerToken*float64(missed)*float64(time.Microsecond)))
-		// Of a chain longer than the pool, only a prefix fits (as in the
-		// simulations); the rest would be refused by the quota.
-		if keys = keys[:min(len(keys), capacity)]; hit < len(keys) {
-			parent := ""
-			if hit > 0 {
-				parent = keys[hit-1]
-			}
-			values := make([][]byte, len(keys)-hit)
-			for j := range values {
-				values[j] = blockValue(req.HashIDs[hit+j], cfg.BlockBytes)
-			}
-			t0 := time.Now()
-			errs := c.BatchPutChain(ctx, parent, keys[hit:], values)
-			puts = append(puts, time.Since(t0))
-			if err := errors.Join(errs...); err != nil {
-				row.failed(err)
-			}
-		}
-		if cfg.Progress != nil {
-			cfg.Progress(capacity, i+1, len(cfg.Trace))
+		t0 := time.Now()
+		_, errs := r.c.GetMatched(ctx, m, bufs)
+		get = time.Since(t0)
+		for hit < n && errs[hit] == nil {
+			hit++
 		}
 	}
-	row.TTFTp50ms, row.TTFTp99ms = pct(ttft, 50), pct(ttft, 99)
-	row.Lookupp50ms, row.Lookupp99ms = pct(lookups, 50), pct(lookups, 99)
-	row.Getp50ms, row.Getp99ms = pct(gets, 50), pct(gets, 99)
-	row.Putp50ms, row.Putp99ms = pct(puts, 50), pct(puts, 99)
-	return row, nil
+	fetch := time.Since(start)
+	missed := req.InputLength - req.Tokens(hit)
+	ttft := fetch + time.Duration(r.cfg.PrefillUsPerToken*float64(missed)*float64(time.Microsecond))
+	var put time.Duration
+	var putErr error
+	// Of a chain longer than the pool, only a prefix fits (as in the
+	// simulations); the rest would be refused by the quota.
+	if keys = keys[:min(len(keys), r.capacity)]; hit < len(keys) {
+		parent := ""
+		if hit > 0 {
+			parent = keys[hit-1]
+		}
+		values := make([][]byte, len(keys)-hit)
+		for j := range values {
+			values[j] = blockValue(req.HashIDs[hit+j], r.cfg.BlockBytes)
+		}
+		t0 := time.Now()
+		for _, err := range r.c.BatchPutChain(ctx, parent, keys[hit:], values) {
+			// Another request in flight putting the same block is no
+			// failure: an engine would leave it to that one.
+			if err != nil && !errors.Is(err, client.ErrConflict) {
+				putErr = err
+				break
+			}
+		}
+		put = time.Since(t0)
+	}
+	r.record(func() {
+		r.row.Pool.Add(req, hit)
+		r.lookups, r.ttft = append(r.lookups, lookup), append(r.ttft, ttft)
+		if m.Len() > 0 {
+			r.gets = append(r.gets, get)
+		}
+		if put > 0 {
+			r.puts = append(r.puts, put)
+		}
+		if putErr != nil {
+			r.row.failed(putErr)
+		}
+	})
+}
+
+// record updates the figures under the lock and reports progress.
+func (r *replayer) record(update func()) {
+	r.mu.Lock()
+	update()
+	r.done++
+	done := r.done
+	r.mu.Unlock()
+	if r.cfg.Progress != nil {
+		r.cfg.Progress(r.capacity, done, len(r.cfg.Trace))
+	}
 }
 
 // blockValue is a block's bytes: its id, repeated, so a get that read the

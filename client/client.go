@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"runtime"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -82,12 +81,12 @@ func New(cfg Config) (*Client, error) {
 	}
 	tier := pb.Tier_TIER_DRAM
 	if cfg.Tier != "" {
-		t, ok := pb.Tier_value["TIER_"+strings.ToUpper(cfg.Tier)]
+		t, ok := pb.ParseTier(cfg.Tier)
 		if !ok {
 			masters.Close()
 			return nil, fmt.Errorf("client: %w: tier %q (want dram, hbm or ssd)", ErrInvalidArgument, cfg.Tier)
 		}
-		tier = pb.Tier(t)
+		tier = t
 	}
 	if cfg.Replicas < 0 {
 		masters.Close()

@@ -246,6 +246,49 @@ func (c *Client) BatchExists(ctx context.Context, chain []string) (int, error) {
 	return int(resp.Matched), nil
 }
 
+// Score is what the pool holds of a chain, for a router: the leading
+// blocks cached (as a lookup would match), per tier the leading blocks
+// with a replica there, and the weighted sum of the matched blocks.
+type Score struct {
+	Matched int
+	Tiers   map[string]int // by tier name: "hbm", "dram", "ssd"
+	Score   float64
+}
+
+// Score asks the master what the pool holds of chain, leasing nothing.
+// weights, by tier name, replace the master's defaults (hbm 1.0, dram
+// 0.8, ssd 0.5) for the tiers they name.
+func (c *Client) Score(ctx context.Context, chain []string, weights map[string]float64) (Score, error) {
+	if err := validChain(chain); err != nil {
+		return Score{}, err
+	}
+	req := &pb.ScoreRequest{Chain: &pb.LookupRequest{}}
+	req.Chain.PackKeys(chain)
+	for name, w := range weights {
+		t, ok := pb.ParseTier(name)
+		if !ok {
+			return Score{}, fmt.Errorf("%w: weight for tier %q: want hbm, dram or ssd", ErrInvalidArgument, name)
+		}
+		req.Weights = append(req.Weights, &pb.TierWeight{Tier: t, Weight: w})
+	}
+	var resp *pb.ScoreResponse
+	err := c.master(ctx, func(mc pb.MasterClient, o ...grpc.CallOption) (err error) {
+		resp, err = mc.Score(ctx, req, o...)
+		return err
+	})
+	if err != nil {
+		return Score{}, err
+	}
+	if int(resp.Matched) > len(chain) {
+		return Score{}, fmt.Errorf("%w: %d of %d blocks matched", ErrProtocol, resp.Matched, len(chain))
+	}
+	out := Score{Matched: int(resp.Matched), Tiers: map[string]int{}, Score: resp.Score}
+	for _, t := range resp.Tiers {
+		out.Tiers[t.Tier.Name()] = int(t.Blocks)
+	}
+	return out, nil
+}
+
 // GetMatched reads the matched blocks into bufs[i] (at least Blocks[i].Size
 // long) under the lookup's lease, without asking the master again, and
 // returns the lengths.

@@ -244,7 +244,7 @@ func (s *Server) admitBatch(ctx context.Context, n int, charge func(i int) (quot
 				continue
 			}
 			over[i] = fmt.Errorf("%w: tenant %s holds %d objects, %d bytes in %s (quota %d objects, %d bytes; 0: none), "+
-				"and none of its objects there can be evicted (hard-pinned or being copied)",
+				"and none of its objects there can be evicted (hard-pinned, being copied, or puts not yet ended)",
 				ErrOverQuota, k.tenant, used.objects, used.bytes, k.tier.Name(), limit.objects, limit.bytes)
 		}
 	}
@@ -267,6 +267,10 @@ func satMul(a, b uint64) uint64 {
 	return math.MaxUint64
 }
 
+// maxQuotaRaces bounds how often one admission looks again after
+// concurrent ones evicted its victims first.
+const maxQuotaRaces = 8
+
 // admitQuota makes room within tenant's limits in tier for puts of sizes
 // bytes each, evicting the tenant's own least recently used objects
 // there, and reports which fit (the ones that fit in order, a put larger
@@ -283,7 +287,7 @@ func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, si
 			n++
 		}
 	}
-	waited := false
+	waited, raced := false, 0
 	for {
 		limit, used := s.fsm.quotaOf(tenant, tier)
 		ob, oo := wouldExceed(limit, used, n, total)
@@ -302,6 +306,14 @@ func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, si
 		evicted, err := s.evictTenant(ctx, tenant, tier, ob, oo)
 		if err != nil {
 			return nil, err
+		}
+		if evicted == 0 && raced < maxQuotaRaces {
+			// A concurrent put's admission may have evicted the same
+			// victims first: look again if the use went down meanwhile.
+			if _, now := s.fsm.quotaOf(tenant, tier); now.bytes < used.bytes || now.objects < used.objects {
+				raced++
+				continue
+			}
 		}
 		if evicted > 0 || waited || !s.awaitEvictable(ctx, s.cfg.Now().Add(s.cfg.PutTimeout)) {
 			break

@@ -108,6 +108,10 @@ func (n namespace) request(req any) error {
 		r.Key = n.in(r.Key)
 	case *pb.ChildrenRequest:
 		r.Key = n.in(r.Key)
+	case *pb.ScoreRequest:
+		if r.Chain != nil {
+			return n.request(r.Chain)
+		}
 	case *pb.LookupRequest:
 		n.keys(r.Keys)
 		if len(r.KeyLengths) > 0 {

@@ -23,13 +23,15 @@ import (
 func runBenchReplay(ctx context.Context, e *env, args []string) error {
 	var file, capacities, blockSize string
 	var requests int
-	var prefill float64
+	var prefill, speed float64
+	var concurrency int
 	var asJSON bool
 	var cfgp *client.Config
 	ctx, _, _, done, err := clientCommand(ctx, e, 24*time.Hour, "bench replay", "--trace FILE [flags]",
 		`Replay a request trace in Mooncake's format (JSON lines: timestamp, input_length, output_length,
-hash_ids of 512-token blocks) against the pool, one request at a time: a lookup of its chain, gets
-of the matched blocks, a chain put of the rest. Each capacity is a tenant of its own under a DRAM
+hash_ids of 512-token blocks) against the pool, as fast as it answers or at --speed times the trace's
+pace, --concurrency requests at a time: a lookup of its chain, gets of the matched blocks, a chain
+put of the rest. Each capacity is a tenant of its own under a DRAM
 quota of that many blocks; the tenant's objects are evicted afterwards. Prints, per capacity, the
 pool's block and token hit rates next to an LRU and a Belady simulation of the same trace and
 capacity, a TTFT estimate and the latencies. It sets quotas: in a secure pool, give an admin's token.`,
@@ -39,6 +41,8 @@ capacity, a TTFT estimate and the latencies. It sets quotas: in a secure pool, g
 			fs.StringVar(&capacities, "capacity", "2%,10%,50%", "pool sizes: blocks, or percentages of the trace's distinct blocks")
 			fs.StringVar(&blockSize, "block-bytes", "16KiB", "value of one 512-token block (scaled down from a model's)")
 			fs.Float64Var(&prefill, "prefill-us-per-token", 50, "prefill time of a missed token, for the TTFT estimate")
+			fs.Float64Var(&speed, "speed", 0, "replay at this many times the trace's pace (0: as fast as the pool answers)")
+			fs.IntVar(&concurrency, "concurrency", 1, "requests in flight at once (1: the trace's exact order, as the simulations)")
 			fs.BoolVar(&asJSON, "json", false, "print one JSON object per capacity instead of a table")
 			cfgp = cfg
 		})
@@ -56,6 +60,9 @@ capacity, a TTFT estimate and the latencies. It sets quotas: in a secure pool, g
 	bb, err := tiers.ParseSize(blockSize)
 	if err != nil || bb <= 0 || bb > 64<<20 {
 		return fmt.Errorf("%w: --block-bytes %q: want 1 B to 64 MiB", errUsage, blockSize)
+	}
+	if speed < 0 || concurrency < 1 || concurrency > 1024 {
+		return fmt.Errorf("%w: --speed %g, --concurrency %d: want a speed of 0 or more and 1 to 1024 requests", errUsage, speed, concurrency)
 	}
 	distinct := trace.Distinct(reqs)
 	caps, err := parseCapacities(capacities, distinct)
@@ -75,7 +82,7 @@ capacity, a TTFT estimate and the latencies. It sets quotas: in a secure pool, g
 				return call(pb.NewAdminClient(cc))
 			})
 		},
-		Trace: reqs, Capacities: caps, BlockBytes: int(bb), PrefillUsPerToken: prefill,
+		Trace: reqs, Capacities: caps, BlockBytes: int(bb), PrefillUsPerToken: prefill, Speed: speed, Concurrency: concurrency,
 		Progress: func(capacity, n, total int) {
 			if n%max(total/10, 1) == 0 {
 				fmt.Fprintf(e.stderr, "bench replay: capacity %d: %d of %d requests\n", capacity, n, total)

@@ -40,6 +40,8 @@ func commands() []command {
 		{"ls", "[PREFIX]", "list objects whose key starts with PREFIX", runLs},
 		{"status", "", "show the cluster's masters and segments", runStatus},
 		{"hash", "--scheme S ...", "print the block hashes of a token list, as an engine computes them", runHash},
+		{"lookup", "--scheme S --model M ...", "how many leading blocks of a prompt the pool holds (leases them, as an engine's lookup)", runLookup},
+		{"score", "--scheme S --model M ...", "a router's score of a prompt: leading blocks cached, per tier, leasing nothing", runScore},
 		{"admin", "SUBCOMMAND", "operator commands: evict, pin, unpin, rails", runAdmin},
 		{"certs", "init DIR", "write a development CA, per-role certificates and tokens", runCerts},
 		{"bench", "[engine|lookup|meta|fill] [flags]", "measure put, get and exists; or the transfer engine, prefix lookups, the master alone; or fill the master with objects", runBench},

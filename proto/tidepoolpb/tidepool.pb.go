@@ -2184,6 +2184,233 @@ func (x *StatusResponse) GetRaftLogError() string {
 	return ""
 }
 
+type ScoreRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The chain, as a lookup names it (keys or packed keys; count_only and
+	// uncached mean nothing here).
+	Chain *LookupRequest `protobuf:"bytes,1,opt,name=chain,proto3" json:"chain,omitempty"`
+	// The weight of a block by the fastest-to-read tier it is in, summed
+	// over the matched blocks into the score. Unset tiers weigh HBM 1.0,
+	// DRAM 0.8 (llm-d's gpu and cpu defaults) and SSD 0.5.
+	Weights       []*TierWeight `protobuf:"bytes,2,rep,name=weights,proto3" json:"weights,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScoreRequest) Reset() {
+	*x = ScoreRequest{}
+	mi := &file_tidepool_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScoreRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScoreRequest) ProtoMessage() {}
+
+func (x *ScoreRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScoreRequest.ProtoReflect.Descriptor instead.
+func (*ScoreRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *ScoreRequest) GetChain() *LookupRequest {
+	if x != nil {
+		return x.Chain
+	}
+	return nil
+}
+
+func (x *ScoreRequest) GetWeights() []*TierWeight {
+	if x != nil {
+		return x.Weights
+	}
+	return nil
+}
+
+type TierWeight struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tier          Tier                   `protobuf:"varint,1,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	Weight        float64                `protobuf:"fixed64,2,opt,name=weight,proto3" json:"weight,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TierWeight) Reset() {
+	*x = TierWeight{}
+	mi := &file_tidepool_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TierWeight) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TierWeight) ProtoMessage() {}
+
+func (x *TierWeight) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TierWeight.ProtoReflect.Descriptor instead.
+func (*TierWeight) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *TierWeight) GetTier() Tier {
+	if x != nil {
+		return x.Tier
+	}
+	return Tier_TIER_UNSPECIFIED
+}
+
+func (x *TierWeight) GetWeight() float64 {
+	if x != nil {
+		return x.Weight
+	}
+	return 0
+}
+
+type ScoreResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Blocks 0 .. matched-1 are complete in the pool (what a Lookup at the
+	// same moment would match and lease).
+	Matched uint32 `protobuf:"varint,1,opt,name=matched,proto3" json:"matched,omitempty"`
+	// Per tier the pool has a segment of, fastest first: how many leading
+	// blocks have a replica there.
+	Tiers []*TierBlocks `protobuf:"bytes,2,rep,name=tiers,proto3" json:"tiers,omitempty"`
+	// The sum, over the matched blocks, of the highest weight among the
+	// tiers each is in.
+	Score         float64 `protobuf:"fixed64,3,opt,name=score,proto3" json:"score,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScoreResponse) Reset() {
+	*x = ScoreResponse{}
+	mi := &file_tidepool_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScoreResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScoreResponse) ProtoMessage() {}
+
+func (x *ScoreResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScoreResponse.ProtoReflect.Descriptor instead.
+func (*ScoreResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *ScoreResponse) GetMatched() uint32 {
+	if x != nil {
+		return x.Matched
+	}
+	return 0
+}
+
+func (x *ScoreResponse) GetTiers() []*TierBlocks {
+	if x != nil {
+		return x.Tiers
+	}
+	return nil
+}
+
+func (x *ScoreResponse) GetScore() float64 {
+	if x != nil {
+		return x.Score
+	}
+	return 0
+}
+
+type TierBlocks struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tier          Tier                   `protobuf:"varint,1,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	Blocks        uint32                 `protobuf:"varint,2,opt,name=blocks,proto3" json:"blocks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TierBlocks) Reset() {
+	*x = TierBlocks{}
+	mi := &file_tidepool_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TierBlocks) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TierBlocks) ProtoMessage() {}
+
+func (x *TierBlocks) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TierBlocks.ProtoReflect.Descriptor instead.
+func (*TierBlocks) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *TierBlocks) GetTier() Tier {
+	if x != nil {
+		return x.Tier
+	}
+	return Tier_TIER_UNSPECIFIED
+}
+
+func (x *TierBlocks) GetBlocks() uint32 {
+	if x != nil {
+		return x.Blocks
+	}
+	return 0
+}
+
 type LookupRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The block keys of one chain, first block first.
@@ -2208,7 +2435,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2220,7 +2447,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2233,7 +2460,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *LookupRequest) GetKeys() []string {
@@ -2303,7 +2530,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2315,7 +2542,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2328,7 +2555,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *LookupResponse) GetMatched() uint32 {
@@ -2412,7 +2639,7 @@ type ChildrenRequest struct {
 
 func (x *ChildrenRequest) Reset() {
 	*x = ChildrenRequest{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2424,7 +2651,7 @@ func (x *ChildrenRequest) String() string {
 func (*ChildrenRequest) ProtoMessage() {}
 
 func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2437,7 +2664,7 @@ func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChildrenRequest.ProtoReflect.Descriptor instead.
 func (*ChildrenRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ChildrenRequest) GetKey() string {
@@ -2466,7 +2693,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2478,7 +2705,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2491,7 +2718,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -2537,7 +2764,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2549,7 +2776,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2562,7 +2789,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -2650,7 +2877,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2662,7 +2889,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2675,7 +2902,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{35}
+	return file_tidepool_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -2734,7 +2961,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2746,7 +2973,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2759,7 +2986,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{36}
+	return file_tidepool_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *AdoptRequest) GetNode() string {
@@ -2799,7 +3026,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2811,7 +3038,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2824,7 +3051,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{37}
+	return file_tidepool_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *AdoptResponse) GetAdopted() uint32 {
@@ -2848,7 +3075,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2860,7 +3087,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2873,7 +3100,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{38}
+	return file_tidepool_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -2913,7 +3140,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2925,7 +3152,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2938,7 +3165,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{39}
+	return file_tidepool_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -2987,7 +3214,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2999,7 +3226,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3012,7 +3239,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{40}
+	return file_tidepool_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -3046,7 +3273,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3058,7 +3285,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3071,7 +3298,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{41}
+	return file_tidepool_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -3128,7 +3355,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3140,7 +3367,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3153,7 +3380,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{42}
+	return file_tidepool_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -3216,7 +3443,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[43]
+	mi := &file_tidepool_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3228,7 +3455,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[43]
+	mi := &file_tidepool_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3241,7 +3468,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{43}
+	return file_tidepool_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -3275,7 +3502,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[44]
+	mi := &file_tidepool_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3287,7 +3514,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[44]
+	mi := &file_tidepool_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3300,7 +3527,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{44}
+	return file_tidepool_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -3323,7 +3550,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[45]
+	mi := &file_tidepool_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3335,7 +3562,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[45]
+	mi := &file_tidepool_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3348,7 +3575,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{45}
+	return file_tidepool_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -3394,7 +3621,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[46]
+	mi := &file_tidepool_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3406,7 +3633,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[46]
+	mi := &file_tidepool_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3419,7 +3646,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{46}
+	return file_tidepool_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -3487,7 +3714,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[47]
+	mi := &file_tidepool_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3499,7 +3726,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[47]
+	mi := &file_tidepool_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3512,7 +3739,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{47}
+	return file_tidepool_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -3547,7 +3774,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[48]
+	mi := &file_tidepool_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3559,7 +3786,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[48]
+	mi := &file_tidepool_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3572,7 +3799,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{48}
+	return file_tidepool_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -3610,7 +3837,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[49]
+	mi := &file_tidepool_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3622,7 +3849,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[49]
+	mi := &file_tidepool_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3635,7 +3862,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{49}
+	return file_tidepool_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -3697,7 +3924,7 @@ type TenantQuota struct {
 
 func (x *TenantQuota) Reset() {
 	*x = TenantQuota{}
-	mi := &file_tidepool_proto_msgTypes[50]
+	mi := &file_tidepool_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3709,7 +3936,7 @@ func (x *TenantQuota) String() string {
 func (*TenantQuota) ProtoMessage() {}
 
 func (x *TenantQuota) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[50]
+	mi := &file_tidepool_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3722,7 +3949,7 @@ func (x *TenantQuota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantQuota.ProtoReflect.Descriptor instead.
 func (*TenantQuota) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{50}
+	return file_tidepool_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *TenantQuota) GetTenant() string {
@@ -3761,7 +3988,7 @@ type QuotasRequest struct {
 
 func (x *QuotasRequest) Reset() {
 	*x = QuotasRequest{}
-	mi := &file_tidepool_proto_msgTypes[51]
+	mi := &file_tidepool_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3773,7 +4000,7 @@ func (x *QuotasRequest) String() string {
 func (*QuotasRequest) ProtoMessage() {}
 
 func (x *QuotasRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[51]
+	mi := &file_tidepool_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3786,7 +4013,7 @@ func (x *QuotasRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use QuotasRequest.ProtoReflect.Descriptor instead.
 func (*QuotasRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{51}
+	return file_tidepool_proto_rawDescGZIP(), []int{55}
 }
 
 // TenantUsage is what one tenant holds in one tier, and its limits there.
@@ -3804,7 +4031,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_tidepool_proto_msgTypes[52]
+	mi := &file_tidepool_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3816,7 +4043,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[52]
+	mi := &file_tidepool_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3829,7 +4056,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{52}
+	return file_tidepool_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *TenantUsage) GetTenant() string {
@@ -3883,7 +4110,7 @@ type QuotasResponse struct {
 
 func (x *QuotasResponse) Reset() {
 	*x = QuotasResponse{}
-	mi := &file_tidepool_proto_msgTypes[53]
+	mi := &file_tidepool_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3895,7 +4122,7 @@ func (x *QuotasResponse) String() string {
 func (*QuotasResponse) ProtoMessage() {}
 
 func (x *QuotasResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[53]
+	mi := &file_tidepool_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3908,7 +4135,7 @@ func (x *QuotasResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use QuotasResponse.ProtoReflect.Descriptor instead.
 func (*QuotasResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{53}
+	return file_tidepool_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *QuotasResponse) GetTenants() []*TenantUsage {
@@ -4075,7 +4302,22 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x16leader_since_unix_nano\x18\v \x01(\x03R\x13leaderSinceUnixNano\x12\x17\n" +
 	"\aself_id\x18\f \x01(\tR\x06selfId\x12*\n" +
 	"\x11self_raft_address\x18\r \x01(\tR\x0fselfRaftAddress\x12$\n" +
-	"\x0eraft_log_error\x18\x0e \x01(\tR\fraftLogError\"\xa0\x01\n" +
+	"\x0eraft_log_error\x18\x0e \x01(\tR\fraftLogError\"s\n" +
+	"\fScoreRequest\x120\n" +
+	"\x05chain\x18\x01 \x01(\v2\x1a.tidepool.v1.LookupRequestR\x05chain\x121\n" +
+	"\aweights\x18\x02 \x03(\v2\x17.tidepool.v1.TierWeightR\aweights\"K\n" +
+	"\n" +
+	"TierWeight\x12%\n" +
+	"\x04tier\x18\x01 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x16\n" +
+	"\x06weight\x18\x02 \x01(\x01R\x06weight\"n\n" +
+	"\rScoreResponse\x12\x18\n" +
+	"\amatched\x18\x01 \x01(\rR\amatched\x12-\n" +
+	"\x05tiers\x18\x02 \x03(\v2\x17.tidepool.v1.TierBlocksR\x05tiers\x12\x14\n" +
+	"\x05score\x18\x03 \x01(\x01R\x05score\"K\n" +
+	"\n" +
+	"TierBlocks\x12%\n" +
+	"\x04tier\x18\x01 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x16\n" +
+	"\x06blocks\x18\x02 \x01(\rR\x06blocks\"\xa0\x01\n" +
 	"\rLookupRequest\x12\x12\n" +
 	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x1d\n" +
 	"\n" +
@@ -4223,7 +4465,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"\vObjectState\x12\x1c\n" +
 	"\x18OBJECT_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17OBJECT_STATE_PROCESSING\x10\x01\x12\x19\n" +
-	"\x15OBJECT_STATE_COMPLETE\x10\x022\xfa\a\n" +
+	"\x15OBJECT_STATE_COMPLETE\x10\x022\xba\b\n" +
 	"\x06Master\x12E\n" +
 	"\bPutStart\x12\x1c.tidepool.v1.PutStartRequest\x1a\x1b.tidepool.v1.PutStartResult\x12>\n" +
 	"\x06PutEnd\x12\x18.tidepool.v1.KeysRequest\x1a\x1a.tidepool.v1.ItemsResponse\x12P\n" +
@@ -4238,7 +4480,8 @@ const file_tidepool_proto_rawDesc = "" +
 	"\rReportCorrupt\x12\x1b.tidepool.v1.CorruptReplica\x1a#.tidepool.v1.CorruptReplicaResponse\x12U\n" +
 	"\x11ReportUnreachable\x12\x1e.tidepool.v1.UnreachableReport\x1a .tidepool.v1.UnreachableResponse\x12A\n" +
 	"\x06Lookup\x12\x1a.tidepool.v1.LookupRequest\x1a\x1b.tidepool.v1.LookupResponse\x12C\n" +
-	"\bChildren\x12\x1c.tidepool.v1.ChildrenRequest\x1a\x19.tidepool.v1.ListResponse2\x82\x03\n" +
+	"\bChildren\x12\x1c.tidepool.v1.ChildrenRequest\x1a\x19.tidepool.v1.ListResponse\x12>\n" +
+	"\x05Score\x12\x19.tidepool.v1.ScoreRequest\x1a\x1a.tidepool.v1.ScoreResponse2\x82\x03\n" +
 	"\bRegistry\x12G\n" +
 	"\bRegister\x12\x1c.tidepool.v1.RegisterRequest\x1a\x1d.tidepool.v1.RegisterResponse\x12J\n" +
 	"\tHeartbeat\x12\x1d.tidepool.v1.HeartbeatRequest\x1a\x1e.tidepool.v1.HeartbeatResponse\x12Y\n" +
@@ -4269,7 +4512,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 54)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 58)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -4303,30 +4546,34 @@ var file_tidepool_proto_goTypes = []any{
 	(*MembersResponse)(nil),        // 29: tidepool.v1.MembersResponse
 	(*SegmentInfo)(nil),            // 30: tidepool.v1.SegmentInfo
 	(*StatusResponse)(nil),         // 31: tidepool.v1.StatusResponse
-	(*LookupRequest)(nil),          // 32: tidepool.v1.LookupRequest
-	(*LookupResponse)(nil),         // 33: tidepool.v1.LookupResponse
-	(*ChildrenRequest)(nil),        // 34: tidepool.v1.ChildrenRequest
-	(*SegmentSpec)(nil),            // 35: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 36: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 37: tidepool.v1.RegisterRequest
-	(*AdoptRequest)(nil),           // 38: tidepool.v1.AdoptRequest
-	(*AdoptResponse)(nil),          // 39: tidepool.v1.AdoptResponse
-	(*RegisterResponse)(nil),       // 40: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 41: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 42: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 43: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 44: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 45: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 46: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 47: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 48: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 49: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 50: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 51: tidepool.v1.DrainProgress
-	(*TenantQuota)(nil),            // 52: tidepool.v1.TenantQuota
-	(*QuotasRequest)(nil),          // 53: tidepool.v1.QuotasRequest
-	(*TenantUsage)(nil),            // 54: tidepool.v1.TenantUsage
-	(*QuotasResponse)(nil),         // 55: tidepool.v1.QuotasResponse
+	(*ScoreRequest)(nil),           // 32: tidepool.v1.ScoreRequest
+	(*TierWeight)(nil),             // 33: tidepool.v1.TierWeight
+	(*ScoreResponse)(nil),          // 34: tidepool.v1.ScoreResponse
+	(*TierBlocks)(nil),             // 35: tidepool.v1.TierBlocks
+	(*LookupRequest)(nil),          // 36: tidepool.v1.LookupRequest
+	(*LookupResponse)(nil),         // 37: tidepool.v1.LookupResponse
+	(*ChildrenRequest)(nil),        // 38: tidepool.v1.ChildrenRequest
+	(*SegmentSpec)(nil),            // 39: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 40: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 41: tidepool.v1.RegisterRequest
+	(*AdoptRequest)(nil),           // 42: tidepool.v1.AdoptRequest
+	(*AdoptResponse)(nil),          // 43: tidepool.v1.AdoptResponse
+	(*RegisterResponse)(nil),       // 44: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 45: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 46: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 47: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 48: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 49: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 50: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 51: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 52: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 53: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 54: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 55: tidepool.v1.DrainProgress
+	(*TenantQuota)(nil),            // 56: tidepool.v1.TenantQuota
+	(*QuotasRequest)(nil),          // 57: tidepool.v1.QuotasRequest
+	(*TenantUsage)(nil),            // 58: tidepool.v1.TenantUsage
+	(*QuotasResponse)(nil),         // 59: tidepool.v1.QuotasResponse
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -4352,83 +4599,90 @@ var file_tidepool_proto_depIdxs = []int32{
 	0,  // 20: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
 	25, // 21: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
 	30, // 22: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
-	3,  // 23: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
-	0,  // 24: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	35, // 25: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	36, // 26: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	36, // 27: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
-	36, // 28: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	45, // 29: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
-	3,  // 30: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
-	3,  // 31: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
-	2,  // 32: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	44, // 33: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
-	0,  // 34: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	18, // 35: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	0,  // 36: tidepool.v1.TenantQuota.tier:type_name -> tidepool.v1.Tier
-	0,  // 37: tidepool.v1.TenantUsage.tier:type_name -> tidepool.v1.Tier
-	54, // 38: tidepool.v1.QuotasResponse.tenants:type_name -> tidepool.v1.TenantUsage
-	4,  // 39: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	12, // 40: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	9,  // 41: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
-	12, // 42: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 43: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	12, // 44: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	12, // 45: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	12, // 46: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	17, // 47: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	24, // 48: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	20, // 49: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	22, // 50: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
-	32, // 51: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	34, // 52: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	37, // 53: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	43, // 54: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	41, // 55: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	38, // 56: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
-	43, // 57: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	47, // 58: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	12, // 59: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	48, // 60: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	50, // 61: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	26, // 62: tidepool.v1.Admin.Members:input_type -> tidepool.v1.MembersRequest
-	27, // 63: tidepool.v1.Admin.AddMember:input_type -> tidepool.v1.AddMemberRequest
-	28, // 64: tidepool.v1.Admin.RemoveMember:input_type -> tidepool.v1.RemoveMemberRequest
-	52, // 65: tidepool.v1.Admin.SetQuota:input_type -> tidepool.v1.TenantQuota
-	53, // 66: tidepool.v1.Admin.Quotas:input_type -> tidepool.v1.QuotasRequest
-	5,  // 67: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	13, // 68: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	10, // 69: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
-	13, // 70: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 71: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	15, // 72: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	16, // 73: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	13, // 74: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	19, // 75: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	31, // 76: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	21, // 77: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	23, // 78: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
-	33, // 79: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	19, // 80: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	40, // 81: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	46, // 82: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	42, // 83: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	39, // 84: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
-	46, // 85: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	13, // 86: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	13, // 87: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	49, // 88: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	51, // 89: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	29, // 90: tidepool.v1.Admin.Members:output_type -> tidepool.v1.MembersResponse
-	29, // 91: tidepool.v1.Admin.AddMember:output_type -> tidepool.v1.MembersResponse
-	29, // 92: tidepool.v1.Admin.RemoveMember:output_type -> tidepool.v1.MembersResponse
-	55, // 93: tidepool.v1.Admin.SetQuota:output_type -> tidepool.v1.QuotasResponse
-	55, // 94: tidepool.v1.Admin.Quotas:output_type -> tidepool.v1.QuotasResponse
-	67, // [67:95] is the sub-list for method output_type
-	39, // [39:67] is the sub-list for method input_type
-	39, // [39:39] is the sub-list for extension type_name
-	39, // [39:39] is the sub-list for extension extendee
-	0,  // [0:39] is the sub-list for field type_name
+	36, // 23: tidepool.v1.ScoreRequest.chain:type_name -> tidepool.v1.LookupRequest
+	33, // 24: tidepool.v1.ScoreRequest.weights:type_name -> tidepool.v1.TierWeight
+	0,  // 25: tidepool.v1.TierWeight.tier:type_name -> tidepool.v1.Tier
+	35, // 26: tidepool.v1.ScoreResponse.tiers:type_name -> tidepool.v1.TierBlocks
+	0,  // 27: tidepool.v1.TierBlocks.tier:type_name -> tidepool.v1.Tier
+	3,  // 28: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
+	0,  // 29: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
+	39, // 30: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	40, // 31: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	40, // 32: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
+	40, // 33: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	49, // 34: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 35: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 36: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 37: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	48, // 38: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 39: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	18, // 40: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	0,  // 41: tidepool.v1.TenantQuota.tier:type_name -> tidepool.v1.Tier
+	0,  // 42: tidepool.v1.TenantUsage.tier:type_name -> tidepool.v1.Tier
+	58, // 43: tidepool.v1.QuotasResponse.tenants:type_name -> tidepool.v1.TenantUsage
+	4,  // 44: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	12, // 45: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	9,  // 46: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
+	12, // 47: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 48: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	12, // 49: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	12, // 50: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	12, // 51: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	17, // 52: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	24, // 53: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	20, // 54: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	22, // 55: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
+	36, // 56: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	38, // 57: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	32, // 58: tidepool.v1.Master.Score:input_type -> tidepool.v1.ScoreRequest
+	41, // 59: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	47, // 60: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	45, // 61: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	42, // 62: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	47, // 63: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	51, // 64: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	12, // 65: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	52, // 66: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	54, // 67: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	26, // 68: tidepool.v1.Admin.Members:input_type -> tidepool.v1.MembersRequest
+	27, // 69: tidepool.v1.Admin.AddMember:input_type -> tidepool.v1.AddMemberRequest
+	28, // 70: tidepool.v1.Admin.RemoveMember:input_type -> tidepool.v1.RemoveMemberRequest
+	56, // 71: tidepool.v1.Admin.SetQuota:input_type -> tidepool.v1.TenantQuota
+	57, // 72: tidepool.v1.Admin.Quotas:input_type -> tidepool.v1.QuotasRequest
+	5,  // 73: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	13, // 74: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	10, // 75: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
+	13, // 76: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 77: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	15, // 78: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	16, // 79: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	13, // 80: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	19, // 81: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	31, // 82: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	21, // 83: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	23, // 84: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
+	37, // 85: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	19, // 86: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	34, // 87: tidepool.v1.Master.Score:output_type -> tidepool.v1.ScoreResponse
+	44, // 88: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	50, // 89: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	46, // 90: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	43, // 91: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	50, // 92: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	13, // 93: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	13, // 94: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	53, // 95: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	55, // 96: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	29, // 97: tidepool.v1.Admin.Members:output_type -> tidepool.v1.MembersResponse
+	29, // 98: tidepool.v1.Admin.AddMember:output_type -> tidepool.v1.MembersResponse
+	29, // 99: tidepool.v1.Admin.RemoveMember:output_type -> tidepool.v1.MembersResponse
+	59, // 100: tidepool.v1.Admin.SetQuota:output_type -> tidepool.v1.QuotasResponse
+	59, // 101: tidepool.v1.Admin.Quotas:output_type -> tidepool.v1.QuotasResponse
+	73, // [73:102] is the sub-list for method output_type
+	44, // [44:73] is the sub-list for method input_type
+	44, // [44:44] is the sub-list for extension type_name
+	44, // [44:44] is the sub-list for extension extendee
+	0,  // [0:44] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -4442,7 +4696,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   54,
+			NumMessages:   58,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

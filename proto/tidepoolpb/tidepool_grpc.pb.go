@@ -38,6 +38,7 @@ const (
 	Master_ReportUnreachable_FullMethodName = "/tidepool.v1.Master/ReportUnreachable"
 	Master_Lookup_FullMethodName            = "/tidepool.v1.Master/Lookup"
 	Master_Children_FullMethodName          = "/tidepool.v1.Master/Children"
+	Master_Score_FullMethodName             = "/tidepool.v1.Master/Score"
 )
 
 // MasterClient is the client API for Master service.
@@ -80,6 +81,11 @@ type MasterClient interface {
 	// Children lists the complete objects put with key as their parent: the
 	// chains that continue from it.
 	Children(ctx context.Context, in *ChildrenRequest, opts ...grpc.CallOption) (*ListResponse, error)
+	// Score answers how many leading blocks of a chain the pool holds, in
+	// all and per tier, and a router's score of them (llm-d's longest
+	// prefix, weighted by tier), from the leader's memory; it leases
+	// nothing and counts as no use of the blocks.
+	Score(ctx context.Context, in *ScoreRequest, opts ...grpc.CallOption) (*ScoreResponse, error)
 }
 
 type masterClient struct {
@@ -230,6 +236,16 @@ func (c *masterClient) Children(ctx context.Context, in *ChildrenRequest, opts .
 	return out, nil
 }
 
+func (c *masterClient) Score(ctx context.Context, in *ScoreRequest, opts ...grpc.CallOption) (*ScoreResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ScoreResponse)
+	err := c.cc.Invoke(ctx, Master_Score_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MasterServer is the server API for Master service.
 // All implementations must embed UnimplementedMasterServer
 // for forward compatibility.
@@ -270,6 +286,11 @@ type MasterServer interface {
 	// Children lists the complete objects put with key as their parent: the
 	// chains that continue from it.
 	Children(context.Context, *ChildrenRequest) (*ListResponse, error)
+	// Score answers how many leading blocks of a chain the pool holds, in
+	// all and per tier, and a router's score of them (llm-d's longest
+	// prefix, weighted by tier), from the leader's memory; it leases
+	// nothing and counts as no use of the blocks.
+	Score(context.Context, *ScoreRequest) (*ScoreResponse, error)
 	mustEmbedUnimplementedMasterServer()
 }
 
@@ -321,6 +342,9 @@ func (UnimplementedMasterServer) Lookup(context.Context, *LookupRequest) (*Looku
 }
 func (UnimplementedMasterServer) Children(context.Context, *ChildrenRequest) (*ListResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method Children not implemented")
+}
+func (UnimplementedMasterServer) Score(context.Context, *ScoreRequest) (*ScoreResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method Score not implemented")
 }
 func (UnimplementedMasterServer) mustEmbedUnimplementedMasterServer() {}
 func (UnimplementedMasterServer) testEmbeddedByValue()                {}
@@ -595,6 +619,24 @@ func _Master_Children_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Master_Score_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ScoreRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MasterServer).Score(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Master_Score_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MasterServer).Score(ctx, req.(*ScoreRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Master_ServiceDesc is the grpc.ServiceDesc for Master service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -657,6 +699,10 @@ var Master_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Children",
 			Handler:    _Master_Children_Handler,
+		},
+		{
+			MethodName: "Score",
+			Handler:    _Master_Score_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -15,3 +15,9 @@ func (s *SegmentInfo) TierName() string {
 	}
 	return s.Tier.Name()
 }
+
+// ParseTier reads a tier as Name spells it; "unspecified" is none.
+func ParseTier(name string) (Tier, bool) {
+	t, ok := Tier_value["TIER_"+strings.ToUpper(name)]
+	return Tier(t), ok && t != int32(Tier_TIER_UNSPECIFIED)
+}

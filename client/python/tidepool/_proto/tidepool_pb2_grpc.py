@@ -87,6 +87,11 @@ class MasterStub(object):
                 request_serializer=tidepool__pb2.ChildrenRequest.SerializeToString,
                 response_deserializer=tidepool__pb2.ListResponse.FromString,
                 )
+        self.Score = channel.unary_unary(
+                '/tidepool.v1.Master/Score',
+                request_serializer=tidepool__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=tidepool__pb2.ScoreResponse.FromString,
+                )
 
 
 class MasterServicer(object):
@@ -197,6 +202,16 @@ class MasterServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Score answers how many leading blocks of a chain the pool holds, in
+        all and per tier, and a router's score of them (llm-d's longest
+        prefix, weighted by tier), from the leader's memory; it leases
+        nothing and counts as no use of the blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +284,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Children,
                     request_deserializer=tidepool__pb2.ChildrenRequest.FromString,
                     response_serializer=tidepool__pb2.ListResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=tidepool__pb2.ScoreRequest.FromString,
+                    response_serializer=tidepool__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -518,6 +538,23 @@ class Master(object):
         return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Master/Children',
             tidepool__pb2.ChildrenRequest.SerializeToString,
             tidepool__pb2.ListResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tidepool.v1.Master/Score',
+            tidepool__pb2.ScoreRequest.SerializeToString,
+            tidepool__pb2.ScoreResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
