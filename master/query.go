@@ -726,3 +726,26 @@ func (f *FSM) tombsOf(n int, key func(int) string) []int64 {
 	}
 	return out
 }
+
+// unchanged reports whether o, scanned earlier, is still in the table as
+// it was: the same put, complete, on the same segments, not used, pinned
+// hard or copied since.
+func (f *FSM) unchanged(o evictable) bool {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	cur := f.objects.get(o.key)
+	if cur == nil || cur.putID != o.putID || !cur.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || cur.hard() ||
+		cur.used.Load() != o.used || len(f.copies(cur)) > 0 {
+		return false
+	}
+	exts := f.exts(cur)
+	if len(exts) != len(o.segments) {
+		return false
+	}
+	for i, r := range exts {
+		if f.segID(r) != o.segments[i] {
+			return false
+		}
+	}
+	return true
+}

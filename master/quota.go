@@ -7,6 +7,8 @@ import (
 	"math"
 	"math/bits"
 	"slices"
+	"sync"
+	"time"
 
 	"github.com/tidepool-kv/tidepool/auth"
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -17,9 +19,9 @@ import (
 // come and go (account), so a put's check costs no walk of the table. The
 // limits are raft state (SetQuota), the same on every master. The leader
 // enforces them: a put that would take its tenant over a limit first
-// makes room from the tenant's own least recently used objects in that
-// tier (evictTenant), down to the limit less the evict ratio (so the next
-// puts find room without a walk each), and fails only if that is not
+// makes room from the tenant's own objects in that tier, in the policy's
+// order (evictTenant: exactly the room it needs, from victims one walk of
+// the table chose for the next puts too), and fails only if that is not
 // enough; the sweep does the same for a tenant over a limit by other means
 // (demotion, a lowered limit). Only named tenants are accounted.
 
@@ -294,16 +296,12 @@ func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, si
 		if ob == 0 && oo == 0 {
 			break
 		}
-		// Down to the limit less the evict ratio, so that the next puts
-		// find room without a walk of the table each.
-		slack := func(l uint64) uint64 { return uint64(float64(l) * s.cfg.EvictRatio) }
-		if ob > 0 {
-			ob = min(satAdd(ob, slack(limit.bytes)), used.bytes)
-		}
-		if oo > 0 {
-			oo = min(satAdd(oo, slack(limit.objects)), used.objects)
-		}
-		evicted, err := s.evictTenant(ctx, tenant, tier, ob, oo)
+		// Victims are chosen down to the limit less the evict ratio, so
+		// that the next puts find theirs without a walk of the table
+		// each, but evicted only as puts need the room.
+		slack := tenantUse{uint64(float64(limit.bytes) * s.cfg.EvictRatio), uint64(float64(limit.objects) * s.cfg.EvictRatio)}
+		ob, oo = min(ob, used.bytes), min(oo, used.objects)
+		evicted, err := s.evictTenant(ctx, tenant, tier, tenantUse{ob, oo}, slack)
 		if err != nil {
 			return nil, err
 		}
@@ -334,13 +332,18 @@ func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, si
 	return fits, nil
 }
 
-// evictTenant makes room for tenant in tier: its least recently used
-// objects with a replica there, never hard-pinned ones, until
-// needBytes of its replicas there and needObjects objects went. An object
-// that keeps its replica count elsewhere (a written-back SSD copy) loses
-// only its replicas in tier; the others are evicted. It returns how many
-// objects left the tier.
-func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, needBytes, needObjects uint64) (int, error) {
+// evictTenant makes room for tenant in tier: its objects with a replica
+// there, in the policy's order (byRecency), never hard-pinned ones, until
+// need (bytes of its replicas there, objects) went. An object that keeps
+// its replica count elsewhere (a written-back SSD copy) loses only its
+// replicas in tier; the others are evicted. It returns how many objects
+// left the tier.
+//
+// The victims come from a list one walk of the table chose, worth need
+// and slack more: later admissions take theirs from it without a walk,
+// skipping what changed since (touched, read, pinned, gone), and a walk
+// happens when it runs out.
+func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, need, slack tenantUse) (int, error) {
 	now := s.cfg.Now()
 	l := s.leadership()
 	if !l.leading {
@@ -351,41 +354,22 @@ func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, n
 		segTier[v.id] = v.tier
 	}
 	inTier := func(id string) bool { return segTier[id] == tier }
-	objs := s.fsm.scanTenant(tenant)
-	objs = filterObjects(objs, func(o evictable) bool {
-		return !o.copying && slices.ContainsFunc(o.segments, inTier) && (!now.Before(l.evictable) || o.madeIn(l.term))
-	})
-	// Least recently used first, read-leased or not: a quota bounds what
-	// a tenant keeps, and a lease (taken for a read that ends within
-	// milliseconds, lasting seconds) says nothing of what it reads next;
-	// passing over leased objects would evict newer puts before older
-	// reads. An evicted leased object leaves the quota at once and its
-	// space when its leases end.
-	s.byRecency(objs, now)
-	picked := map[string]bool{}
+	k := quotaKey{tenant, tier}
 	var victims []evictable
-	var bytes, n uint64
-	for _, soft := range []bool{false, true} {
-		for _, o := range objs {
-			if bytes >= needBytes && n >= needObjects {
-				break
-			}
-			if o.hard || picked[o.key] || (!soft && o.softPin > now.UnixNano()) {
-				continue
-			}
-			picked[o.key] = true
+	var got tenantUse
+	for walked := false; got.bytes < need.bytes || got.objects < need.objects; walked = true {
+		for _, o := range s.quotaVictims.take(k, l.term, now, need, &got, inTier, s.fsm.unchanged) {
 			victims = append(victims, o)
-			n++
-			for _, id := range o.segments {
-				if inTier(id) {
-					bytes += o.size
-				}
-			}
 		}
+		if got.bytes >= need.bytes && got.objects >= need.objects || walked {
+			break
+		}
+		s.quotaVictims.put(k, l.term, now, s.tenantCandidates(tenant, inTier, l, now, tenantUse{satAdd(need.bytes, slack.bytes), satAdd(need.objects, slack.objects)}))
 	}
 	if len(victims) == 0 {
 		return 0, nil
 	}
+	defer s.quotaVictims.done(victims)
 	nodeOf := s.segmentNodes()
 	var drops []drop
 	whole := victims[:0:0]
@@ -410,7 +394,7 @@ func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, n
 }
 
 // enforceQuotas is the sweep's part: tenants over a limit (a lowered
-// limit, objects demoted into a tier) come down to it less the evict ratio.
+// limit, objects demoted into a tier) come down to it.
 func (s *Server) enforceQuotas(ctx context.Context) {
 	if s.cfg.Now().Before(s.evictableFrom()) {
 		return
@@ -441,4 +425,113 @@ func (a *adminService) SetQuota(ctx context.Context, req *pb.TenantQuota) (*pb.Q
 // Quotas answers on any master, from its FSM.
 func (a *adminService) Quotas(context.Context, *pb.QuotasRequest) (*pb.QuotasResponse, error) {
 	return &pb.QuotasResponse{Tenants: a.s.fsm.tenantUsage()}, nil
+}
+
+// tenantCandidates walks the table for tenant's objects with a replica in
+// the tier inTier names, in the policy's order, worth want: never
+// hard-pinned ones, soft-pinned ones after the rest, and in the first
+// lease TTL of a leadership only what this leader made.
+func (s *Server) tenantCandidates(tenant string, inTier func(string) bool, l leadershipState, now time.Time, want tenantUse) []evictable {
+	objs := filterObjects(s.fsm.scanTenant(tenant), func(o evictable) bool {
+		return !o.copying && !o.hard && slices.ContainsFunc(o.segments, inTier) && (!now.Before(l.evictable) || o.madeIn(l.term))
+	})
+	s.byRecency(objs, now)
+	var out []evictable
+	var got tenantUse
+	picked := map[string]bool{}
+	for _, soft := range []bool{false, true} {
+		for _, o := range objs {
+			if got.bytes >= want.bytes && got.objects >= want.objects {
+				return out
+			}
+			if picked[o.key] || (!soft && o.softPin > now.UnixNano()) {
+				continue
+			}
+			picked[o.key] = true
+			out = append(out, o)
+			got.add(o, inTier)
+		}
+	}
+	return out
+}
+
+// add counts o, as evicting its replicas in the tier inTier names frees.
+func (u *tenantUse) add(o evictable, inTier func(string) bool) {
+	u.objects++
+	for _, id := range o.segments {
+		if inTier(id) {
+			u.bytes += o.size
+		}
+	}
+}
+
+// victimListTTL bounds how long a walk's choice of victims serves:
+// objects put since are newer than all of them, but ones whose reads or
+// pins changed are only skipped, so the order drifts slowly.
+const victimListTTL = 10 * time.Second
+
+// victimLists keeps, per tenant and tier, the victims a walk chose that
+// no admission took yet, in the order to take them, and the victims
+// taken and not yet evicted, which no list offers again.
+type victimLists struct {
+	mu    sync.Mutex
+	m     map[quotaKey]*victimList
+	taken map[string]struct{}
+}
+
+type victimList struct {
+	term uint64 // the leadership it was chosen in
+	at   time.Time
+	objs []evictable
+}
+
+func (v *victimLists) put(k quotaKey, term uint64, now time.Time, objs []evictable) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.m == nil {
+		v.m = map[quotaKey]*victimList{}
+	}
+	v.m[k] = &victimList{term: term, at: now, objs: objs}
+}
+
+// take pops victims off k's list until got reaches need, skipping those
+// unchanged says changed since the walk (so concurrent admissions never
+// take the same one).
+func (v *victimLists) take(k quotaKey, term uint64, now time.Time, need tenantUse, got *tenantUse, inTier func(string) bool, unchanged func(evictable) bool) []evictable {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	l := v.m[k]
+	if l == nil {
+		return nil
+	}
+	if l.term != term || now.Sub(l.at) > victimListTTL {
+		delete(v.m, k)
+		return nil
+	}
+	var out []evictable
+	for len(l.objs) > 0 && (got.bytes < need.bytes || got.objects < need.objects) {
+		o := l.objs[0]
+		l.objs = l.objs[1:]
+		if _, ok := v.taken[o.key]; !ok && unchanged(o) {
+			if v.taken == nil {
+				v.taken = map[string]struct{}{}
+			}
+			v.taken[o.key] = struct{}{}
+			out = append(out, o)
+			got.add(o, inTier)
+		}
+	}
+	if len(l.objs) == 0 {
+		delete(v.m, k)
+	}
+	return out
+}
+
+// done ends what take began for victims: evicted, or left.
+func (v *victimLists) done(victims []evictable) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for _, o := range victims {
+		delete(v.taken, o.key)
+	}
 }

@@ -94,6 +94,11 @@ type Config struct {
 	// objects that may never be demoted.
 	NoWriteBack bool
 
+	// Watcher, if set, hears which complete objects enter and leave
+	// which tiers as this master applies the log (kvevents.Publisher);
+	// its owner closes it after the master.
+	Watcher Watcher
+
 	// Security is who may call this master and what it shows its peers;
 	// zero: plaintext, and every caller may do anything (as before TLS).
 	Security Security
@@ -126,14 +131,16 @@ func (s Security) enabled() bool { return s.TLS != nil || s.Tokens != nil }
 
 // Server is one master: a raft node with the FSM and the gRPC services.
 type Server struct {
-	cfg    Config
-	log    *slog.Logger
-	events events
-	fsm    *FSM
-	raft   *raft.Raft
-	logs   *logstore.Store
-	trans  raft.Transport
-	notify chan bool
+	cfg Config
+	// quotaVictims are the victims of quota eviction chosen ahead.
+	quotaVictims victimLists
+	log          *slog.Logger
+	events       events
+	fsm          *FSM
+	raft         *raft.Raft
+	logs         *logstore.Store
+	trans        raft.Transport
+	notify       chan bool
 	// spilled is signaled when a put landed outside its preferred tier
 	// because that tier was full: the leader demotes at once instead of
 	// at the next sweep, so the next puts find room where they want it.
@@ -230,6 +237,9 @@ func New(cfg Config) (*Server, error) {
 		return nil, errors.New("master: masters with tokens and without TLS present a master's token to each other: give one (--token-file)")
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, fsm: NewFSM(), notify: make(chan bool, 8), spilled: make(chan struct{}, 1), stop: make(chan struct{}), puts: newPutTable(), listings: newListings()}
+	if cfg.Watcher != nil {
+		s.fsm.Watch(cfg.Watcher)
+	}
 	// Stop waits for the handlers, while raft still runs (see Close).
 	opts := append(leaderconn.ServerOptions(), grpc.UnaryInterceptor(s.intercept),
 		grpc.MaxRecvMsgSize(64<<20), grpc.MaxSendMsgSize(64<<20), grpc.WaitForHandlers(true))
