@@ -28,6 +28,7 @@ import (
 	"github.com/tidepool-kv/tidepool/auth"
 	"github.com/tidepool-kv/tidepool/engine"
 	"github.com/tidepool-kv/tidepool/master"
+	"github.com/tidepool-kv/tidepool/master/kvevents"
 	"github.com/tidepool-kv/tidepool/statuspage"
 	"github.com/tidepool-kv/tidepool/store"
 	"github.com/tidepool-kv/tidepool/tiers"
@@ -148,6 +149,7 @@ type masterFlags struct {
 	noWriteBack                                 bool
 	tls                                         auth.Files
 	tokens, tokenFile                           string
+	kvEvents                                    kvevents.Config
 }
 
 func (m *masterFlags) register(fs *flag.FlagSet) {
@@ -169,7 +171,15 @@ func (m *masterFlags) register(fs *flag.FlagSet) {
 	tlsFlags(fs, &m.tls)
 	fs.StringVar(&m.tokenFile, "token-file", "", "file whose first line is a master-role token this master presents to the others (needed with --tokens and without TLS, where masters have no certificate)")
 	fs.StringVar(&m.tokens, "tokens", "", "tokens file (JSON: name, role, tenant, sha256 of each bearer token; reread on SIGHUP); with it or TLS, every call needs a token or a client certificate")
+	kvEventsFlags(fs, &m.kvEvents)
 	fs.BoolVar(&m.noWriteBack, "no-write-back", false, "copy cold DRAM objects to SSD only when demoting them, not ahead of need (fewer SSD writes; puts spill to SSD while DRAM is full)")
+}
+
+// kvEventsFlags are --kv-events and its companions, of master and up.
+func kvEventsFlags(fs *flag.FlagSet, c *kvevents.Config) {
+	fs.StringVar(&c.Endpoint, "kv-events", "", "publish the pool's KV events (vLLM's format, for KV-aware routers) on a ZMQ PUB socket bound at tcp://HOST:PORT (HOST * for every interface); empty: none")
+	fs.StringVar(&c.ReplayEndpoint, "kv-events-replay", "", "with --kv-events: replay kept batches from a sequence number on a ZMQ ROUTER socket bound at tcp://HOST:PORT, as vLLM's replay_endpoint")
+	fs.StringVar((*string)(&c.Encoding), "kv-events-encoding", string(kvevents.EncodingArray), "with --kv-events: array (msgspec's array_like, which every consumer reads) or map (tagged maps, as vLLM writes since mid-2026)")
 }
 
 // prefaultFlag is --prefault, of store and up.
@@ -253,10 +263,19 @@ func startMaster(m *masterFlags, reg prometheus.Registerer, log *slog.Logger) (s
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("listen for gRPC on %q: %w", m.listen, err)
 	}
-	srv, err = master.New(cfg)
+	pub, err := startKVEvents(m.kvEvents, reg, log)
 	if err != nil {
 		ln.Close()
 		return nil, nil, nil, err
+	}
+	closePub := func() error { return nil }
+	if pub != nil {
+		cfg.Watcher, closePub = pub, pub.Close
+	}
+	srv, err = master.New(cfg)
+	if err != nil {
+		ln.Close()
+		return nil, nil, nil, errors.Join(err, closePub())
 	}
 	served := make(chan struct{})
 	var serveErr error
@@ -271,9 +290,39 @@ func startMaster(m *masterFlags, reg prometheus.Registerer, log *slog.Logger) (s
 		stopReload()
 		err := srv.Close()
 		<-served
-		return errors.Join(err, serveErr)
+		return errors.Join(err, serveErr, closePub())
 	}
 	return srv, served, stop, nil
+}
+
+// startKVEvents starts the KV events publisher c asks for (nil if none)
+// and exports its counts.
+func startKVEvents(c kvevents.Config, reg prometheus.Registerer, log *slog.Logger) (*kvevents.Publisher, error) {
+	if c.Endpoint == "" {
+		if c.ReplayEndpoint != "" {
+			return nil, fmt.Errorf("%w: --kv-events-replay needs --kv-events", errUsage)
+		}
+		return nil, nil
+	}
+	c.Logger = log.With("component", "kvevents")
+	pub, err := kvevents.New(c)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", errUsage, err)
+	}
+	counter := func(name, help string, v func(kvevents.Stats) uint64) prometheus.Collector {
+		return prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return float64(v(pub.Stats())) })
+	}
+	for _, col := range []prometheus.Collector{
+		counter("tidepool_kv_events_published_total", "KV event batches sent on the --kv-events socket.", func(s kvevents.Stats) uint64 { return s.Published }),
+		counter("tidepool_kv_events_dropped_total", "KV event batches dropped because the queue to the socket was full (their sequence numbers are skipped).", func(s kvevents.Stats) uint64 { return s.Dropped }),
+		counter("tidepool_kv_events_lagged_total", "KV event messages a slow subscriber's queue had no room for.", func(s kvevents.Stats) uint64 { return s.Lagged }),
+	} {
+		if err := reg.Register(col); err != nil {
+			return nil, errors.Join(err, pub.Close())
+		}
+	}
+	log.Info("publishing KV events", "endpoint", pub.Addr(), "replay", pub.ReplayAddr(), "encoding", c.Encoding)
+	return pub, nil
 }
 
 // reloadOnHangup rereads the tokens file on each SIGHUP until the
@@ -566,6 +615,8 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 	var prefault bool
 	prefaultFlag(fs, &prefault)
 	plainRails := fs.Bool("plain-rails", false, "with --secure: the store also serves peers that move bytes without TLS (--plain-rails on theirs); the master's port stays TLS and every transfer still needs a ticket")
+	var kv kvevents.Config
+	kvEventsFlags(fs, &kv)
 	secure := fs.Bool("secure", false, "TLS on every connection and a token or certificate for every call: makes a development CA, certificates and tokens under DIR/certs once (see tidepool certs init) and prints how to call the pool")
 	d, err := parseDaemon(e, fs, args, "127.0.0.1:9090")
 	if err != nil {
@@ -581,12 +632,13 @@ with its own ports and data directory under --dir; Ctrl-C stops them all.`, e.st
 		return runCluster(ctx, e, d, clusterSpec{
 			masters: *nMasters, stores: *nStores, dir: *dir, listen: *listen, raft: *raftAddr, engine: *engineAddr,
 			dram: *dram, ssd: *ssd, leaseTTL: *leaseTTL, promoteAfter: promoteAfter, prefault: prefault, certs: certs, plainRails: *plainRails,
+			kvEvents: kv,
 		})
 	}
 	log, reg := d.log, d.reg
 	m := masterFlags{id: "m1", dir: *dir, listen: *listen, raftAddr: *raftAddr,
 		leaseTTL: *leaseTTL, putTimeout: master.DefaultPutTimeout, nodeTTL: master.DefaultNodeTTL,
-		highWatermark: master.DefaultHighWatermark, evictRatio: master.DefaultEvictRatio, promoteAfter: promoteAfter}
+		highWatermark: master.DefaultHighWatermark, evictRatio: master.DefaultEvictRatio, promoteAfter: promoteAfter, kvEvents: kv}
 	var storeCreds credentials
 	if certs != "" {
 		m.tls, m.tokens = certs.files(auth.Master), certs.path("tokens.json")

@@ -19,6 +19,7 @@ import (
 
 	"github.com/tidepool-kv/tidepool/auth"
 	"github.com/tidepool-kv/tidepool/client"
+	"github.com/tidepool-kv/tidepool/master/kvevents"
 	"github.com/tidepool-kv/tidepool/statuspage"
 )
 
@@ -42,6 +43,7 @@ type clusterSpec struct {
 	prefault                             bool
 	certs                                devCerts // empty: not secure
 	plainRails                           bool     // with certs: stores serve plaintext rails too
+	kvEvents                             kvevents.Config
 }
 
 // child is one process of the cluster.
@@ -98,6 +100,14 @@ func (c clusterSpec) argvs(httpAddr, level string) (names, https []string, argvs
 			"--promote-after", strconv.Itoa(c.promoteAfter), "--log-level", level})
 		if c.certs != "" {
 			argvs[i] = append(argvs[i], append(c.certs.flags(auth.Master), "--tokens", c.certs.path("tokens.json"))...)
+		}
+		// Every master publishes what it applies: each on its own ports.
+		if ev := c.kvEvents; ev.Endpoint != "" {
+			argvs[i] = append(argvs[i], "--kv-events", "tcp://"+shift(strings.TrimPrefix(ev.Endpoint, "tcp://"), i),
+				"--kv-events-encoding", string(ev.Encoding))
+			if ev.ReplayEndpoint != "" {
+				argvs[i] = append(argvs[i], "--kv-events-replay", "tcp://"+shift(strings.TrimPrefix(ev.ReplayEndpoint, "tcp://"), i))
+			}
 		}
 	}
 	for j := range c.stores {
