@@ -14,8 +14,9 @@ test: vet
 	$(MAKE) pytest
 
 # The Python SDK's tests, against a real `tidepool up` and `tidepool agent`.
-# Needs Debian's python3-grpcio, python3-protobuf, python3-cbor2 and
-# python3-xxhash, hence /usr/bin/python3 rather than whatever is on PATH.
+# Needs Debian's python3-grpcio, python3-protobuf, python3-cbor2,
+# python3-xxhash, python3-zmq and python3-msgpack, hence /usr/bin/python3
+# rather than whatever is on PATH.
 PYTHON := /usr/bin/python3
 
 pytest:
