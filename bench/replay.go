@@ -212,7 +212,8 @@ func (r *replayer) request(ctx context.Context, req trace.Request) {
 	m, err := r.c.Lookup(ctx, keys)
 	lookup := time.Since(start)
 	if err != nil {
-		r.record(func() { r.lookups = append(r.lookups, lookup); r.row.failed(err) })
+		// A request counts even so, as a miss: the simulations count it.
+		r.record(func() { r.lookups = append(r.lookups, lookup); r.row.Pool.Add(req, 0); r.row.failed(err) })
 		return
 	}
 	hit := 0
@@ -271,15 +272,15 @@ func (r *replayer) request(ctx context.Context, req trace.Request) {
 	})
 }
 
-// record updates the figures under the lock and reports progress.
+// record updates the figures and reports progress, under the lock, so
+// progress is heard one call at a time and in order.
 func (r *replayer) record(update func()) {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	update()
 	r.done++
-	done := r.done
-	r.mu.Unlock()
 	if r.cfg.Progress != nil {
-		r.cfg.Progress(r.capacity, done, len(r.cfg.Trace))
+		r.cfg.Progress(r.capacity, r.done, len(r.cfg.Trace))
 	}
 }
 

@@ -46,6 +46,11 @@ func (m *masterService) Lookup(ctx context.Context, req *pb.LookupRequest) (*pb.
 		keys, objs = keys[:n], objs[:n]
 	}
 	resp := m.s.fsm.lookup(objs, now.UnixNano(), exp)
+	if resp.Matched > 0 {
+		// The chain may start below blocks a client answered from its
+		// cache: they are used as much as what they lead to.
+		m.s.fsm.touch(keys[:1], now.UnixNano())
+	}
 	resp.LeaseTtlMs = uint64(m.s.cfg.LeaseTTL.Milliseconds())
 	m.s.noteLookup(callerTenant(ctx), probed, keys[:resp.Matched], resp)
 	return resp, nil

@@ -26,6 +26,7 @@ func (f *FSM) replicas(keys []string, objs []*object, now int64, a access) []*pb
 			continue
 		}
 		o.used.Store(now)
+		f.touchAncestors(o, now)
 		out[i] = &pb.ObjectReplicas{Status: itemStatus(nil), Size: o.size, Checksum: o.checksum, Replicas: f.describe(o.size, f.exts(o), a)}
 	}
 	return out
@@ -404,19 +405,23 @@ func (o evictable) lastUseNano() int64 {
 func (f *FSM) touch(keys []string, now int64) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	budget := maxChainWalk
 	for _, k := range keys {
-		o := f.objects.get(k)
-		if o == nil {
-			continue
+		if o := f.objects.get(k); o != nil {
+			o.used.Store(now)
+			f.touchAncestors(o, now)
+		}
+	}
+}
+
+// touchAncestors records an access of o's ancestors at now, up to one
+// touched as late (so a chain read or put in one call walks once) and at
+// most maxChainWalk of them. f.mu is held (read or write).
+func (f *FSM) touchAncestors(o *object, now int64) {
+	for range maxChainWalk {
+		if o = f.objects.get(o.parent()); o == nil || o.used.Load() >= now {
+			return
 		}
 		o.used.Store(now)
-		for ; budget > 0; budget-- {
-			if o = f.objects.get(o.parent()); o == nil || o.used.Load() >= now {
-				break
-			}
-			o.used.Store(now)
-		}
 	}
 }
 
@@ -729,13 +734,13 @@ func (f *FSM) tombsOf(n int, key func(int) string) []int64 {
 
 // unchanged reports whether o, scanned earlier, is still in the table as
 // it was: the same put, complete, on the same segments, not used, pinned
-// hard or copied since.
+// or copied since.
 func (f *FSM) unchanged(o evictable) bool {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	cur := f.objects.get(o.key)
 	if cur == nil || cur.putID != o.putID || !cur.is(pb.ObjectState_OBJECT_STATE_COMPLETE) || cur.hard() ||
-		cur.used.Load() != o.used || len(f.copies(cur)) > 0 {
+		f.softPin(cur) != o.softPin || cur.used.Load() != o.used || len(f.copies(cur)) > 0 {
 		return false
 	}
 	exts := f.exts(cur)

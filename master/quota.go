@@ -269,9 +269,9 @@ func satMul(a, b uint64) uint64 {
 	return math.MaxUint64
 }
 
-// maxQuotaRaces bounds how often one admission looks again after
-// concurrent ones evicted its victims first.
-const maxQuotaRaces = 8
+// maxQuotaRounds bounds how often one admission evicts and looks again:
+// concurrent puts may take the room it made, or evict its victims first.
+const maxQuotaRounds = 8
 
 // admitQuota makes room within tenant's limits in tier for puts of sizes
 // bytes each, evicting the tenant's own least recently used objects
@@ -289,8 +289,8 @@ func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, si
 			n++
 		}
 	}
-	waited, raced := false, 0
-	for {
+	waited := false
+	for round := 0; round < maxQuotaRounds; round++ {
 		limit, used := s.fsm.quotaOf(tenant, tier)
 		ob, oo := wouldExceed(limit, used, n, total)
 		if ob == 0 && oo == 0 {
@@ -305,15 +305,16 @@ func (s *Server) admitQuota(ctx context.Context, tenant string, tier pb.Tier, si
 		if err != nil {
 			return nil, err
 		}
-		if evicted == 0 && raced < maxQuotaRaces {
-			// A concurrent put's admission may have evicted the same
-			// victims first: look again if the use went down meanwhile.
-			if _, now := s.fsm.quotaOf(tenant, tier); now.bytes < used.bytes || now.objects < used.objects {
-				raced++
-				continue
-			}
+		// Look again after evicting (concurrent puts that ended meanwhile
+		// may have taken the room), or when the use went down (another
+		// admission evicted first).
+		if evicted > 0 {
+			continue
 		}
-		if evicted > 0 || waited || !s.awaitEvictable(ctx, s.cfg.Now().Add(s.cfg.PutTimeout)) {
+		if _, now := s.fsm.quotaOf(tenant, tier); now.bytes < used.bytes || now.objects < used.objects {
+			continue
+		}
+		if waited || !s.awaitEvictable(ctx, s.cfg.Now().Add(s.cfg.PutTimeout)) {
 			break
 		}
 		waited = true
@@ -364,7 +365,8 @@ func (s *Server) evictTenant(ctx context.Context, tenant string, tier pb.Tier, n
 		if got.bytes >= need.bytes && got.objects >= need.objects || walked {
 			break
 		}
-		s.quotaVictims.put(k, l.term, now, s.tenantCandidates(tenant, inTier, l, now, tenantUse{satAdd(need.bytes, slack.bytes), satAdd(need.objects, slack.objects)}))
+		want := tenantUse{satAdd(need.bytes, slack.bytes), satAdd(need.objects, slack.objects)}
+		s.quotaVictims.put(k, l.term, now, s.tenantCandidates(tenant, inTier, l, now, need, want, s.quotaVictims.isTaken))
 	}
 	if len(victims) == 0 {
 		return 0, nil
@@ -429,20 +431,25 @@ func (a *adminService) Quotas(context.Context, *pb.QuotasRequest) (*pb.QuotasRes
 
 // tenantCandidates walks the table for tenant's objects with a replica in
 // the tier inTier names, in the policy's order, worth want: never
-// hard-pinned ones, soft-pinned ones after the rest, and in the first
-// lease TTL of a leadership only what this leader made.
-func (s *Server) tenantCandidates(tenant string, inTier func(string) bool, l leadershipState, now time.Time, want tenantUse) []evictable {
+// hard-pinned ones nor those taken (being evicted by another admission),
+// soft-pinned ones after the rest and only as far as need goes (the next
+// puts should find newer unpinned ones first), and in the first lease
+// TTL of a leadership only what this leader made.
+func (s *Server) tenantCandidates(tenant string, inTier func(string) bool, l leadershipState, now time.Time, need, want tenantUse, taken func(string) bool) []evictable {
 	objs := filterObjects(s.fsm.scanTenant(tenant), func(o evictable) bool {
-		return !o.copying && !o.hard && slices.ContainsFunc(o.segments, inTier) && (!now.Before(l.evictable) || o.madeIn(l.term))
+		return !o.copying && !o.hard && !taken(o.key) && slices.ContainsFunc(o.segments, inTier) && (!now.Before(l.evictable) || o.madeIn(l.term))
 	})
 	s.byRecency(objs, now)
 	var out []evictable
 	var got tenantUse
 	picked := map[string]bool{}
 	for _, soft := range []bool{false, true} {
+		if soft {
+			want = need
+		}
 		for _, o := range objs {
 			if got.bytes >= want.bytes && got.objects >= want.objects {
-				return out
+				break
 			}
 			if picked[o.key] || (!soft && o.softPin > now.UnixNano()) {
 				continue
@@ -491,7 +498,22 @@ func (v *victimLists) put(k quotaKey, term uint64, now time.Time, objs []evictab
 	if v.m == nil {
 		v.m = map[quotaKey]*victimList{}
 	}
+	// Lists no admission will take from go: tenants come and go.
+	for old, l := range v.m {
+		if l.term != term || now.Sub(l.at) > victimListTTL {
+			delete(v.m, old)
+		}
+	}
 	v.m[k] = &victimList{term: term, at: now, objs: objs}
+}
+
+// isTaken reports whether an admission took key and has not evicted it
+// yet.
+func (v *victimLists) isTaken(key string) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	_, ok := v.taken[key]
+	return ok
 }
 
 // take pops victims off k's list until got reaches need, skipping those

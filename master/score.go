@@ -46,6 +46,10 @@ func (m *masterService) Score(ctx context.Context, req *pb.ScoreRequest) (*pb.Sc
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
+	// A lookup refuses a key whose removal is in flight: so does a score.
+	if n := slices.IndexFunc(keys, m.s.beingRemoved); n >= 0 {
+		keys = keys[:n]
+	}
 	return m.s.fsm.score(keys, weights), nil
 }
 

@@ -1,6 +1,10 @@
 package master
 
-import pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+import (
+	"slices"
+
+	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
+)
 
 // Watcher hears which complete objects enter and leave which tiers, as the
 // FSM applies the log: on every master alike, so a subscriber may follow
@@ -102,11 +106,28 @@ func (f *FSM) restored(now int64) {
 	clear(f.changed)
 	f.changes = f.changes[:0]
 	f.watcher.Cleared()
-	for k, o := range f.objects.all() {
-		m := f.tiersOf(o)
-		for t := range uint8(8) {
-			if m&(1<<t) != 0 {
-				f.watcher.Stored(k, o.parent(), f.tenantOf(o), pb.Tier(t))
+	// In key order, each block after its ancestors: routers refuse a
+	// block whose parent they do not hold, and every master then tells
+	// the same story.
+	keys := make([]string, 0, f.objects.len())
+	for k := range f.objects.all() {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	told := make(map[*object]bool, len(keys))
+	var line []*object
+	for _, k := range keys {
+		line = line[:0]
+		for o := f.objects.get(k); o != nil && !told[o] && len(line) < maxChainWalk; o = f.objects.get(o.parent()) {
+			told[o] = true
+			line = append(line, o)
+		}
+		for _, o := range slices.Backward(line) {
+			m := f.tiersOf(o)
+			for t := range uint8(8) {
+				if m&(1<<t) != 0 {
+					f.watcher.Stored(o.key(), o.parent(), f.tenantOf(o), pb.Tier(t))
+				}
 			}
 		}
 	}

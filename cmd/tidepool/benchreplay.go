@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -61,7 +62,7 @@ capacity, a TTFT estimate and the latencies. It sets quotas: in a secure pool, g
 	if err != nil || bb <= 0 || bb > 64<<20 {
 		return fmt.Errorf("%w: --block-bytes %q: want 1 B to 64 MiB", errUsage, blockSize)
 	}
-	if speed < 0 || concurrency < 1 || concurrency > 1024 {
+	if !(speed >= 0) || math.IsInf(speed, 0) || concurrency < 1 || concurrency > 1024 {
 		return fmt.Errorf("%w: --speed %g, --concurrency %d: want a speed of 0 or more and 1 to 1024 requests", errUsage, speed, concurrency)
 	}
 	distinct := trace.Distinct(reqs)

@@ -85,7 +85,7 @@ func (b *batcher) stored(key, parent, tenant string, tier pb.Tier) {
 	if !ok {
 		return
 	}
-	ph, hasParent := parentHash(parent, tenant, k)
+	ph, hasParent := parentHash(parent, k)
 	t := b.topic(k.topic)
 	t.live++
 	// A block whose parent is the last block stored extends that run, as

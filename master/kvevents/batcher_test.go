@@ -59,7 +59,7 @@ func expect(t *testing.T, b *batcher, want ...got) {
 }
 
 func TestBatcher(t *testing.T) {
-	const a, m = "kv@tidepool@a", "kv@tidepool@m"
+	const a, m = "kv@tidepool/a@a", "kv@tidepool/m@m"
 	b := newBatcher()
 
 	// A chain of three is one event; a fourth block of another chain is
@@ -119,8 +119,8 @@ func TestBatcherTenants(t *testing.T) {
 	b.stored(key(2), key(1), "acme", dram)
 	b.stored(ns.Key(mustHash(fmt.Sprintf("%016x", 3))), "", "", dram)
 	expect(t, b,
-		got{"kv@tidepool/acme/@m", []string{"stored CPU nil [1 2]"}},
-		got{"kv@tidepool@m", []string{"stored CPU nil [3]"}})
+		got{"kv@tidepool/m/acme/@m", []string{"stored CPU nil [1 2]"}},
+		got{"kv@tidepool/m@m", []string{"stored CPU nil [3]"}})
 }
 
 func TestBatcherSplitsLongBatches(t *testing.T) {

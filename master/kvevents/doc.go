@@ -45,15 +45,18 @@
 // # Topics
 //
 // One topic per model and tenants, in the form llm-d parses,
-// kv@POD@MODEL, split on '@':
+// kv@POD@MODEL, split on '@', each its own pod (routers take
+// AllBlocksCleared as clearing a whole pod):
 //
-//	kv@tidepool@MODEL                   no tenant, namespace without tenant
-//	kv@tidepool/TENANT/NSTENANT@MODEL   otherwise (either may be empty)
+//	kv@tidepool/MODELESC@MODEL                   no tenant, namespace without tenant
+//	kv@tidepool/MODELESC/TENANT/NSTENANT@MODEL   otherwise (either may be empty)
 //
-// MODEL is the model as the client named it (not escaped, '/' and all);
-// TENANT is the object's tenant in a secure pool, NSTENANT the namespace's
-// tenant, path-escaped as in keys. Tenants hold no '/' and escaped names
-// none, so the pod part is unambiguous. '@' would break the split, so keys
+// MODEL is the model as the client named it (not escaped, '/' and all),
+// MODELESC the same path-escaped; TENANT is the tenant of a secure pool,
+// whose keys carry its TENANT/ prefix (a tenant only recorded with an
+// unprefixed key names none, so two objects never publish one block),
+// NSTENANT the namespace's tenant, path-escaped as in keys. Tenants hold
+// no '/' and escaped names none, so the pod part is unambiguous. '@' would break the split, so keys
 // whose model or tenants hold one publish nothing (rather than publish
 // under a name the router would not recognise). Namespaces that differ
 // only in scheme share a topic; their block_size and hashes differ.
@@ -102,10 +105,13 @@
 //   - Flush hands batches to one sender goroutine through a queue of
 //     Config.QueueSize batches (4096), dropping what does not fit (logged
 //     at most once a second). Encoding happens on the sender. A batch
-//     carries at most 512 hashes; a restore's many are cut into several.
+//     carries at most 512 hashes; a restore's many are cut into several,
+//     which wait for room in the queue rather than drop: without them a
+//     subscriber's view would stay short of the table.
 //   - Replay keeps the last Config.BufferSteps batches (10,000), at most
-//     Config.BufferBytes of payload (64 MiB). Requests are served one at a
-//     time by one goroutine from a copy of the buffer, at most 16 waiting.
+//     Config.BufferBytes of payload (64 MiB). Each request is served by
+//     its peer's goroutine from a copy of the buffer, at most 8 at once
+//     (more are dropped), so a slow peer holds up only itself.
 //   - Each socket keeps at most 64 connections. A peer has 5 s for its
 //     handshake, may send frames of at most 4 KiB, messages of at most 16
 //     frames and hold at most 256 subscriptions, and is dropped when one
@@ -114,7 +120,8 @@
 //     misses what does not fit (Stats.Lagged) and sees the gap.
 //
 // zmq4 (github.com/go-zeromq/zmq4) performs each connection's ZMTP
-// handshake; the listeners and the framing are this package's own, as
+// handshake (a panic inside it on a malformed READY is recovered and the
+// peer dropped); the listeners and the framing are this package's own, as
 // zmq4's sockets trust their peers and leave a goroutine behind on Close.
 // Close stops every goroutine.
 package kvevents

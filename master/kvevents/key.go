@@ -12,7 +12,7 @@ import (
 // block is what an object key says about the KV block it holds.
 type block struct {
 	topic     string
-	ns        string // the key up to the hash, tenant stripped: the hash space
+	ns        string // the key up to the hash, with any tenant prefix: the hash space
 	hash      uint64 // the hash as vLLM's int form: its last 8 bytes, big-endian
 	hexLen    int    // the length of the hash's hex form
 	blockSize int
@@ -23,8 +23,8 @@ type block struct {
 // pool's TENANT/ prefix) name blocks, and only canonically spelled ones, so
 // that one namespace has one topic. Keys whose model or tenants hold '@'
 // name none: a topic is split on '@'.
-func parseKey(key, tenant string) (block, bool) {
-	key = stripTenant(key, tenant)
+func parseKey(full, tenant string) (block, bool) {
+	key, tenant := stripTenant(full, tenant)
 	rest, ok := strings.CutPrefix(key, "kv/") // rejects most keys cheaply
 	if !ok {
 		return block{}, false
@@ -48,7 +48,7 @@ func parseKey(key, tenant string) (block, bool) {
 	}
 	return block{
 		topic:     topic(tenant, nstenant, name),
-		ns:        key[:len(key)-len(hex)],
+		ns:        full[:len(full)-len(hex)],
 		hash:      lastUint64(hex),
 		hexLen:    len(hex),
 		blockSize: kvhash.Scheme(scheme).DefaultBlockSize(),
@@ -57,20 +57,23 @@ func parseKey(key, tenant string) (block, bool) {
 
 // parentHash is the hash of parent, the key of b's parent block, when it
 // names a block of b's namespace: the chain goes on in the same hash space.
-func parentHash(parent, tenant string, b block) (uint64, bool) {
-	hex, ok := strings.CutPrefix(stripTenant(parent, tenant), b.ns)
+func parentHash(parent string, b block) (uint64, bool) {
+	hex, ok := strings.CutPrefix(parent, b.ns)
 	if !ok || len(hex) != b.hexLen || !lowerHex(hex) {
 		return 0, false
 	}
 	return lastUint64(hex), true
 }
 
-// stripTenant takes a secure pool's TENANT/ prefix off key.
-func stripTenant(key, tenant string) string {
+// stripTenant takes a secure pool's TENANT/ prefix off key, and reports
+// the tenant it took ("" for none). An object whose tenant is only
+// recorded (a pool without tokens: its key has no prefix) names no
+// tenant in its topic, so two objects never publish the same block.
+func stripTenant(key, tenant string) (string, string) {
 	if tenant != "" && len(key) > len(tenant) && key[len(tenant)] == '/' && key[:len(tenant)] == tenant {
-		return key[len(tenant)+1:]
+		return key[len(tenant)+1:], tenant
 	}
-	return key
+	return key, ""
 }
 
 // lastUint64 reads the last 8 bytes of a hash's lower-case hex form (at
@@ -80,15 +83,17 @@ func lastUint64(hex string) uint64 {
 	return h
 }
 
-// Topic is the topic of ns's blocks put by a client of tenant ("" for
-// none): kv@tidepool@MODEL when tenant and ns.Tenant are both empty, else
-// kv@tidepool/TENANT/NSTENANT@MODEL, NSTENANT path-escaped as in keys.
+// Topic is the topic of ns's blocks put by a client of tenant in a
+// secure pool ("" for none): kv@POD@MODEL, POD tidepool/MODEL path-escaped,
+// then /TENANT/NSTENANT (NSTENANT path-escaped as in keys) when either is
+// set. Routers clear a whole pod on AllBlocksCleared, so each topic is a
+// pod of its own.
 func Topic(tenant string, ns kvhash.Namespace) string {
 	return topic(tenant, url.PathEscape(ns.Tenant), ns.Model)
 }
 
 func topic(tenant, nstenant, model string) string {
-	pod := "tidepool"
+	pod := "tidepool/" + url.PathEscape(model)
 	if tenant != "" || nstenant != "" {
 		pod += "/" + tenant + "/" + nstenant
 	}

@@ -21,11 +21,11 @@ func TestParseKey(t *testing.T) {
 		hash              uint64
 		blockSize         int
 	}{
-		{"vllm", llama.Key(mustHash(hex32)), "", "kv@tidepool@meta-llama/Llama-3.1-8B", 0x8000000000000001, 16},
-		{"xxh3 namespace tenant", team.Key(mustHash(hex8)), "", "kv@tidepool//team%20a@m", 0x0123456789abcdef, 64},
-		{"secure pool", "acme/kv/sglang-sha256/m//" + hex32, "acme", "kv@tidepool/acme/@m", 0x8000000000000001, 64},
-		{"secure pool, namespace tenant", "acme/" + team.Key(mustHash(hex8)), "acme", "kv@tidepool/acme/team%20a@m", 0x0123456789abcdef, 64},
-		{"tenant without prefix", "kv/xxh3-64/m//" + hex8, "acme", "kv@tidepool/acme/@m", 0x0123456789abcdef, 64},
+		{"vllm", llama.Key(mustHash(hex32)), "", "kv@tidepool/meta-llama%2FLlama-3.1-8B@meta-llama/Llama-3.1-8B", 0x8000000000000001, 16},
+		{"xxh3 namespace tenant", team.Key(mustHash(hex8)), "", "kv@tidepool/m//team%20a@m", 0x0123456789abcdef, 64},
+		{"secure pool", "acme/kv/sglang-sha256/m//" + hex32, "acme", "kv@tidepool/m/acme/@m", 0x8000000000000001, 64},
+		{"secure pool, namespace tenant", "acme/" + team.Key(mustHash(hex8)), "acme", "kv@tidepool/m/acme/team%20a@m", 0x0123456789abcdef, 64},
+		{"tenant without prefix (only recorded: no topic of its own)", "kv/xxh3-64/m//" + hex8, "acme", "kv@tidepool/m@m", 0x0123456789abcdef, 64},
 	}
 	for _, tc := range good {
 		t.Run(tc.name, func(t *testing.T) {
@@ -78,14 +78,14 @@ func TestParentHash(t *testing.T) {
 		ok     bool
 	}{
 		{"acme/" + ns.Key(mustHash(hex8)), 0x0123456789abcdef, true},
-		{ns.Key(mustHash(hex8)), 0x0123456789abcdef, true}, // as the key, the prefix is optional
+		{ns.Key(mustHash(hex8)), 0, false}, // without the prefix: another key space
 		{"", 0, false},
 		{"acme/kv/xxh3-64/other//" + hex8, 0, false},              // another model
 		{"acme/kv/vllm-sha256-cbor/m//" + hex32, 0, false},        // another scheme
 		{"acme/" + ns.Key(mustHash(hex8)) + "0", 0, false},        // too long
 		{"acme/kv/xxh3-64/m//" + strings.ToUpper(hex8), 0, false}, // not as keys are spelled
 	} {
-		if h, ok := parentHash(tc.parent, "acme", b); h != tc.want || ok != tc.ok {
+		if h, ok := parentHash(tc.parent, b); h != tc.want || ok != tc.ok {
 			t.Errorf("parentHash(%q) = %#x %v, want %#x %v", tc.parent, h, ok, tc.want, tc.ok)
 		}
 	}
@@ -93,15 +93,15 @@ func TestParentHash(t *testing.T) {
 
 func TestTopic(t *testing.T) {
 	ns := kvhash.Namespace{Scheme: kvhash.VLLMSHA256CBOR, Model: "org/model", Tenant: "a b"}
-	if got, want := Topic("acme", ns), "kv@tidepool/acme/a%20b@org/model"; got != want {
+	if got, want := Topic("acme", ns), "kv@tidepool/org%2Fmodel/acme/a%20b@org/model"; got != want {
 		t.Errorf("Topic = %q, want %q", got, want)
 	}
 	ns.Tenant = ""
-	if got, want := Topic("", ns), "kv@tidepool@org/model"; got != want {
+	if got, want := Topic("", ns), "kv@tidepool/org%2Fmodel@org/model"; got != want {
 		t.Errorf("Topic = %q, want %q", got, want)
 	}
 	// llm-d splits a topic on '@' into kv, pod and model.
-	if parts := strings.Split(Topic("acme", ns), "@"); len(parts) != 3 || parts[1] != "tidepool/acme/" || parts[2] != "org/model" {
+	if parts := strings.Split(Topic("acme", ns), "@"); len(parts) != 3 || parts[1] != "tidepool/org%2Fmodel/acme/" || parts[2] != "org/model" {
 		t.Errorf("Topic splits into %q", parts)
 	}
 }

@@ -68,7 +68,7 @@ type Publisher struct {
 	replay   *server // nil without replay
 	history  history
 	queue    chan batch
-	requests chan replayRequest
+	replays  chan struct{} // a slot per replay being served
 	done     chan struct{}
 	wg       sync.WaitGroup
 
@@ -80,6 +80,7 @@ type Publisher struct {
 	// The FSM's, touched under its lock alone.
 	batcher     *batcher
 	seq         uint64  // the next batch's sequence number
+	restoring   bool    // Cleared since the last Flush
 	out         []batch // Flush's, reused
 	lastDropLog time.Time
 }
@@ -104,7 +105,7 @@ func New(cfg Config) (*Publisher, error) {
 		log:      cfg.Logger,
 		history:  history{steps: cfg.BufferSteps, bytes: cfg.BufferBytes},
 		queue:    make(chan batch, cfg.QueueSize),
-		requests: make(chan replayRequest, maxReplayRequests),
+		replays:  make(chan struct{}, maxReplays),
 		done:     make(chan struct{}),
 		batcher:  newBatcher(),
 	}
@@ -117,8 +118,6 @@ func New(cfg Config) (*Publisher, error) {
 			p.pub.close()
 			return nil, err
 		}
-		p.wg.Add(1)
-		go p.serveReplay()
 	}
 	p.wg.Add(1)
 	go p.send()
@@ -165,6 +164,7 @@ func (p *Publisher) Removed(key, tenant string, tier pb.Tier) {
 func (p *Publisher) Cleared() {
 	if !p.closed.Load() {
 		p.batcher.cleared()
+		p.restoring = true
 	}
 }
 
@@ -176,9 +176,21 @@ func (p *Publisher) Flush(nowUnixNano int64) {
 		return
 	}
 	p.out = p.batcher.flush(float64(nowUnixNano)/1e9, p.out[:0])
+	restoring := p.restoring
+	p.restoring = false
 	for _, b := range p.out {
 		b.seq = p.seq
 		p.seq++
+		if restoring {
+			// A restore's batches are the whole table, more than the
+			// queue holds, and a subscriber cannot do without them:
+			// they wait for the sender (which waits for no peer).
+			select {
+			case p.queue <- b:
+			case <-p.done:
+			}
+			continue
+		}
 		select {
 		case p.queue <- b:
 		default:

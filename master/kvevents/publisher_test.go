@@ -57,7 +57,7 @@ func TestPublish(t *testing.T) {
 func testPublish(t *testing.T, enc Encoding) {
 	p := newPublisher(t, enc)
 	sub := subscribe(t, p)
-	const a, b = "kv@tidepool@org/a", "kv@tidepool@b"
+	const a, b = "kv@tidepool/org%2Fa@org/a", "kv@tidepool/b@b"
 	big := uint64(1) << 63 // needs a full unsigned 64-bit integer
 	var live [][][]byte    // what arrived, all but probes
 	next := func(topic string) decoded {
@@ -206,7 +206,7 @@ func TestFlushDropsWhatDoesNotFit(t *testing.T) {
 	if got := p.dropped.Load(); got != 3 {
 		t.Fatalf("dropped %d, want 3", got)
 	}
-	if b := <-p.queue; b.seq != 0 || b.topic != "kv@tidepool@a" {
+	if b := <-p.queue; b.seq != 0 || b.topic != "kv@tidepool/a@a" {
 		t.Fatalf("queued batch %d on %s, want 0 on a", b.seq, b.topic)
 	}
 	if p.seq != 4 {

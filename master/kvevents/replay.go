@@ -10,9 +10,10 @@ import (
 // vLLM writes it, FF×8.
 var endSeq = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 
-// maxReplayRequests is how many replay requests may wait; more are
-// dropped, and their clients time out and ask again.
-const maxReplayRequests = 16
+// maxReplays is how many replays may be served at once, each by its
+// peer's own goroutine, so that a slow peer holds up only itself; more
+// requests are dropped, and their clients time out and ask again.
+const maxReplays = 8
 
 // sent is one published batch, kept for replay. Its frames are shared,
 // never written to.
@@ -55,15 +56,10 @@ func (h *history) since(start uint64) []sent {
 	return append([]sent(nil), h.mu.kept[i:]...)
 }
 
-// replayRequest is a peer's request to replay from start on.
-type replayRequest struct {
-	peer  *peer
-	start uint64
-}
-
-// handleReplay reads one replay client's requests. A ROUTER socket reads
-// a request as [identity, "", start]; on the wire, without the identity
-// the ROUTER adds, it is ["", start as 8 bytes big-endian].
+// handleReplay reads one replay client's requests and answers each. A
+// ROUTER socket reads a request as [identity, "", start]; on the wire,
+// without the identity the ROUTER adds, it is ["", start as 8 bytes
+// big-endian].
 func (p *Publisher) handleReplay(c *peer) {
 	for {
 		frames, command, err := c.readMsg()
@@ -79,43 +75,33 @@ func (p *Publisher) handleReplay(c *peer) {
 			continue
 		}
 		select {
-		case p.requests <- replayRequest{peer: c, start: binary.BigEndian.Uint64(frames[1])}:
+		case p.replays <- struct{}{}:
 		default:
-			p.log.Debug("kvevents: replay busy, request dropped", "peer", c.conn.RemoteAddr())
+			p.log.Debug("kvevents: replays busy, request dropped", "peer", c.conn.RemoteAddr())
+			continue
 		}
-	}
-}
-
-// serveReplay answers replay requests, one at a time, until Close: one
-// message ["", topic, seq, payload] per batch kept from the request's
-// start on (vLLM's replay with the topic frame), then ["", "", FF×8, ""].
-func (p *Publisher) serveReplay() {
-	defer p.wg.Done()
-	for {
-		var r replayRequest
-		select {
-		case <-p.done:
-			return
-		case r = <-p.requests:
-		}
-		err := p.replayTo(r)
+		err = p.replayTo(c, binary.BigEndian.Uint64(frames[1]))
+		<-p.replays
 		if err != nil {
-			p.log.Debug("kvevents: replay", "peer", r.peer.conn.RemoteAddr(), "err", err)
-			r.peer.conn.Close()
+			p.log.Debug("kvevents: replay", "peer", c.conn.RemoteAddr(), "err", err)
+			return
 		}
 	}
 }
 
-func (p *Publisher) replayTo(r replayRequest) error {
-	for _, s := range p.history.since(r.start) {
+// replayTo answers a request to replay from start: one message ["",
+// topic, seq, payload] per batch kept from start on (vLLM's replay with
+// the topic frame), then ["", "", FF×8, ""].
+func (p *Publisher) replayTo(c *peer, start uint64) error {
+	for _, s := range p.history.since(start) {
 		select {
 		case <-p.done:
 			return nil
 		default:
 		}
-		if err := r.peer.send(appendMsg(nil, []byte{}, s.topic, s.seq, s.payload)); err != nil {
+		if err := c.send(appendMsg(nil, []byte{}, s.topic, s.seq, s.payload)); err != nil {
 			return err
 		}
 	}
-	return r.peer.send(appendMsg(nil, []byte{}, []byte{}, endSeq, []byte{}))
+	return c.send(appendMsg(nil, []byte{}, []byte{}, endSeq, []byte{}))
 }

@@ -16,7 +16,7 @@ import (
 const wait = 10 * time.Second
 
 // probeTopic is the topic of the probes subscribe publishes.
-const probeTopic = "kv@tidepool@probe"
+const probeTopic = "kv@tidepool/probe@probe"
 
 // A decoded batch, its events as maps with vLLM's field names whatever
 // the encoding.

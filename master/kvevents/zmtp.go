@@ -60,7 +60,15 @@ type peer struct {
 
 // handshake performs the ZMTP handshake (NULL security) on c as a socket
 // of type typ.
-func handshake(c net.Conn, typ zmq4.SocketType) (*peer, error) {
+func handshake(c net.Conn, typ zmq4.SocketType) (p *peer, err error) {
+	// zmq4 v0.17.0 trusts the metadata of a peer's READY (a property
+	// length past the frame's end panics): a peer's bytes must not stop
+	// the master.
+	defer func() {
+		if r := recover(); r != nil {
+			p, err = nil, fmt.Errorf("kvevents: malformed handshake: %v", r)
+		}
+	}()
 	if err := c.SetDeadline(time.Now().Add(handshakeTimeout)); err != nil {
 		return nil, err
 	}

@@ -196,7 +196,7 @@ class KVEventsTest:
 
     def test_put_evict_clear_replay(self):
         ns = hashing.Namespace("xxh3-64", "org/model-" + self.ENCODING)
-        topic = "kv@tidepool@" + ns.model
+        topic = "kv@tidepool/%s@%s" % (hashing.path_escape(ns.model), ns.model)
         start = self.sub.next
         chain = self.put_prompt(ns, 1, 3)
         hashes = [block_hash(b.hash) for b in chain]
@@ -227,7 +227,7 @@ class KVEventsTest:
 
     def test_view_equals_master_after_evictions(self):
         ns = hashing.Namespace("xxh3-64", "org/view-" + self.ENCODING, "t1")
-        topic = "kv@tidepool//t1@" + ns.model
+        topic = "kv@tidepool/%s//t1@%s" % (hashing.path_escape(ns.model), ns.model)
         chains = [self.put_prompt(ns, 100 + i, 6) for i in range(8)]
         # Evictions: whole prompts, single blocks, and every block of the
         # namespace whose hash starts with a digit.
