@@ -2,6 +2,7 @@ package master
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -266,5 +267,20 @@ func TestReview21ScoreCountsBlocksBeingRemoved(t *testing.T) {
 	}
 	if s.Matched != l.Matched {
 		t.Errorf("with b's eviction in flight: score matched %d, lookup matched %d", s.Matched, l.Matched)
+	}
+}
+
+// TestReview21TenantLookupOverLimitRefusedFirst: a tenant's packed lookup
+// of more keys than a batch may hold is refused before the rewrite copies
+// them with the tenant's prefix.
+func TestReview21TenantLookupOverLimitRefusedFirst(t *testing.T) {
+	n := newNamespace("t")
+	for _, req := range []any{
+		&pb.LookupRequest{KeyLengths: make([]uint32, MaxBatchKeys+1)},
+		&pb.ScoreRequest{Chain: &pb.LookupRequest{KeyLengths: make([]uint32, MaxBatchKeys+1)}},
+	} {
+		if err := n.request(req); !errors.Is(err, ErrInvalidRequest) {
+			t.Errorf("%T of %d keys: %v, want ErrInvalidRequest", req, MaxBatchKeys+1, err)
+		}
 	}
 }

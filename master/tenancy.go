@@ -114,6 +114,11 @@ func (n namespace) request(req any) error {
 		}
 	case *pb.LookupRequest:
 		n.keys(r.Keys)
+		if len(r.KeyLengths) > MaxBatchKeys {
+			// Refused before the prefixed copy is made: its size is
+			// the count times the prefix.
+			return fmt.Errorf("%w: %d keys exceed the batch limit of %d", ErrInvalidRequest, len(r.KeyLengths), MaxBatchKeys)
+		}
 		if len(r.KeyLengths) > 0 {
 			packed := make([]byte, 0, len(r.PackedKeys)+len(r.KeyLengths)*len(n.prefix))
 			at := 0
