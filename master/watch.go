@@ -19,7 +19,8 @@ type Watcher interface {
 	// Cleared: the state was replaced wholesale (a snapshot restored);
 	// what it holds is Stored next.
 	Cleared()
-	// Flush ends one log entry's changes, at the entry's time.
+	// Flush ends one log entry's changes, at the entry's time (0 after a
+	// restore, which has none).
 	Flush(nowUnixNano int64)
 }
 

@@ -64,8 +64,9 @@
 // # Encodings
 //
 // A batch is always the positional array [ts, events, data_parallel_rank]:
-// ts the entry's time in seconds (float64), data_parallel_rank nil. Events
-// are written as Config.Encoding says:
+// ts the entry's time in seconds (float64; for a restore, which has none,
+// the publisher's clock), data_parallel_rank nil. Events are written as
+// Config.Encoding says:
 //
 //	array: ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
 //	       ["BlockRemoved", block_hashes, medium]

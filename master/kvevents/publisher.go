@@ -175,6 +175,9 @@ func (p *Publisher) Flush(nowUnixNano int64) {
 	if p.closed.Load() {
 		return
 	}
+	if nowUnixNano == 0 {
+		nowUnixNano = time.Now().UnixNano() // a restore's: it has no entry's time
+	}
 	p.out = p.batcher.flush(float64(nowUnixNano)/1e9, p.out[:0])
 	restoring := p.restoring
 	p.restoring = false
