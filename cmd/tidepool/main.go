@@ -44,7 +44,7 @@ func commands() []command {
 		{"score", "--scheme S --model M ...", "a router's score of a prompt: leading blocks cached, per tier, leasing nothing", runScore},
 		{"admin", "SUBCOMMAND", "operator commands: evict, pin, unpin, rails", runAdmin},
 		{"certs", "init DIR", "write a development CA, per-role certificates and tokens", runCerts},
-		{"bench", "[engine|lookup|meta|fill] [flags]", "measure put, get and exists; or the transfer engine, prefix lookups, the master alone; or fill the master with objects", runBench},
+		{"bench", "[engine|lookup|meta|fill|replay] [flags]", "measure put, get and exists; or the transfer engine, prefix lookups, the master alone; fill the master with objects; or replay a request trace", runBench},
 	}
 }
 
