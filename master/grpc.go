@@ -806,14 +806,26 @@ func (m *masterService) GetReplicas(ctx context.Context, req *pb.KeysRequest) (*
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
 	}
-	objs := m.s.fsm.complete(req.Keys)
-	now := m.s.cfg.Now()
-	exp := now.Add(m.s.cfg.LeaseTTL).UnixNano()
-	refused := m.s.lease(req.Keys, objs, now.UnixNano(), exp, false)
-	res := m.s.fsm.replicas(req.Keys, objs, now.UnixNano(), access{op: ticket.Read, expiry: exp})
-	for i, k := range req.Keys {
-		if refused[k] {
-			res[i] = &pb.ObjectReplicas{Status: itemStatus(errorf(ErrNotFound, k))}
+	// A key whose removal is in flight cannot be leased (its space may be
+	// reused once the removal commits), nor answered not found: should
+	// its leader die before the removal commits, a later get would find
+	// it again. So the get waits for the removal to end, then reads again
+	// (on this leader still, or fails for the client to ask the next).
+	var res []*pb.ObjectReplicas
+	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
+		objs := m.s.fsm.complete(req.Keys)
+		now := m.s.cfg.Now()
+		exp := now.Add(m.s.cfg.LeaseTTL).UnixNano()
+		refused := m.s.lease(req.Keys, objs, now.UnixNano(), exp, false)
+		res = m.s.fsm.replicas(req.Keys, objs, now.UnixNano(), access{op: ticket.Read, expiry: exp})
+		if len(refused) == 0 {
+			break
+		}
+		if err := m.s.sleep(ctx, wait); err != nil {
+			return nil, err
+		}
+		if err := m.s.leaderOnly(); err != nil {
+			return nil, err
 		}
 	}
 	m.s.noteReads(req.Keys, res)

@@ -284,3 +284,31 @@ func TestReview21TenantLookupOverLimitRefusedFirst(t *testing.T) {
 		}
 	}
 }
+
+// TestGetWaitsForRemovalInFlight: a get of a key whose removal is in
+// flight is not answered not found (the removal may never commit, as when
+// its leader dies): it waits, and finds the object if the removal ends
+// without removing it.
+func TestGetWaitsForRemovalInFlight(t *testing.T) {
+	e := newEvictEnv(t, nil)
+	m := e.m
+	putObject(t, m, "k", 4096)
+	_, done := m.srv.startRemove([]string{"k"})
+	got := make(chan *pb.GetReplicasResponse, 1)
+	go func() {
+		r, err := m.master().GetReplicas(rpcCtx(t), &pb.KeysRequest{Keys: []string{"k"}})
+		if err != nil {
+			t.Error(err)
+		}
+		got <- r
+	}()
+	select {
+	case r := <-got:
+		t.Fatalf("answered %v while the removal was in flight", r)
+	case <-time.After(100 * time.Millisecond): // no answer yet, as wanted
+	}
+	done() // the removal ends without having removed k
+	if r := <-got; r == nil || r.Results[0].Status.GetCode() != 0 || len(r.Results[0].Replicas) != 1 {
+		t.Fatalf("after the removal ended: %v, want k found", r)
+	}
+}
