@@ -12,7 +12,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -74,21 +73,7 @@ func (e *evictEnv) evictions(t *testing.T, reason string) float64 {
 
 // tryPut runs a whole put without touching t, so goroutines may call it.
 func tryPut(ctx context.Context, m *member, key string, size uint64) error {
-	r, err := m.master().PutStart(ctx, &pb.PutStartRequest{Key: key, Size: size, Checksum: uint32(size)})
-	if err != nil {
-		return err
-	}
-	if r.Exists || len(r.Replicas) != 1 {
-		return fmt.Errorf("put start %q = %v", key, r)
-	}
-	resp, err := m.master().PutEnd(ctx, &pb.KeysRequest{Keys: []string{key}, PutIds: []uint64{r.PutId}})
-	if err != nil {
-		return err
-	}
-	if c := resp.Results[0].Code; c != 0 {
-		return status.Error(codes.Code(c), resp.Results[0].Message)
-	}
-	return nil
+	return r21Put(ctx, m, "", key, "", size)
 }
 
 // batchPut starts and ends the puts of keys, each size bytes, in one
