@@ -63,3 +63,5 @@ require (
 	golang.org/x/sync v0.23.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
 )
+
+replace github.com/hashicorp/raft => ./third_party/raft

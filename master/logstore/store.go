@@ -16,6 +16,7 @@ import (
 var (
 	_ raft.LogStore    = (*Store)(nil)
 	_ raft.StableStore = (*Store)(nil)
+	_ raft.LogStager   = (*Store)(nil)
 )
 
 // ErrInUse is returned by Open when another process has the directory open.
@@ -37,6 +38,10 @@ type Store struct {
 		// first and last are the lowest and highest stored log indexes,
 		// both 0 when the log is empty.
 		first, last uint64
+		// staged are the entries a leader is writing, consecutive, which
+		// GetLog serves so that raft sends them to the followers meanwhile
+		// (see StageLogs); nil when none.
+		staged []*raft.Log
 	}
 
 	disk diskHealth
@@ -214,6 +219,13 @@ func (s *Store) LastIndex() (uint64, error) {
 // GetLog implements raft.LogStore. It returns raft.ErrLogNotFound if there
 // is no entry at index.
 func (s *Store) GetLog(index uint64, l *raft.Log) error {
+	s.mu.RLock()
+	if st := s.mu.staged; len(st) > 0 && index >= st[0].Index && index <= st[len(st)-1].Index {
+		*l = *st[index-st[0].Index]
+		s.mu.RUnlock()
+		return nil
+	}
+	s.mu.RUnlock()
 	v, closer, err := s.db.Get(logKey(index))
 	if errors.Is(err, pebble.ErrNotFound) {
 		return raft.ErrLogNotFound
@@ -231,6 +243,15 @@ func (s *Store) GetLog(index uint64, l *raft.Log) error {
 	}
 	*l = out
 	return nil
+}
+
+// StageLogs implements raft.LogStager (our fork of hashicorp/raft,
+// third_party/raft): GetLog serves logs until the StoreLogs of them that
+// follows returns, so the leader's write runs beside the followers'.
+func (s *Store) StageLogs(logs []*raft.Log) {
+	s.mu.Lock()
+	s.mu.staged = logs
+	s.mu.Unlock()
 }
 
 // StoreLog implements raft.LogStore.
@@ -259,15 +280,17 @@ func (s *Store) StoreLogs(logs []*raft.Log) error {
 
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	if err := b.Commit(pebble.Sync); err != nil {
+	err := b.Commit(pebble.Sync)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.mu.staged = nil
+	if err != nil {
 		return fmt.Errorf("logstore: committing logs %d-%d: %w", lo, hi, err)
 	}
-	s.mu.Lock()
 	if s.mu.first == 0 || lo < s.mu.first {
 		s.mu.first = lo
 	}
 	s.mu.last = max(s.mu.last, hi)
-	s.mu.Unlock()
 	return nil
 }
 

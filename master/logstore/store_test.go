@@ -604,3 +604,41 @@ func TestHoldOpen(t *testing.T) {
 	fmt.Println("held")
 	_, _ = io.Copy(io.Discard, os.Stdin)
 }
+
+// TestStagedLogsServedUntilStored: staged entries are read through GetLog
+// before they are stored, without counting in LastIndex, and from the
+// log once StoreLogs has returned.
+func TestStagedLogsServedUntilStored(t *testing.T) {
+	s := openTestStore(t, t.TempDir())
+	if err := s.StoreLogs(testLogs(1, 4)); err != nil {
+		t.Fatal(err)
+	}
+	staged := testLogs(5, 7)
+	s.StageLogs(staged)
+	for i := uint64(1); i <= 7; i++ {
+		var got raft.Log
+		if err := s.GetLog(i, &got); err != nil || !logsEqual(&got, testLog(i)) {
+			t.Fatalf("GetLog(%d) while staged = %+v, %v", i, got, err)
+		}
+	}
+	var got raft.Log
+	if err := s.GetLog(8, &got); !errors.Is(err, raft.ErrLogNotFound) {
+		t.Fatalf("GetLog(8) = %v, want ErrLogNotFound", err)
+	}
+	checkBounds(t, s, 1, 4)
+	if err := s.StoreLogs(staged); err != nil {
+		t.Fatal(err)
+	}
+	checkBounds(t, s, 1, 7)
+	s.mu.RLock()
+	left := s.mu.staged
+	s.mu.RUnlock()
+	if left != nil {
+		t.Fatalf("StoreLogs left %d entries staged", len(left))
+	}
+	for i := uint64(5); i <= 7; i++ {
+		if err := s.GetLog(i, &got); err != nil || !logsEqual(&got, testLog(i)) {
+			t.Fatalf("GetLog(%d) after StoreLogs = %+v, %v", i, got, err)
+		}
+	}
+}
