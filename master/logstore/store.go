@@ -39,8 +39,7 @@ type Store struct {
 		// both 0 when the log is empty.
 		first, last uint64
 		// staged are the entries a leader is writing, consecutive, which
-		// GetLog serves so that raft sends them to the followers meanwhile
-		// (see StageLogs); nil when none.
+		// GetLog serves (see StageLogs); nil when none.
 		staged []*raft.Log
 	}
 
@@ -246,8 +245,9 @@ func (s *Store) GetLog(index uint64, l *raft.Log) error {
 }
 
 // StageLogs implements raft.LogStager (our fork of hashicorp/raft,
-// third_party/raft): GetLog serves logs until the StoreLogs of them that
-// follows returns, so the leader's write runs beside the followers'.
+// third_party/raft): GetLog serves logs, as well as what is stored, until
+// the next StageLogs, so raft sends them to the followers while its
+// leader writes them.
 func (s *Store) StageLogs(logs []*raft.Log) {
 	s.mu.Lock()
 	s.mu.staged = logs
@@ -280,17 +280,15 @@ func (s *Store) StoreLogs(logs []*raft.Log) error {
 
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
-	err := b.Commit(pebble.Sync)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.mu.staged = nil
-	if err != nil {
+	if err := b.Commit(pebble.Sync); err != nil {
 		return fmt.Errorf("logstore: committing logs %d-%d: %w", lo, hi, err)
 	}
+	s.mu.Lock()
 	if s.mu.first == 0 || lo < s.mu.first {
 		s.mu.first = lo
 	}
 	s.mu.last = max(s.mu.last, hi)
+	s.mu.Unlock()
 	return nil
 }
 

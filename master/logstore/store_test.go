@@ -605,22 +605,26 @@ func TestHoldOpen(t *testing.T) {
 	_, _ = io.Copy(io.Discard, os.Stdin)
 }
 
-// TestStagedLogsServedUntilStored: staged entries are read through GetLog
-// before they are stored, without counting in LastIndex, and from the
-// log once StoreLogs has returned.
-func TestStagedLogsServedUntilStored(t *testing.T) {
+// TestStagedLogsServedUntilUnstaged: staged entries are read through
+// GetLog before they are stored, without counting in LastIndex, and from
+// the log once stored and unstaged.
+func TestStagedLogsServedUntilUnstaged(t *testing.T) {
 	s := openTestStore(t, t.TempDir())
 	if err := s.StoreLogs(testLogs(1, 4)); err != nil {
 		t.Fatal(err)
 	}
 	staged := testLogs(5, 7)
 	s.StageLogs(staged)
-	for i := uint64(1); i <= 7; i++ {
-		var got raft.Log
-		if err := s.GetLog(i, &got); err != nil || !logsEqual(&got, testLog(i)) {
-			t.Fatalf("GetLog(%d) while staged = %+v, %v", i, got, err)
+	read := func(when string, lo, hi uint64) {
+		t.Helper()
+		for i := lo; i <= hi; i++ {
+			var got raft.Log
+			if err := s.GetLog(i, &got); err != nil || !logsEqual(&got, testLog(i)) {
+				t.Fatalf("GetLog(%d) %s = %+v, %v", i, when, got, err)
+			}
 		}
 	}
+	read("while staged", 1, 7)
 	var got raft.Log
 	if err := s.GetLog(8, &got); !errors.Is(err, raft.ErrLogNotFound) {
 		t.Fatalf("GetLog(8) = %v, want ErrLogNotFound", err)
@@ -630,15 +634,14 @@ func TestStagedLogsServedUntilStored(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkBounds(t, s, 1, 7)
-	s.mu.RLock()
-	left := s.mu.staged
-	s.mu.RUnlock()
-	if left != nil {
-		t.Fatalf("StoreLogs left %d entries staged", len(left))
-	}
-	for i := uint64(5); i <= 7; i++ {
-		if err := s.GetLog(i, &got); err != nil || !logsEqual(&got, testLog(i)) {
-			t.Fatalf("GetLog(%d) after StoreLogs = %+v, %v", i, got, err)
-		}
+	read("stored and staged", 1, 7)
+	s.StageLogs(nil)
+	read("stored", 1, 7)
+	// A stage a failed write leaves is gone once unstaged.
+	s.StageLogs(testLogs(8, 9))
+	read("staged again", 8, 9)
+	s.StageLogs(nil)
+	if err := s.GetLog(8, &got); !errors.Is(err, raft.ErrLogNotFound) {
+		t.Fatalf("GetLog(8) after unstaging = %v, want ErrLogNotFound", err)
 	}
 }

@@ -82,7 +82,6 @@ func (i *InmemStore) StoreLog(log *Log) error {
 func (i *InmemStore) StoreLogs(logs []*Log) error {
 	i.l.Lock()
 	defer i.l.Unlock()
-	i.staged = nil
 	for _, l := range logs {
 		i.logs[l.Index] = l
 		if i.lowIndex == 0 {

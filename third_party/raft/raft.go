@@ -1267,7 +1267,7 @@ func (r *Raft) dispatchLogs(applyLogs []*logFuture) {
 	r.tryStageCommitIndex(commitIndex)
 
 	// Tidepool: see stage.go.
-	if st, ok := r.logs.(LogStager); ok {
+	if st, ok := r.logs.(LogStager); ok && stageable(logs) {
 		r.dispatchStaged(st, applyLogs, logs, lastIndex, term)
 		return
 	}

@@ -221,6 +221,12 @@ START:
 
 	// Setup the request
 	if err := r.setupAppendEntries(s, &req, atomic.LoadUint64(&s.nextIndex), lastIndex); err == ErrLogNotFound {
+		// Tidepool (stage.go): past our last log, it was staged by a
+		// write that failed; the leader is stepping down, and a snapshot
+		// would take the follower back.
+		if last := r.getLastIndex(); lastIndex > last || atomic.LoadUint64(&s.nextIndex) > last+1 {
+			return false
+		}
 		goto SEND_SNAP
 	} else if err != nil {
 		return

@@ -50,7 +50,6 @@ func (g *gatedStore) StoreLogs(logs []*Log) error {
 			err = ErrRaftShutdown
 		}
 		if err != nil {
-			g.StageLogs(nil)
 			return err
 		}
 	}
@@ -196,8 +195,8 @@ func TestStagedWriteFailureStepsDown(t *testing.T) {
 	term := c.rafts[l].getCurrentTerm()
 	disk := errors.New("disk gone")
 	c.stores[l].release <- disk
-	if err := f.Error(); !errors.Is(err, disk) {
-		t.Fatalf("apply answered %v, want the write's error", err)
+	if err := f.Error(); !errors.Is(err, disk) || !errors.Is(err, ErrLeadershipLost) {
+		t.Fatalf("apply answered %v, want the write's error as a lost leadership", err)
 	}
 	// Unless a new leader has sent it the entry since (in a later term).
 	if last, _ := c.rafts[l].getLastLog(); last >= want && c.rafts[l].getCurrentTerm() == term {
