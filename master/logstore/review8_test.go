@@ -16,8 +16,25 @@ import (
 // review8CrashImage copies dir as it is on disk while the store is open:
 // what a machine that lost power right now would restart from (every
 // commit the store acknowledged was synced).
-func review8CrashImage(t *testing.T, dir string) string {
+//
+// It first waits for s's flushes and compactions to end: a copy file by
+// file while pebble compacts is not one instant's (a table written during
+// the copy can be half in it and named whole by its MANIFEST, or copied
+// out of a MANIFEST that names tables deleted since: a clean make test
+// once failed so).
+func review8CrashImage(t *testing.T, s *Store, dir string) string {
 	t.Helper()
+	quiet := 0
+	for deadline := time.Now().Add(10 * time.Second); quiet < 3; time.Sleep(20 * time.Millisecond) {
+		if m := s.db.Metrics(); m.Compact.NumInProgress == 0 && m.Flush.NumInProgress == 0 {
+			quiet++
+		} else {
+			quiet = 0
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("pebble still compacting after 10 s")
+		}
+	}
 	dst := t.TempDir()
 	ents, err := os.ReadDir(dir)
 	if err != nil {
@@ -78,21 +95,21 @@ func TestReview8CrashAfterPrime(t *testing.T) {
 	if err := s.StoreLogs(small); err != nil {
 		t.Fatal(err)
 	}
-	img := review8CrashImage(t, dir)
+	img := review8CrashImage(t, s, dir)
 	big := review8BigLogs(51, 51+2500) // ~10 MiB: past both recycled files
 	for i := 0; i < len(big); i += 100 {
 		if err := s.StoreLogs(big[i:min(i+100, len(big))]); err != nil {
 			t.Fatal(err)
 		}
 	}
-	img2 := review8CrashImage(t, dir)
+	img2 := review8CrashImage(t, s, dir)
 
 	c := openTestStore(t, img)
 	review8Check(t, c, small)
 	if err := c.StoreLogs(testLogs(51, 60)); err != nil {
 		t.Fatal(err)
 	}
-	img3 := review8CrashImage(t, img)
+	img3 := review8CrashImage(t, c, img)
 	c3 := openTestStore(t, img3)
 	review8Check(t, c3, testLogs(1, 60))
 
