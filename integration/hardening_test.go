@@ -191,7 +191,7 @@ func fill(t *testing.T, ctx context.Context, c *client.Client, prefix string, n 
 
 // dryRunEvictQuick runs dry-run evicts of prefix, one after another,
 // while `tidepool bench` (another process) puts one small value at a
-// time, and checks that each evict lists want objects within a second and
+// time, and checks that each evict lists want objects within seconds and
 // that the puts' p99 stays near what it was without evicts.
 func dryRunEvictQuick(t *testing.T, ctx context.Context, masters, prefix string, want int) {
 	t.Helper()
@@ -242,13 +242,16 @@ func dryRunEvictQuick(t *testing.T, ctx context.Context, masters, prefix string,
 	t.Logf("%d dry-run evicts of %d objects: p50 %v, worst %v; puts' p99 %.2f ms before, %.2f ms during",
 		len(took), want, took[len(took)/2].Round(time.Millisecond), took[len(took)-1].Round(time.Millisecond), before, during)
 	// The evicts share two cores with the puts' bench and the daemon's
-	// sweeps: the typical one answers within the second, and none stalls
-	// (one read 1.08 s in a clean run of make test, with a p50 of 0.51 s).
-	if p50 := took[len(took)/2]; p50 > time.Second {
-		t.Errorf("dry-run evicts of %d objects took %v (p50), want under 1 s", want, p50)
+	// sweeps: the typical one answers within a second or two, and none
+	// stalls. A quiet machine gives a p50 of 0.4-0.5 s (docs/benchmarks.md);
+	// clean runs of make test read 0.51 s, and 1.23 s on a day the machine
+	// ran at half its speed. What this guards against is a walk of the
+	// table under the leader's lock (9-29 s).
+	if p50 := took[len(took)/2]; p50 > 2*time.Second {
+		t.Errorf("dry-run evicts of %d objects took %v (p50), want under 2 s", want, p50)
 	}
-	if worst := took[len(took)-1]; worst > 2*time.Second {
-		t.Errorf("a dry-run evict of %d objects took %v, want none over 2 s", want, worst)
+	if worst := took[len(took)-1]; worst > 4*time.Second {
+		t.Errorf("a dry-run evict of %d objects took %v, want none over 4 s", want, worst)
 	}
 	// The evicts share the machine's two cores with the puts, which then
 	// wait for CPU now and then; what they must not do is hold the puts
