@@ -831,11 +831,13 @@ func TestClusterFailover(t *testing.T) {
 					t.Fatalf("%s %s: trailer %s = %q, want %q", f.srv.cfg.ID, name, LeaderTrailer, got, leader.addr)
 				}
 			}
-			// A follower applies the last entries with the leader's next
-			// append; the put in flight is no object yet.
+			// A follower learns that the last put's entry committed with
+			// the leader's next append, which may not come (7 objects) or
+			// may (8: a reservation the leader made meanwhile); the put in
+			// flight is no object yet.
 			waitFor(t, 5*time.Second, "the follower's status", func() error {
 				st, err := mc.Status(rpcCtx(t), &pb.StatusRequest{})
-				if err != nil || st.LeaderAddress != leader.addr || len(st.Members) != 3 || st.Objects != 8-1 {
+				if err != nil || st.LeaderAddress != leader.addr || len(st.Members) != 3 || st.Objects < 7 || st.Objects > 8 {
 					return fmt.Errorf("status on follower %s = %v, %v", f.srv.cfg.ID, st, err)
 				}
 				return nil
