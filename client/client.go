@@ -275,18 +275,20 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	errs := make([]error, len(keys))
 	var held holding
 	defer held.wait(ctx, keys, errs)
-	items := map[int]*pb.PutStartRequest{}
-	var idx []int
+	// Per put, by its index in keys: a batch's requests and grants in one
+	// allocation each rather than one per put.
+	reqs := make([]pb.PutStartRequest, len(keys))
+	items := make([]*pb.PutStartRequest, len(keys))
+	idx := make([]int, 0, len(keys))
 	for i, k := range keys {
 		errs[i] = validKey(k)
 		if errs[i] == nil && len(values[i]) == 0 {
 			errs[i] = fmt.Errorf("%w: zero-length value for %q", ErrInvalidArgument, k)
 		}
 		if errs[i] == nil {
-			items[i] = &pb.PutStartRequest{
-				Key: k, Size: uint64(len(values[i])), Tier: c.tier, Replicas: replicas,
-				Parent: parents[i], Tenant: c.tenant,
-			}
+			r := &reqs[i]
+			r.Key, r.Size, r.Tier, r.Replicas, r.Parent, r.Tenant = k, uint64(len(values[i])), c.tier, replicas, parents[i], c.tenant
+			items[i] = r
 			idx = append(idx, i)
 		}
 	}
@@ -329,7 +331,8 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 
 	// Where each put writes: a grant of its shape, or what BatchPutStart
 	// answers for the rest.
-	placed := map[int]grant{}
+	placed := make([]grant, len(keys)) // a placed put's replicas are not empty
+	nplaced := 0
 	start := &pb.BatchPutStartRequest{}
 	var startIdx []int
 	now := time.Now()
@@ -337,6 +340,7 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 		if grants {
 			if g, ok := c.grants.take(shapeOf(items[i]), now, c.writeTimeout()); ok {
 				placed[i] = g
+				nplaced++
 				continue
 			}
 		}
@@ -377,6 +381,7 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 				// measured conservatively from before we asked.
 				c.setWriteTimeout(time.Duration(r.WriteTimeoutMs) * time.Millisecond)
 				placed[i] = grant{id: r.PutId, replicas: r.Replicas, reservations: r.Reservations, deadline: asked.Add(time.Duration(r.WriteTimeoutMs) * time.Millisecond)}
+				nplaced++
 			}
 		}
 	}
@@ -390,29 +395,31 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	// client's removal may still cache the old one: the master orders the
 	// two clients, by holding the put (see holding) until that lookup's lease
 	// has ended.
-	if len(placed) > 0 && c.descs != nil {
+	if nplaced == 0 {
+		return errs, nil
+	}
+	if c.descs != nil {
 		defer func() {
 			for i := range placed {
-				// Always: a lookup's Set of the key may still be queued in
-				// the cache's buffer, and only a Del queued behind it
-				// drops what it stores.
-				c.descs.Del(keys[i])
+				if len(placed[i].replicas) > 0 {
+					// Always: a lookup's Set of the key may still be queued
+					// in the cache's buffer, and only a Del queued behind
+					// it drops what it stores.
+					c.descs.Del(keys[i])
+				}
 			}
 		}()
 	}
 
 	// Write every replica of every placed put in one engine batch.
 	batch := c.eng.NewBatch()
-	tasks := map[int][]*engine.Task{}
+	tasks := make([][]*engine.Task, len(keys))
 	for i, g := range placed {
 		opts := engine.Options{Priority: engine.Medium, Deadline: g.deadline}
 		for _, rep := range g.replicas {
 			t := batch.Write(values[i], target(rep), int64(rep.Offset), opts)
 			tasks[i] = append(tasks[i], t)
 		}
-	}
-	if len(tasks) == 0 {
-		return errs, nil
 	}
 	if err := batch.Submit(ctx); err == nil {
 		// Not ctx: Wait must see every task terminal (ctx cancels them), or
@@ -422,12 +429,13 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	checksums()
 	var revoked puts
 	var lost map[int][]string
-	end := &pb.BatchPutEndRequest{}
-	var endIdx []int
+	ends := make([]pb.PutEndItem, 0, nplaced)
+	end := &pb.BatchPutEndRequest{Items: make([]*pb.PutEndItem, 0, nplaced)}
+	endIdx := make([]int, 0, nplaced)
 	shapes := map[shape]int{}
 	for _, i := range idx { // in the caller's order: a chain's blocks parent first
-		ts, ok := tasks[i]
-		if !ok {
+		ts := tasks[i]
+		if len(ts) == 0 {
 			continue
 		}
 		for j, t := range ts {
@@ -451,11 +459,12 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 		// All of where it was placed, so a new leader can publish a put
 		// the old one placed.
 		it := items[i]
-		end.Items = append(end.Items, &pb.PutEndItem{
+		ends = append(ends, pb.PutEndItem{
 			Key: it.Key, PutId: placed[i].id, Size: it.Size, Checksum: it.Checksum,
 			Replicas: placed[i].replicas, Reservations: placed[i].reservations, Parent: it.Parent, Tenant: it.Tenant,
 			ReplicasWanted: it.Replicas,
 		})
+		end.Items = append(end.Items, &ends[len(ends)-1])
 		endIdx = append(endIdx, i)
 		shapes[shapeOf(it)]++
 	}
@@ -474,8 +483,11 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 			call.grants = append(call.grants, sh)
 		}
 	}
+	short := make([]pb.PutEndItem, len(end.Items))
 	for j, it := range end.Items {
-		call.items[j] = &pb.PutEndItem{Key: it.Key, PutId: it.PutId, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant}
+		s := &short[j]
+		s.Key, s.PutId, s.Size, s.Checksum, s.Parent, s.Tenant = it.Key, it.PutId, it.Size, it.Checksum, it.Parent, it.Tenant
+		call.items[j] = s
 	}
 	c.end(ctx, call)
 	if call.err != nil {

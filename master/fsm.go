@@ -6,6 +6,7 @@ import (
 	"io"
 	"slices"
 	"sync"
+	"unsafe"
 
 	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/proto"
@@ -44,6 +45,11 @@ type FSM struct {
 	watcher Watcher
 	changed map[string]struct{}
 	changes []tierChange
+	// proposed are commands this master proposed as leader and waits
+	// for, by the first byte of their encoding (*byte to *pb.Command), so
+	// that applying one does not decode what was just encoded (see
+	// Server.apply); not state.
+	proposed sync.Map
 }
 
 type node struct {
@@ -153,10 +159,24 @@ type CopyEndResult struct {
 // Apply implements raft.FSM. It returns []PutStartResult, []error (one per
 // key), []CopyStartResult, []CopyEndResult, RegisterResult or error, by
 // command.
+// command decodes l's command, or finds it among those proposed.
+func (f *FSM) command(l *raft.Log) (*pb.Command, error) {
+	if len(l.Data) > 0 {
+		if c, ok := f.proposed.Load(unsafe.SliceData(l.Data)); ok {
+			return c.(*pb.Command), nil
+		}
+	}
+	cmd := &pb.Command{}
+	if err := proto.Unmarshal(l.Data, cmd); err != nil {
+		return nil, fmt.Errorf("%w: undecodable command at index %d: %v", ErrInvalidRequest, l.Index, err)
+	}
+	return cmd, nil
+}
+
 func (f *FSM) Apply(l *raft.Log) any {
-	var cmd pb.Command
-	if err := proto.Unmarshal(l.Data, &cmd); err != nil {
-		return fmt.Errorf("%w: undecodable command at index %d: %v", ErrInvalidRequest, l.Index, err)
+	cmd, err := f.command(l)
+	if err != nil {
+		return err
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()

