@@ -261,10 +261,14 @@ func (f *FSM) Apply(l *raft.Log) any {
 			return fmt.Errorf("%w: %d items in one command", ErrInvalidRequest, len(op.Publish.Items))
 		}
 		errs := make([]error, len(op.Publish.Items))
+		var buf [4]placedReplica
 		for i, it := range op.Publish.Items {
-			errs[i] = f.publish(it, now, l.Term)
+			p := publicationOf(it, buf[:])
+			errs[i] = f.publish(&p, now, l.Term)
 		}
 		return errs
+	case *pb.Command_PublishColumns:
+		return f.publishColumns(op.PublishColumns, now, l.Term)
 	case *pb.Command_Release:
 		return f.release(op.Release, now)
 	case *pb.Command_Member:

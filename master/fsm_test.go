@@ -1406,3 +1406,81 @@ func TestFSMTakesProposedCommands(t *testing.T) {
 		}
 	}
 }
+
+// A publish in columns, as leaders propose it, does to the FSM exactly
+// what the same items do as a PublishCmd (the form older leaders' logs
+// hold), whatever each item's fate; columns that do not line up are
+// refused whole.
+func TestPublishColumnsAsItems(t *testing.T) {
+	now := t0 + 1000
+	// Into the reservation fuzzFSM made, from where its space starts.
+	reserved := func(d *fsmDriver) (id, at uint64) {
+		r := d.f.segments["n2/a@1"].resv[0]
+		return r.id, r.spans[0].off
+	}
+	items := func(resv, at uint64) []*pb.PublishItem {
+		ext := func(seg string, off uint64) []*pb.Extent {
+			return []*pb.Extent{{Segment: seg, Offset: at + off, Length: 64}}
+		}
+		return []*pb.PublishItem{
+			{Key: "p0", Size: 64, Replicas: ext("n2/a@1", 0), Reservations: []uint64{resv}, PutId: 9 << 40, ReplicasWanted: 2},
+			{Key: "p1", Size: 64, Replicas: ext("n2/a@1", 64), Reservations: []uint64{resv}, Parent: "p0", Tenant: "t"},
+			{Key: "k0", Size: 64, Replicas: ext("n2/a@1", 128), Reservations: []uint64{resv}},     // already complete
+			{Key: "p2", Size: 64, Replicas: ext("n2/a@1", 0), Reservations: []uint64{resv}},       // space p0 took
+			{Key: "p3", Size: 64, Replicas: ext("n9/a@1", 0), Reservations: []uint64{resv}},       // no such segment
+			{Key: "p4", Size: 64, Replicas: ext("n2/a@1", 192), Reservations: []uint64{resv + 1}}, // no such reservation
+			{Key: "p5", Size: 0, Replicas: ext("n2/a@1", 256), Reservations: []uint64{resv}},      // empty
+			{Key: "p6", Size: 64, Replicas: ext("n2/a@1", 320), Reservations: []uint64{resv}, Tenant: "u"},
+		}
+	}
+	var outs []any
+	var snaps [][]byte
+	for _, columns := range []bool{false, true} {
+		d := fuzzFSM(t)
+		its := items(reserved(d))
+		cmd := &pb.Command{Op: &pb.Command_Publish{Publish: &pb.PublishCmd{Items: its}}}
+		if columns {
+			cmd.Op = &pb.Command_PublishColumns{PublishColumns: columnsOf(its)}
+		}
+		outs = append(outs, d.apply(now, cmd))
+		snaps = append(snaps, snapshotBytes(t, d.f))
+		countsAgree(t, d.f)
+	}
+	a, b := outs[0].([]error), outs[1].([]error)
+	if len(a) != len(b) || len(a) != 8 {
+		t.Fatalf("results %v and %v", a, b)
+	}
+	for i := range a {
+		if fmt.Sprint(a[i]) != fmt.Sprint(b[i]) {
+			t.Errorf("item %d: %v as an item, %v in columns", i, a[i], b[i])
+		}
+	}
+	if a[0] != nil || a[1] != nil || a[2] != nil || a[3] == nil || a[4] == nil || a[5] == nil || a[6] == nil || a[7] != nil {
+		t.Errorf("results %v; want p0, p1, k0 and p6 published, the others refused", a)
+	}
+	if !bytes.Equal(snaps[0], snaps[1]) {
+		t.Error("the FSM's state after the columns differs from after the items")
+	}
+
+	bad := []func(c *pb.PublishColumnsCmd){
+		func(c *pb.PublishColumnsCmd) { c.Sizes = c.Sizes[1:] },
+		func(c *pb.PublishColumnsCmd) { c.Parents = c.Parents[1:] },
+		func(c *pb.PublishColumnsCmd) { c.Tenants[1] = 7 },
+		func(c *pb.PublishColumnsCmd) { c.Segments[0] = 3 },
+		func(c *pb.PublishColumnsCmd) { c.ReplicaCounts[0] = 2 },
+		func(c *pb.PublishColumnsCmd) { c.Reservations = c.Reservations[1:] },
+	}
+	for i, spoil := range bad {
+		d := fuzzFSM(t)
+		before := snapshotBytes(t, d.f)
+		c := columnsOf(items(reserved(d)))
+		spoil(c)
+		out := d.apply(now, &pb.Command{Op: &pb.Command_PublishColumns{PublishColumns: c}})
+		if err, ok := out.(error); !ok || !errors.Is(err, ErrInvalidRequest) {
+			t.Errorf("spoiled columns %d: Apply = %v; want ErrInvalidRequest", i, out)
+		}
+		if !bytes.Equal(before, snapshotBytes(t, d.f)) {
+			t.Errorf("spoiled columns %d changed the FSM", i)
+		}
+	}
+}

@@ -247,6 +247,10 @@ func FuzzFSMApply(f *testing.F) {
 		{Op: &pb.Command_Reserve{Reserve: &pb.ReserveCmd{Segment: "n1/a@1", Bytes: 8192, MinSpan: 128, AllocUntilUnixNano: now + 1e9, ReleaseAfterUnixNano: now + 2e9, Reclaim: []*pb.Reclaimable{{Key: "k2", Segment: "n1/a@1"}}}}},
 		{Op: &pb.Command_Publish{Publish: &pb.PublishCmd{Items: []*pb.PublishItem{{Key: "pub", Size: 64, Replicas: []*pb.Extent{{Segment: "n2/a@1", Offset: 320, Length: 64}}, PutId: 5, Parent: "k0", Reservations: []uint64{17}, ReplicasWanted: 1}}}}},
 		{Op: &pb.Command_Release{Release: &pb.ReleaseCmd{Segment: "n2/a@1", Ids: []uint64{17}}}},
+		{Op: &pb.Command_PublishColumns{PublishColumns: columnsOf([]*pb.PublishItem{
+			{Key: "pub", Size: 64, Replicas: []*pb.Extent{{Segment: "n2/a@1", Offset: 320}}, PutId: 5, Parent: "k0", Reservations: []uint64{17}, ReplicasWanted: 1, Tenant: "t"},
+			{Key: "pub2", Size: 64, Replicas: []*pb.Extent{{Segment: "n2/a@1", Offset: 384}, {Segment: "n1/a@1", Offset: 0}}, PutId: 6, Reservations: []uint64{17, 18}},
+		})}},
 	} {
 		c.NowUnixNano = now
 		data, err := proto.Marshal(c)

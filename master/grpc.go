@@ -609,7 +609,7 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		cmd.Items, idx, mine = keep, keepIdx, keepMine
 	}
 	if len(cmd.Items) > 0 {
-		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_Publish{Publish: cmd}})
+		out, err := m.s.apply(ctx, &pb.Command{Op: &pb.Command_PublishColumns{PublishColumns: columnsOf(cmd.Items)}})
 		if err != nil {
 			return nil, err
 		}

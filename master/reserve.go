@@ -104,47 +104,170 @@ func (s *segment) carve(id, off, n uint64) bool {
 	return false
 }
 
+// publication is one put to publish: a PublishItem, or an item of a
+// PublishColumnsCmd.
+type publication struct {
+	key, parent, tenant string
+	size                uint64
+	checksum            uint32
+	putID               uint64
+	want                uint32
+	replicas            []placedReplica
+	reservations        int // how many came with the replicas: one each
+}
+
+// placedReplica is where a put wrote one replica: an extent of a segment
+// in a reservation.
+type placedReplica struct {
+	segment     string
+	offset      uint64
+	reservation uint64
+}
+
+// publicationOf is it as a publication; replicas, if big enough, holds
+// the replicas.
+func publicationOf(it *pb.PublishItem, replicas []placedReplica) publication {
+	p := publication{
+		key: it.Key, parent: it.Parent, tenant: it.Tenant, size: it.Size, checksum: it.Checksum,
+		putID: it.PutId, want: it.ReplicasWanted, replicas: replicas[:0], reservations: len(it.Reservations),
+	}
+	for i, e := range it.Replicas {
+		r := placedReplica{segment: e.Segment, offset: e.Offset}
+		if i < len(it.Reservations) {
+			r.reservation = it.Reservations[i]
+		}
+		p.replicas = append(p.replicas, r)
+	}
+	return p
+}
+
+// publishColumns publishes each item of c, or refuses the whole command
+// if its columns do not line up.
+func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) any {
+	n := len(c.Keys)
+	reps := 0
+	for _, k := range c.ReplicaCounts {
+		reps += int(k)
+	}
+	switch {
+	case n > MaxBatchKeys:
+		return fmt.Errorf("%w: %d items in one command", ErrInvalidRequest, n)
+	case len(c.Sizes) != n || len(c.Checksums) != n || len(c.PutIds) != n || len(c.ReplicasWanted) != n || len(c.ReplicaCounts) != n,
+		len(c.Parents) != 0 && len(c.Parents) != n, len(c.Tenants) != 0 && len(c.Tenants) != n,
+		len(c.Segments) != reps || len(c.Offsets) != reps || len(c.Reservations) != reps,
+		slices.ContainsFunc(c.Tenants, func(t uint32) bool { return int(t) >= len(c.TenantNames) }),
+		slices.ContainsFunc(c.Segments, func(s uint32) bool { return int(s) >= len(c.SegmentNames) }):
+		return fmt.Errorf("%w: the columns of a publish of %d items do not line up", ErrInvalidRequest, n)
+	}
+	errs := make([]error, n)
+	var buf [4]placedReplica
+	next := 0
+	for i, key := range c.Keys {
+		p := publication{
+			key: key, size: c.Sizes[i], checksum: c.Checksums[i], putID: c.PutIds[i], want: c.ReplicasWanted[i],
+			replicas: buf[:0], reservations: int(c.ReplicaCounts[i]),
+		}
+		if len(c.Parents) > 0 {
+			p.parent = c.Parents[i]
+		}
+		if len(c.Tenants) > 0 {
+			p.tenant = c.TenantNames[c.Tenants[i]]
+		}
+		for j := next; j < next+p.reservations; j++ {
+			p.replicas = append(p.replicas, placedReplica{c.SegmentNames[c.Segments[j]], c.Offsets[j], c.Reservations[j]})
+		}
+		next += p.reservations
+		errs[i] = f.publish(&p, now, term)
+	}
+	return errs
+}
+
+// columnsOf is the items in columns (see PublishColumnsCmd).
+func columnsOf(items []*pb.PublishItem) *pb.PublishColumnsCmd {
+	n := len(items)
+	c := &pb.PublishColumnsCmd{
+		Keys: make([]string, n), Sizes: make([]uint64, n), Checksums: make([]uint32, n), PutIds: make([]uint64, n),
+		ReplicasWanted: make([]uint32, n), ReplicaCounts: make([]uint32, n),
+	}
+	for i, it := range items {
+		c.Keys[i], c.Sizes[i], c.Checksums[i], c.PutIds[i] = it.Key, it.Size, it.Checksum, it.PutId
+		c.ReplicasWanted[i], c.ReplicaCounts[i] = it.ReplicasWanted, uint32(len(it.Replicas))
+		if it.Parent != "" && c.Parents == nil {
+			c.Parents = make([]string, n)
+		}
+		if c.Parents != nil {
+			c.Parents[i] = it.Parent
+		}
+		if it.Tenant != "" && c.Tenants == nil {
+			c.Tenants, c.TenantNames = make([]uint32, n), []string{""}
+		}
+		if c.Tenants != nil {
+			c.Tenants[i], c.TenantNames = intern(c.TenantNames, it.Tenant)
+		}
+		for j, e := range it.Replicas {
+			var seg uint32
+			seg, c.SegmentNames = intern(c.SegmentNames, e.Segment)
+			c.Segments, c.Offsets = append(c.Segments, seg), append(c.Offsets, e.Offset)
+			var resv uint64
+			if j < len(it.Reservations) {
+				resv = it.Reservations[j]
+			}
+			c.Reservations = append(c.Reservations, resv)
+		}
+	}
+	return c
+}
+
+// intern returns the index of name in names, appending it if missing: a
+// batch names few segments and tenants.
+func intern(names []string, name string) (uint32, []string) {
+	if i := slices.Index(names, name); i >= 0 {
+		return uint32(i), names
+	}
+	return uint32(len(names)), append(names, name)
+}
+
 // publish makes a put COMPLETE with the replicas it can carve out of
 // reservations. A key that is already complete is left as it is (objects
 // are immutable) and succeeds; its reserved space goes back at release.
-func (f *FSM) publish(it *pb.PublishItem, now int64, term uint64) error {
-	if o := f.objects.get(it.Key); o != nil {
+func (f *FSM) publish(p *publication, now int64, term uint64) error {
+	if o := f.objects.get(p.key); o != nil {
 		if o.is(pb.ObjectState_OBJECT_STATE_COMPLETE) {
 			return nil
 		}
 		if now <= f.deadline(o) {
-			return fmt.Errorf("%w: %q", ErrPutInProgress, it.Key)
+			return fmt.Errorf("%w: %q", ErrPutInProgress, p.key)
 		}
 		f.retire(o, now+lateWriteGrace) // an abandoned put of an earlier version
 	}
-	if it.Size == 0 || !recordable(it.Key, it.Parent) {
+	if p.size == 0 || !recordable(p.key, p.parent) {
 		return fmt.Errorf("%w: zero-length value, or key or parent key too long", ErrInvalidRequest)
 	}
-	if len(it.Reservations) != len(it.Replicas) {
-		return fmt.Errorf("%w: %d replicas and %d reservations for %q", ErrInvalidRequest, len(it.Replicas), len(it.Reservations), it.Key)
+	if p.reservations != len(p.replicas) {
+		return fmt.Errorf("%w: %d replicas and %d reservations for %q", ErrInvalidRequest, len(p.replicas), p.reservations, p.key)
 	}
 	var buf [4]extent // newObject copies them
 	exts := buf[:0]
-	for i, e := range it.Replicas {
-		s := f.segments[e.Segment]
+	for _, r := range p.replicas {
+		s := f.segments[r.segment]
 		if s == nil || slices.ContainsFunc(exts, func(x extent) bool { return f.seg(x).node == s.node }) {
 			continue
 		}
-		if e.Offset%s.alloc.align != 0 || it.Size > s.alloc.capacity || !s.carve(it.Reservations[i], e.Offset, s.alloc.rounded(it.Size)) {
+		if r.offset%s.alloc.align != 0 || p.size > s.alloc.capacity || !s.carve(r.reservation, r.offset, s.alloc.rounded(p.size)) {
 			continue
 		}
 		s.objects++
-		exts = append(exts, newExtent(e.Offset, s.idx))
+		exts = append(exts, newExtent(r.offset, s.idx))
 	}
 	if len(exts) == 0 {
-		if slices.ContainsFunc(it.Replicas, func(e *pb.Extent) bool { return f.segments[e.Segment] == nil }) {
-			return fmt.Errorf("%w while writing %q; retry", ErrStoreGone, it.Key)
+		if slices.ContainsFunc(p.replicas, func(r placedReplica) bool { return f.segments[r.segment] == nil }) {
+			return fmt.Errorf("%w while writing %q; retry", ErrStoreGone, p.key)
 		}
-		return fmt.Errorf("%w: %q (its space was released: the put expired)", ErrNotInProgress, it.Key)
+		return fmt.Errorf("%w: %q (its space was released: the put expired)", ErrNotInProgress, p.key)
 	}
-	o := f.newObject(it.Key, it.Size, it.Checksum, it.PutId, now, it.Parent, it.Tenant, exts)
-	o.setFlag(flagPublishedInTerm, it.PutId>>40 == term)
-	if w := wanted(it.ReplicasWanted); w > 0 {
+	o := f.newObject(p.key, p.size, p.checksum, p.putID, now, p.parent, p.tenant, exts)
+	o.setFlag(flagPublishedInTerm, p.putID>>40 == term)
+	if w := wanted(p.want); w > 0 {
 		f.edit(o, func(r *rare) { r.want = w })
 	}
 	return nil

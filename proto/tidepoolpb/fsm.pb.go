@@ -118,6 +118,7 @@ type Command struct {
 	//	*Command_Release
 	//	*Command_SegmentFail
 	//	*Command_SetQuota
+	//	*Command_PublishColumns
 	Op            isCommand_Op `protobuf_oneof:"op"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -347,6 +348,15 @@ func (x *Command) GetSetQuota() *TenantQuota {
 	return nil
 }
 
+func (x *Command) GetPublishColumns() *PublishColumnsCmd {
+	if x != nil {
+		if x, ok := x.Op.(*Command_PublishColumns); ok {
+			return x.PublishColumns
+		}
+	}
+	return nil
+}
+
 type isCommand_Op interface {
 	isCommand_Op()
 }
@@ -431,6 +441,10 @@ type Command_SetQuota struct {
 	SetQuota *TenantQuota `protobuf:"bytes,21,opt,name=set_quota,json=setQuota,proto3,oneof"`
 }
 
+type Command_PublishColumns struct {
+	PublishColumns *PublishColumnsCmd `protobuf:"bytes,22,opt,name=publish_columns,json=publishColumns,proto3,oneof"`
+}
+
 func (*Command_PutStart) isCommand_Op() {}
 
 func (*Command_PutEnd) isCommand_Op() {}
@@ -470,6 +484,8 @@ func (*Command_Release) isCommand_Op() {}
 func (*Command_SegmentFail) isCommand_Op() {}
 
 func (*Command_SetQuota) isCommand_Op() {}
+
+func (*Command_PublishColumns) isCommand_Op() {}
 
 // SegmentFailCmd takes a segment whose I/O fails out of the pool: its
 // replicas are dropped (objects with none left are lost) and placement
@@ -790,6 +806,155 @@ func (x *PublishCmd) GetItems() []*PublishItem {
 	return nil
 }
 
+// PublishColumnsCmd is a PublishCmd in columns, as leaders propose it: the
+// items of a batch share their segments and tenants, and a follower decodes
+// a few arrays instead of several messages and strings per item (a quarter
+// of a follower's CPU under batch puts). Item i is keys[i], sizes[i], and
+// so on; its replicas are the next replica_counts[i] entries of segments,
+// offsets and reservations.
+type PublishColumnsCmd struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	Keys           []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	Sizes          []uint64               `protobuf:"varint,2,rep,packed,name=sizes,proto3" json:"sizes,omitempty"`
+	Checksums      []uint32               `protobuf:"varint,3,rep,packed,name=checksums,proto3" json:"checksums,omitempty"`
+	PutIds         []uint64               `protobuf:"varint,4,rep,packed,name=put_ids,json=putIds,proto3" json:"put_ids,omitempty"`
+	ReplicasWanted []uint32               `protobuf:"varint,5,rep,packed,name=replicas_wanted,json=replicasWanted,proto3" json:"replicas_wanted,omitempty"`
+	ReplicaCounts  []uint32               `protobuf:"varint,6,rep,packed,name=replica_counts,json=replicaCounts,proto3" json:"replica_counts,omitempty"`
+	// Empty when no item has a parent.
+	Parents []string `protobuf:"bytes,7,rep,name=parents,proto3" json:"parents,omitempty"`
+	// Indexes into tenant_names; empty when no item has a tenant.
+	Tenants     []uint32 `protobuf:"varint,8,rep,packed,name=tenants,proto3" json:"tenants,omitempty"`
+	TenantNames []string `protobuf:"bytes,9,rep,name=tenant_names,json=tenantNames,proto3" json:"tenant_names,omitempty"`
+	// Indexes into segment_names.
+	Segments      []uint32 `protobuf:"varint,10,rep,packed,name=segments,proto3" json:"segments,omitempty"`
+	SegmentNames  []string `protobuf:"bytes,11,rep,name=segment_names,json=segmentNames,proto3" json:"segment_names,omitempty"`
+	Offsets       []uint64 `protobuf:"varint,12,rep,packed,name=offsets,proto3" json:"offsets,omitempty"`
+	Reservations  []uint64 `protobuf:"varint,13,rep,packed,name=reservations,proto3" json:"reservations,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PublishColumnsCmd) Reset() {
+	*x = PublishColumnsCmd{}
+	mi := &file_fsm_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PublishColumnsCmd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PublishColumnsCmd) ProtoMessage() {}
+
+func (x *PublishColumnsCmd) ProtoReflect() protoreflect.Message {
+	mi := &file_fsm_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PublishColumnsCmd.ProtoReflect.Descriptor instead.
+func (*PublishColumnsCmd) Descriptor() ([]byte, []int) {
+	return file_fsm_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *PublishColumnsCmd) GetKeys() []string {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetSizes() []uint64 {
+	if x != nil {
+		return x.Sizes
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetChecksums() []uint32 {
+	if x != nil {
+		return x.Checksums
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetPutIds() []uint64 {
+	if x != nil {
+		return x.PutIds
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetReplicasWanted() []uint32 {
+	if x != nil {
+		return x.ReplicasWanted
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetReplicaCounts() []uint32 {
+	if x != nil {
+		return x.ReplicaCounts
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetParents() []string {
+	if x != nil {
+		return x.Parents
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetTenants() []uint32 {
+	if x != nil {
+		return x.Tenants
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetTenantNames() []string {
+	if x != nil {
+		return x.TenantNames
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetSegments() []uint32 {
+	if x != nil {
+		return x.Segments
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetSegmentNames() []string {
+	if x != nil {
+		return x.SegmentNames
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetOffsets() []uint64 {
+	if x != nil {
+		return x.Offsets
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetReservations() []uint64 {
+	if x != nil {
+		return x.Reservations
+	}
+	return nil
+}
+
 // ReleaseCmd frees what reservations of a segment have not published.
 type ReleaseCmd struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
@@ -804,7 +969,7 @@ type ReleaseCmd struct {
 
 func (x *ReleaseCmd) Reset() {
 	*x = ReleaseCmd{}
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -816,7 +981,7 @@ func (x *ReleaseCmd) String() string {
 func (*ReleaseCmd) ProtoMessage() {}
 
 func (x *ReleaseCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[5]
+	mi := &file_fsm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -829,7 +994,7 @@ func (x *ReleaseCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseCmd.ProtoReflect.Descriptor instead.
 func (*ReleaseCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{5}
+	return file_fsm_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ReleaseCmd) GetSegment() string {
@@ -863,7 +1028,7 @@ type FreeSpan struct {
 
 func (x *FreeSpan) Reset() {
 	*x = FreeSpan{}
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -875,7 +1040,7 @@ func (x *FreeSpan) String() string {
 func (*FreeSpan) ProtoMessage() {}
 
 func (x *FreeSpan) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[6]
+	mi := &file_fsm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -888,7 +1053,7 @@ func (x *FreeSpan) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeSpan.ProtoReflect.Descriptor instead.
 func (*FreeSpan) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{6}
+	return file_fsm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *FreeSpan) GetOffset() uint64 {
@@ -919,7 +1084,7 @@ type Reservation struct {
 
 func (x *Reservation) Reset() {
 	*x = Reservation{}
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -931,7 +1096,7 @@ func (x *Reservation) String() string {
 func (*Reservation) ProtoMessage() {}
 
 func (x *Reservation) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[7]
+	mi := &file_fsm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -944,7 +1109,7 @@ func (x *Reservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reservation.ProtoReflect.Descriptor instead.
 func (*Reservation) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{7}
+	return file_fsm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Reservation) GetId() uint64 {
@@ -1002,7 +1167,7 @@ type CopyStartItem struct {
 
 func (x *CopyStartItem) Reset() {
 	*x = CopyStartItem{}
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1014,7 +1179,7 @@ func (x *CopyStartItem) String() string {
 func (*CopyStartItem) ProtoMessage() {}
 
 func (x *CopyStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[8]
+	mi := &file_fsm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1027,7 +1192,7 @@ func (x *CopyStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyStartItem.ProtoReflect.Descriptor instead.
 func (*CopyStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{8}
+	return file_fsm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CopyStartItem) GetKey() string {
@@ -1081,7 +1246,7 @@ type CopyStartCmd struct {
 
 func (x *CopyStartCmd) Reset() {
 	*x = CopyStartCmd{}
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1093,7 +1258,7 @@ func (x *CopyStartCmd) String() string {
 func (*CopyStartCmd) ProtoMessage() {}
 
 func (x *CopyStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[9]
+	mi := &file_fsm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1106,7 +1271,7 @@ func (x *CopyStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyStartCmd.ProtoReflect.Descriptor instead.
 func (*CopyStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{9}
+	return file_fsm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *CopyStartCmd) GetItems() []*CopyStartItem {
@@ -1132,7 +1297,7 @@ type CopyEndItem struct {
 
 func (x *CopyEndItem) Reset() {
 	*x = CopyEndItem{}
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1144,7 +1309,7 @@ func (x *CopyEndItem) String() string {
 func (*CopyEndItem) ProtoMessage() {}
 
 func (x *CopyEndItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[10]
+	mi := &file_fsm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1157,7 +1322,7 @@ func (x *CopyEndItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyEndItem.ProtoReflect.Descriptor instead.
 func (*CopyEndItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{10}
+	return file_fsm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *CopyEndItem) GetKey() string {
@@ -1200,7 +1365,7 @@ type CopyEndCmd struct {
 
 func (x *CopyEndCmd) Reset() {
 	*x = CopyEndCmd{}
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1212,7 +1377,7 @@ func (x *CopyEndCmd) String() string {
 func (*CopyEndCmd) ProtoMessage() {}
 
 func (x *CopyEndCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[11]
+	mi := &file_fsm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1225,7 +1390,7 @@ func (x *CopyEndCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyEndCmd.ProtoReflect.Descriptor instead.
 func (*CopyEndCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{11}
+	return file_fsm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *CopyEndCmd) GetItems() []*CopyEndItem {
@@ -1254,7 +1419,7 @@ type DrainCmd struct {
 
 func (x *DrainCmd) Reset() {
 	*x = DrainCmd{}
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1266,7 +1431,7 @@ func (x *DrainCmd) String() string {
 func (*DrainCmd) ProtoMessage() {}
 
 func (x *DrainCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[12]
+	mi := &file_fsm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1279,7 +1444,7 @@ func (x *DrainCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainCmd.ProtoReflect.Descriptor instead.
 func (*DrainCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{12}
+	return file_fsm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *DrainCmd) GetNode() string {
@@ -1310,7 +1475,7 @@ type PendingCopy struct {
 
 func (x *PendingCopy) Reset() {
 	*x = PendingCopy{}
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1322,7 +1487,7 @@ func (x *PendingCopy) String() string {
 func (*PendingCopy) ProtoMessage() {}
 
 func (x *PendingCopy) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[13]
+	mi := &file_fsm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1335,7 +1500,7 @@ func (x *PendingCopy) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingCopy.ProtoReflect.Descriptor instead.
 func (*PendingCopy) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{13}
+	return file_fsm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PendingCopy) GetId() uint64 {
@@ -1392,7 +1557,7 @@ type DropReplicaCmd struct {
 
 func (x *DropReplicaCmd) Reset() {
 	*x = DropReplicaCmd{}
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1404,7 +1569,7 @@ func (x *DropReplicaCmd) String() string {
 func (*DropReplicaCmd) ProtoMessage() {}
 
 func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[14]
+	mi := &file_fsm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1417,7 +1582,7 @@ func (x *DropReplicaCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropReplicaCmd.ProtoReflect.Descriptor instead.
 func (*DropReplicaCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{14}
+	return file_fsm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *DropReplicaCmd) GetKey() string {
@@ -1473,7 +1638,7 @@ type DropReplicasCmd struct {
 
 func (x *DropReplicasCmd) Reset() {
 	*x = DropReplicasCmd{}
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1485,7 +1650,7 @@ func (x *DropReplicasCmd) String() string {
 func (*DropReplicasCmd) ProtoMessage() {}
 
 func (x *DropReplicasCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[15]
+	mi := &file_fsm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1498,7 +1663,7 @@ func (x *DropReplicasCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DropReplicasCmd.ProtoReflect.Descriptor instead.
 func (*DropReplicasCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{15}
+	return file_fsm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *DropReplicasCmd) GetItems() []*DropReplicaCmd {
@@ -1521,7 +1686,7 @@ type PinCmd struct {
 
 func (x *PinCmd) Reset() {
 	*x = PinCmd{}
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1533,7 +1698,7 @@ func (x *PinCmd) String() string {
 func (*PinCmd) ProtoMessage() {}
 
 func (x *PinCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[16]
+	mi := &file_fsm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1546,7 +1711,7 @@ func (x *PinCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinCmd.ProtoReflect.Descriptor instead.
 func (*PinCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{16}
+	return file_fsm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *PinCmd) GetKey() string {
@@ -1593,7 +1758,7 @@ type EvictCmd struct {
 
 func (x *EvictCmd) Reset() {
 	*x = EvictCmd{}
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1605,7 +1770,7 @@ func (x *EvictCmd) String() string {
 func (*EvictCmd) ProtoMessage() {}
 
 func (x *EvictCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[17]
+	mi := &file_fsm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1618,7 +1783,7 @@ func (x *EvictCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictCmd.ProtoReflect.Descriptor instead.
 func (*EvictCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{17}
+	return file_fsm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *EvictCmd) GetKeys() []string {
@@ -1668,7 +1833,7 @@ type PutStartItem struct {
 
 func (x *PutStartItem) Reset() {
 	*x = PutStartItem{}
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1680,7 +1845,7 @@ func (x *PutStartItem) String() string {
 func (*PutStartItem) ProtoMessage() {}
 
 func (x *PutStartItem) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[18]
+	mi := &file_fsm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1693,7 +1858,7 @@ func (x *PutStartItem) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartItem.ProtoReflect.Descriptor instead.
 func (*PutStartItem) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{18}
+	return file_fsm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *PutStartItem) GetKey() string {
@@ -1765,7 +1930,7 @@ type PutStartCmd struct {
 
 func (x *PutStartCmd) Reset() {
 	*x = PutStartCmd{}
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1777,7 +1942,7 @@ func (x *PutStartCmd) String() string {
 func (*PutStartCmd) ProtoMessage() {}
 
 func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[19]
+	mi := &file_fsm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1790,7 +1955,7 @@ func (x *PutStartCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutStartCmd.ProtoReflect.Descriptor instead.
 func (*PutStartCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{19}
+	return file_fsm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *PutStartCmd) GetItems() []*PutStartItem {
@@ -1817,7 +1982,7 @@ type Reclaimable struct {
 
 func (x *Reclaimable) Reset() {
 	*x = Reclaimable{}
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1829,7 +1994,7 @@ func (x *Reclaimable) String() string {
 func (*Reclaimable) ProtoMessage() {}
 
 func (x *Reclaimable) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[20]
+	mi := &file_fsm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1842,7 +2007,7 @@ func (x *Reclaimable) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reclaimable.ProtoReflect.Descriptor instead.
 func (*Reclaimable) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{20}
+	return file_fsm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Reclaimable) GetKey() string {
@@ -1874,7 +2039,7 @@ type KeysCmd struct {
 
 func (x *KeysCmd) Reset() {
 	*x = KeysCmd{}
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1886,7 +2051,7 @@ func (x *KeysCmd) String() string {
 func (*KeysCmd) ProtoMessage() {}
 
 func (x *KeysCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[21]
+	mi := &file_fsm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1899,7 +2064,7 @@ func (x *KeysCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysCmd.ProtoReflect.Descriptor instead.
 func (*KeysCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{21}
+	return file_fsm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *KeysCmd) GetKeys() []string {
@@ -1939,7 +2104,7 @@ type RemoveCmd struct {
 
 func (x *RemoveCmd) Reset() {
 	*x = RemoveCmd{}
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1951,7 +2116,7 @@ func (x *RemoveCmd) String() string {
 func (*RemoveCmd) ProtoMessage() {}
 
 func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[22]
+	mi := &file_fsm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1964,7 +2129,7 @@ func (x *RemoveCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveCmd.ProtoReflect.Descriptor instead.
 func (*RemoveCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{22}
+	return file_fsm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *RemoveCmd) GetKeys() []string {
@@ -2004,7 +2169,7 @@ type RegisterCmd struct {
 
 func (x *RegisterCmd) Reset() {
 	*x = RegisterCmd{}
-	mi := &file_fsm_proto_msgTypes[23]
+	mi := &file_fsm_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2016,7 +2181,7 @@ func (x *RegisterCmd) String() string {
 func (*RegisterCmd) ProtoMessage() {}
 
 func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[23]
+	mi := &file_fsm_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2029,7 +2194,7 @@ func (x *RegisterCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterCmd.ProtoReflect.Descriptor instead.
 func (*RegisterCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{23}
+	return file_fsm_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *RegisterCmd) GetNode() string {
@@ -2086,7 +2251,7 @@ type AdoptCmd struct {
 
 func (x *AdoptCmd) Reset() {
 	*x = AdoptCmd{}
-	mi := &file_fsm_proto_msgTypes[24]
+	mi := &file_fsm_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2098,7 +2263,7 @@ func (x *AdoptCmd) String() string {
 func (*AdoptCmd) ProtoMessage() {}
 
 func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[24]
+	mi := &file_fsm_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2111,7 +2276,7 @@ func (x *AdoptCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptCmd.ProtoReflect.Descriptor instead.
 func (*AdoptCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{24}
+	return file_fsm_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *AdoptCmd) GetNode() string {
@@ -2154,7 +2319,7 @@ type NodeDownCmd struct {
 
 func (x *NodeDownCmd) Reset() {
 	*x = NodeDownCmd{}
-	mi := &file_fsm_proto_msgTypes[25]
+	mi := &file_fsm_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2166,7 +2331,7 @@ func (x *NodeDownCmd) String() string {
 func (*NodeDownCmd) ProtoMessage() {}
 
 func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[25]
+	mi := &file_fsm_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2179,7 +2344,7 @@ func (x *NodeDownCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeDownCmd.ProtoReflect.Descriptor instead.
 func (*NodeDownCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{25}
+	return file_fsm_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *NodeDownCmd) GetNode() string {
@@ -2213,7 +2378,7 @@ type MemberCmd struct {
 
 func (x *MemberCmd) Reset() {
 	*x = MemberCmd{}
-	mi := &file_fsm_proto_msgTypes[26]
+	mi := &file_fsm_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2225,7 +2390,7 @@ func (x *MemberCmd) String() string {
 func (*MemberCmd) ProtoMessage() {}
 
 func (x *MemberCmd) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[26]
+	mi := &file_fsm_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2238,7 +2403,7 @@ func (x *MemberCmd) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberCmd.ProtoReflect.Descriptor instead.
 func (*MemberCmd) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{26}
+	return file_fsm_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *MemberCmd) GetId() string {
@@ -2266,7 +2431,7 @@ type Extent struct {
 
 func (x *Extent) Reset() {
 	*x = Extent{}
-	mi := &file_fsm_proto_msgTypes[27]
+	mi := &file_fsm_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2278,7 +2443,7 @@ func (x *Extent) String() string {
 func (*Extent) ProtoMessage() {}
 
 func (x *Extent) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[27]
+	mi := &file_fsm_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2291,7 +2456,7 @@ func (x *Extent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Extent.ProtoReflect.Descriptor instead.
 func (*Extent) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{27}
+	return file_fsm_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *Extent) GetSegment() string {
@@ -2340,7 +2505,7 @@ type Object struct {
 
 func (x *Object) Reset() {
 	*x = Object{}
-	mi := &file_fsm_proto_msgTypes[28]
+	mi := &file_fsm_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2352,7 +2517,7 @@ func (x *Object) String() string {
 func (*Object) ProtoMessage() {}
 
 func (x *Object) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[28]
+	mi := &file_fsm_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2365,7 +2530,7 @@ func (x *Object) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Object.ProtoReflect.Descriptor instead.
 func (*Object) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{28}
+	return file_fsm_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Object) GetKey() string {
@@ -2491,7 +2656,7 @@ type Node struct {
 
 func (x *Node) Reset() {
 	*x = Node{}
-	mi := &file_fsm_proto_msgTypes[29]
+	mi := &file_fsm_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2503,7 +2668,7 @@ func (x *Node) String() string {
 func (*Node) ProtoMessage() {}
 
 func (x *Node) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[29]
+	mi := &file_fsm_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2516,7 +2681,7 @@ func (x *Node) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Node.ProtoReflect.Descriptor instead.
 func (*Node) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{29}
+	return file_fsm_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Node) GetId() string {
@@ -2602,7 +2767,7 @@ type PendingFree struct {
 
 func (x *PendingFree) Reset() {
 	*x = PendingFree{}
-	mi := &file_fsm_proto_msgTypes[30]
+	mi := &file_fsm_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2614,7 +2779,7 @@ func (x *PendingFree) String() string {
 func (*PendingFree) ProtoMessage() {}
 
 func (x *PendingFree) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[30]
+	mi := &file_fsm_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2627,7 +2792,7 @@ func (x *PendingFree) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PendingFree.ProtoReflect.Descriptor instead.
 func (*PendingFree) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{30}
+	return file_fsm_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *PendingFree) GetExtent() *Extent {
@@ -2666,7 +2831,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_fsm_proto_msgTypes[31]
+	mi := &file_fsm_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2678,7 +2843,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[31]
+	mi := &file_fsm_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2691,7 +2856,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{31}
+	return file_fsm_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *Snapshot) GetObjects() []*Object {
@@ -2755,7 +2920,7 @@ type Tomb struct {
 
 func (x *Tomb) Reset() {
 	*x = Tomb{}
-	mi := &file_fsm_proto_msgTypes[32]
+	mi := &file_fsm_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2767,7 +2932,7 @@ func (x *Tomb) String() string {
 func (*Tomb) ProtoMessage() {}
 
 func (x *Tomb) ProtoReflect() protoreflect.Message {
-	mi := &file_fsm_proto_msgTypes[32]
+	mi := &file_fsm_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2780,7 +2945,7 @@ func (x *Tomb) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tomb.ProtoReflect.Descriptor instead.
 func (*Tomb) Descriptor() ([]byte, []int) {
-	return file_fsm_proto_rawDescGZIP(), []int{32}
+	return file_fsm_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *Tomb) GetKey() string {
@@ -2801,7 +2966,7 @@ var File_fsm_proto protoreflect.FileDescriptor
 
 const file_fsm_proto_rawDesc = "" +
 	"\n" +
-	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xf2\b\n" +
+	"\tfsm.proto\x12\vtidepool.v1\x1a\x0etidepool.proto\"\xbd\t\n" +
 	"\aCommand\x12\"\n" +
 	"\rnow_unix_nano\x18\x01 \x01(\x03R\vnowUnixNano\x127\n" +
 	"\tput_start\x18\x02 \x01(\v2\x18.tidepool.v1.PutStartCmdH\x00R\bputStart\x12/\n" +
@@ -2826,7 +2991,8 @@ const file_fsm_proto_rawDesc = "" +
 	"\apublish\x18\x12 \x01(\v2\x17.tidepool.v1.PublishCmdH\x00R\apublish\x123\n" +
 	"\arelease\x18\x13 \x01(\v2\x17.tidepool.v1.ReleaseCmdH\x00R\arelease\x12@\n" +
 	"\fsegment_fail\x18\x14 \x01(\v2\x1b.tidepool.v1.SegmentFailCmdH\x00R\vsegmentFail\x127\n" +
-	"\tset_quota\x18\x15 \x01(\v2\x18.tidepool.v1.TenantQuotaH\x00R\bsetQuotaB\x04\n" +
+	"\tset_quota\x18\x15 \x01(\v2\x18.tidepool.v1.TenantQuotaH\x00R\bsetQuota\x12I\n" +
+	"\x0fpublish_columns\x18\x16 \x01(\v2\x1e.tidepool.v1.PublishColumnsCmdH\x00R\x0epublishColumnsB\x04\n" +
 	"\x02op\"N\n" +
 	"\x0eSegmentFailCmd\x12\x12\n" +
 	"\x04node\x18\x01 \x01(\tR\x04node\x12\x14\n" +
@@ -2852,7 +3018,22 @@ const file_fsm_proto_rawDesc = "" +
 	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"<\n" +
 	"\n" +
 	"PublishCmd\x12.\n" +
-	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"[\n" +
+	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"\x9a\x03\n" +
+	"\x11PublishColumnsCmd\x12\x12\n" +
+	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x14\n" +
+	"\x05sizes\x18\x02 \x03(\x04R\x05sizes\x12\x1c\n" +
+	"\tchecksums\x18\x03 \x03(\rR\tchecksums\x12\x17\n" +
+	"\aput_ids\x18\x04 \x03(\x04R\x06putIds\x12'\n" +
+	"\x0freplicas_wanted\x18\x05 \x03(\rR\x0ereplicasWanted\x12%\n" +
+	"\x0ereplica_counts\x18\x06 \x03(\rR\rreplicaCounts\x12\x18\n" +
+	"\aparents\x18\a \x03(\tR\aparents\x12\x18\n" +
+	"\atenants\x18\b \x03(\rR\atenants\x12!\n" +
+	"\ftenant_names\x18\t \x03(\tR\vtenantNames\x12\x1a\n" +
+	"\bsegments\x18\n" +
+	" \x03(\rR\bsegments\x12#\n" +
+	"\rsegment_names\x18\v \x03(\tR\fsegmentNames\x12\x18\n" +
+	"\aoffsets\x18\f \x03(\x04R\aoffsets\x12\"\n" +
+	"\freservations\x18\r \x03(\x04R\freservations\"[\n" +
 	"\n" +
 	"ReleaseCmd\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x10\n" +
@@ -3032,100 +3213,102 @@ func file_fsm_proto_rawDescGZIP() []byte {
 }
 
 var file_fsm_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_fsm_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_fsm_proto_goTypes = []any{
-	(CopyReason)(0),         // 0: tidepool.v1.CopyReason
-	(*Command)(nil),         // 1: tidepool.v1.Command
-	(*SegmentFailCmd)(nil),  // 2: tidepool.v1.SegmentFailCmd
-	(*ReserveCmd)(nil),      // 3: tidepool.v1.ReserveCmd
-	(*PublishItem)(nil),     // 4: tidepool.v1.PublishItem
-	(*PublishCmd)(nil),      // 5: tidepool.v1.PublishCmd
-	(*ReleaseCmd)(nil),      // 6: tidepool.v1.ReleaseCmd
-	(*FreeSpan)(nil),        // 7: tidepool.v1.FreeSpan
-	(*Reservation)(nil),     // 8: tidepool.v1.Reservation
-	(*CopyStartItem)(nil),   // 9: tidepool.v1.CopyStartItem
-	(*CopyStartCmd)(nil),    // 10: tidepool.v1.CopyStartCmd
-	(*CopyEndItem)(nil),     // 11: tidepool.v1.CopyEndItem
-	(*CopyEndCmd)(nil),      // 12: tidepool.v1.CopyEndCmd
-	(*DrainCmd)(nil),        // 13: tidepool.v1.DrainCmd
-	(*PendingCopy)(nil),     // 14: tidepool.v1.PendingCopy
-	(*DropReplicaCmd)(nil),  // 15: tidepool.v1.DropReplicaCmd
-	(*DropReplicasCmd)(nil), // 16: tidepool.v1.DropReplicasCmd
-	(*PinCmd)(nil),          // 17: tidepool.v1.PinCmd
-	(*EvictCmd)(nil),        // 18: tidepool.v1.EvictCmd
-	(*PutStartItem)(nil),    // 19: tidepool.v1.PutStartItem
-	(*PutStartCmd)(nil),     // 20: tidepool.v1.PutStartCmd
-	(*Reclaimable)(nil),     // 21: tidepool.v1.Reclaimable
-	(*KeysCmd)(nil),         // 22: tidepool.v1.KeysCmd
-	(*RemoveCmd)(nil),       // 23: tidepool.v1.RemoveCmd
-	(*RegisterCmd)(nil),     // 24: tidepool.v1.RegisterCmd
-	(*AdoptCmd)(nil),        // 25: tidepool.v1.AdoptCmd
-	(*NodeDownCmd)(nil),     // 26: tidepool.v1.NodeDownCmd
-	(*MemberCmd)(nil),       // 27: tidepool.v1.MemberCmd
-	(*Extent)(nil),          // 28: tidepool.v1.Extent
-	(*Object)(nil),          // 29: tidepool.v1.Object
-	(*Node)(nil),            // 30: tidepool.v1.Node
-	(*PendingFree)(nil),     // 31: tidepool.v1.PendingFree
-	(*Snapshot)(nil),        // 32: tidepool.v1.Snapshot
-	(*Tomb)(nil),            // 33: tidepool.v1.Tomb
-	(*TenantQuota)(nil),     // 34: tidepool.v1.TenantQuota
-	(*SegmentSpec)(nil),     // 35: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),   // 36: tidepool.v1.AdoptedObject
-	(ObjectState)(0),        // 37: tidepool.v1.ObjectState
+	(CopyReason)(0),           // 0: tidepool.v1.CopyReason
+	(*Command)(nil),           // 1: tidepool.v1.Command
+	(*SegmentFailCmd)(nil),    // 2: tidepool.v1.SegmentFailCmd
+	(*ReserveCmd)(nil),        // 3: tidepool.v1.ReserveCmd
+	(*PublishItem)(nil),       // 4: tidepool.v1.PublishItem
+	(*PublishCmd)(nil),        // 5: tidepool.v1.PublishCmd
+	(*PublishColumnsCmd)(nil), // 6: tidepool.v1.PublishColumnsCmd
+	(*ReleaseCmd)(nil),        // 7: tidepool.v1.ReleaseCmd
+	(*FreeSpan)(nil),          // 8: tidepool.v1.FreeSpan
+	(*Reservation)(nil),       // 9: tidepool.v1.Reservation
+	(*CopyStartItem)(nil),     // 10: tidepool.v1.CopyStartItem
+	(*CopyStartCmd)(nil),      // 11: tidepool.v1.CopyStartCmd
+	(*CopyEndItem)(nil),       // 12: tidepool.v1.CopyEndItem
+	(*CopyEndCmd)(nil),        // 13: tidepool.v1.CopyEndCmd
+	(*DrainCmd)(nil),          // 14: tidepool.v1.DrainCmd
+	(*PendingCopy)(nil),       // 15: tidepool.v1.PendingCopy
+	(*DropReplicaCmd)(nil),    // 16: tidepool.v1.DropReplicaCmd
+	(*DropReplicasCmd)(nil),   // 17: tidepool.v1.DropReplicasCmd
+	(*PinCmd)(nil),            // 18: tidepool.v1.PinCmd
+	(*EvictCmd)(nil),          // 19: tidepool.v1.EvictCmd
+	(*PutStartItem)(nil),      // 20: tidepool.v1.PutStartItem
+	(*PutStartCmd)(nil),       // 21: tidepool.v1.PutStartCmd
+	(*Reclaimable)(nil),       // 22: tidepool.v1.Reclaimable
+	(*KeysCmd)(nil),           // 23: tidepool.v1.KeysCmd
+	(*RemoveCmd)(nil),         // 24: tidepool.v1.RemoveCmd
+	(*RegisterCmd)(nil),       // 25: tidepool.v1.RegisterCmd
+	(*AdoptCmd)(nil),          // 26: tidepool.v1.AdoptCmd
+	(*NodeDownCmd)(nil),       // 27: tidepool.v1.NodeDownCmd
+	(*MemberCmd)(nil),         // 28: tidepool.v1.MemberCmd
+	(*Extent)(nil),            // 29: tidepool.v1.Extent
+	(*Object)(nil),            // 30: tidepool.v1.Object
+	(*Node)(nil),              // 31: tidepool.v1.Node
+	(*PendingFree)(nil),       // 32: tidepool.v1.PendingFree
+	(*Snapshot)(nil),          // 33: tidepool.v1.Snapshot
+	(*Tomb)(nil),              // 34: tidepool.v1.Tomb
+	(*TenantQuota)(nil),       // 35: tidepool.v1.TenantQuota
+	(*SegmentSpec)(nil),       // 36: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),     // 37: tidepool.v1.AdoptedObject
+	(ObjectState)(0),          // 38: tidepool.v1.ObjectState
 }
 var file_fsm_proto_depIdxs = []int32{
-	20, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
-	22, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
-	22, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
-	23, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
-	24, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
-	26, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
-	27, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
-	17, // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
-	18, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
-	15, // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
-	10, // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
-	12, // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
-	13, // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
-	25, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
-	16, // 14: tidepool.v1.Command.drop_replicas:type_name -> tidepool.v1.DropReplicasCmd
+	21, // 0: tidepool.v1.Command.put_start:type_name -> tidepool.v1.PutStartCmd
+	23, // 1: tidepool.v1.Command.put_end:type_name -> tidepool.v1.KeysCmd
+	23, // 2: tidepool.v1.Command.put_revoke:type_name -> tidepool.v1.KeysCmd
+	24, // 3: tidepool.v1.Command.remove:type_name -> tidepool.v1.RemoveCmd
+	25, // 4: tidepool.v1.Command.register:type_name -> tidepool.v1.RegisterCmd
+	27, // 5: tidepool.v1.Command.node_down:type_name -> tidepool.v1.NodeDownCmd
+	28, // 6: tidepool.v1.Command.member:type_name -> tidepool.v1.MemberCmd
+	18, // 7: tidepool.v1.Command.pin:type_name -> tidepool.v1.PinCmd
+	19, // 8: tidepool.v1.Command.evict:type_name -> tidepool.v1.EvictCmd
+	16, // 9: tidepool.v1.Command.drop_replica:type_name -> tidepool.v1.DropReplicaCmd
+	11, // 10: tidepool.v1.Command.copy_start:type_name -> tidepool.v1.CopyStartCmd
+	13, // 11: tidepool.v1.Command.copy_end:type_name -> tidepool.v1.CopyEndCmd
+	14, // 12: tidepool.v1.Command.drain:type_name -> tidepool.v1.DrainCmd
+	26, // 13: tidepool.v1.Command.adopt:type_name -> tidepool.v1.AdoptCmd
+	17, // 14: tidepool.v1.Command.drop_replicas:type_name -> tidepool.v1.DropReplicasCmd
 	3,  // 15: tidepool.v1.Command.reserve:type_name -> tidepool.v1.ReserveCmd
 	5,  // 16: tidepool.v1.Command.publish:type_name -> tidepool.v1.PublishCmd
-	6,  // 17: tidepool.v1.Command.release:type_name -> tidepool.v1.ReleaseCmd
+	7,  // 17: tidepool.v1.Command.release:type_name -> tidepool.v1.ReleaseCmd
 	2,  // 18: tidepool.v1.Command.segment_fail:type_name -> tidepool.v1.SegmentFailCmd
-	34, // 19: tidepool.v1.Command.set_quota:type_name -> tidepool.v1.TenantQuota
-	21, // 20: tidepool.v1.ReserveCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	28, // 21: tidepool.v1.PublishItem.replicas:type_name -> tidepool.v1.Extent
-	4,  // 22: tidepool.v1.PublishCmd.items:type_name -> tidepool.v1.PublishItem
-	7,  // 23: tidepool.v1.Reservation.spans:type_name -> tidepool.v1.FreeSpan
-	0,  // 24: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
-	9,  // 25: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
-	11, // 26: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
-	28, // 27: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
-	0,  // 28: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
-	15, // 29: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
-	19, // 30: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
-	21, // 31: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
-	35, // 32: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
-	36, // 33: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
-	36, // 34: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
-	37, // 35: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
-	28, // 36: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
-	14, // 37: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
-	35, // 38: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
-	28, // 39: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
-	29, // 40: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
-	30, // 41: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
-	27, // 42: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
-	31, // 43: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
-	8,  // 44: tidepool.v1.Snapshot.reservations:type_name -> tidepool.v1.Reservation
-	33, // 45: tidepool.v1.Snapshot.tombs:type_name -> tidepool.v1.Tomb
-	34, // 46: tidepool.v1.Snapshot.quotas:type_name -> tidepool.v1.TenantQuota
-	47, // [47:47] is the sub-list for method output_type
-	47, // [47:47] is the sub-list for method input_type
-	47, // [47:47] is the sub-list for extension type_name
-	47, // [47:47] is the sub-list for extension extendee
-	0,  // [0:47] is the sub-list for field type_name
+	35, // 19: tidepool.v1.Command.set_quota:type_name -> tidepool.v1.TenantQuota
+	6,  // 20: tidepool.v1.Command.publish_columns:type_name -> tidepool.v1.PublishColumnsCmd
+	22, // 21: tidepool.v1.ReserveCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	29, // 22: tidepool.v1.PublishItem.replicas:type_name -> tidepool.v1.Extent
+	4,  // 23: tidepool.v1.PublishCmd.items:type_name -> tidepool.v1.PublishItem
+	8,  // 24: tidepool.v1.Reservation.spans:type_name -> tidepool.v1.FreeSpan
+	0,  // 25: tidepool.v1.CopyStartItem.reason:type_name -> tidepool.v1.CopyReason
+	10, // 26: tidepool.v1.CopyStartCmd.items:type_name -> tidepool.v1.CopyStartItem
+	12, // 27: tidepool.v1.CopyEndCmd.items:type_name -> tidepool.v1.CopyEndItem
+	29, // 28: tidepool.v1.PendingCopy.target:type_name -> tidepool.v1.Extent
+	0,  // 29: tidepool.v1.PendingCopy.reason:type_name -> tidepool.v1.CopyReason
+	16, // 30: tidepool.v1.DropReplicasCmd.items:type_name -> tidepool.v1.DropReplicaCmd
+	20, // 31: tidepool.v1.PutStartCmd.items:type_name -> tidepool.v1.PutStartItem
+	22, // 32: tidepool.v1.PutStartCmd.reclaim:type_name -> tidepool.v1.Reclaimable
+	36, // 33: tidepool.v1.RegisterCmd.segments:type_name -> tidepool.v1.SegmentSpec
+	37, // 34: tidepool.v1.RegisterCmd.adopt:type_name -> tidepool.v1.AdoptedObject
+	37, // 35: tidepool.v1.AdoptCmd.objects:type_name -> tidepool.v1.AdoptedObject
+	38, // 36: tidepool.v1.Object.state:type_name -> tidepool.v1.ObjectState
+	29, // 37: tidepool.v1.Object.replicas:type_name -> tidepool.v1.Extent
+	15, // 38: tidepool.v1.Object.copies:type_name -> tidepool.v1.PendingCopy
+	36, // 39: tidepool.v1.Node.segments:type_name -> tidepool.v1.SegmentSpec
+	29, // 40: tidepool.v1.PendingFree.extent:type_name -> tidepool.v1.Extent
+	30, // 41: tidepool.v1.Snapshot.objects:type_name -> tidepool.v1.Object
+	31, // 42: tidepool.v1.Snapshot.nodes:type_name -> tidepool.v1.Node
+	28, // 43: tidepool.v1.Snapshot.members:type_name -> tidepool.v1.MemberCmd
+	32, // 44: tidepool.v1.Snapshot.pending_frees:type_name -> tidepool.v1.PendingFree
+	9,  // 45: tidepool.v1.Snapshot.reservations:type_name -> tidepool.v1.Reservation
+	34, // 46: tidepool.v1.Snapshot.tombs:type_name -> tidepool.v1.Tomb
+	35, // 47: tidepool.v1.Snapshot.quotas:type_name -> tidepool.v1.TenantQuota
+	48, // [48:48] is the sub-list for method output_type
+	48, // [48:48] is the sub-list for method input_type
+	48, // [48:48] is the sub-list for extension type_name
+	48, // [48:48] is the sub-list for extension extendee
+	0,  // [0:48] is the sub-list for field type_name
 }
 
 func init() { file_fsm_proto_init() }
@@ -3155,6 +3338,7 @@ func file_fsm_proto_init() {
 		(*Command_Release)(nil),
 		(*Command_SegmentFail)(nil),
 		(*Command_SetQuota)(nil),
+		(*Command_PublishColumns)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -3162,7 +3346,7 @@ func file_fsm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_fsm_proto_rawDesc), len(file_fsm_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   33,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
