@@ -217,6 +217,14 @@ const maxChainWalk = 1 << 16
 // a chain put in order walk nothing.
 func (f *FSM) loopingParents(n int, item func(int) (key, parent string)) []bool {
 	out := make([]bool, n)
+	for i := range n {
+		if _, p := item(i); p != "" {
+			break
+		}
+		if i == n-1 {
+			return out // no item adds a link, so none closes a loop
+		}
+	}
 	// While the accepted items form one chain in order (each the parent of
 	// the next), what they name is the first's parent and their own keys:
 	// no map needed. A repeated key adds no link (its put fails as in

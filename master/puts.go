@@ -621,12 +621,20 @@ func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int
 	for _, g := range got {
 		run.Reservations = append(run.Reservations, g.r.id)
 	}
+	// The run's puts in a few allocations rather than several each.
+	puts, items := make([]pendingPut, count), make([]pb.PublishItem, count)
+	r := len(got)
+	placed, extPtrs, resvs := make([]pb.Extent, count*r), make([]*pb.Extent, count*r), make([]*openResv, count*r)
 	for i := range count {
-		p := &pendingPut{item: &pb.PublishItem{Size: it.Size, Reservations: run.Reservations, ReplicasWanted: uint32(want), Tenant: it.Tenant}, grant: true, deadline: deadline}
-		for _, g := range got {
-			p.item.Replicas = append(p.item.Replicas, &pb.Extent{Segment: g.r.segment, Offset: g.off + uint64(i)*n, Length: it.Size})
-			p.resv = append(p.resv, g.r)
+		p, pi := &puts[i], &items[i]
+		pi.Size, pi.Reservations, pi.ReplicasWanted, pi.Tenant = it.Size, run.Reservations, uint32(want), it.Tenant
+		for j, g := range got {
+			e := &placed[i*r+j]
+			e.Segment, e.Offset, e.Length = g.r.segment, g.off+uint64(i)*n, it.Size
+			extPtrs[i*r+j], resvs[i*r+j] = e, g.r
 		}
+		pi.Replicas = extPtrs[i*r : (i+1)*r : (i+1)*r]
+		p.item, p.grant, p.deadline, p.resv = pi, true, deadline, resvs[i*r:(i+1)*r:(i+1)*r]
 		t.add(p)
 		if i == 0 {
 			run.FirstPutId = p.id
