@@ -472,8 +472,13 @@ const maxRoomAttempts = 8
 
 func itemsResponse(errs []error) *pb.ItemsResponse {
 	resp := &pb.ItemsResponse{Results: make([]*pb.ItemStatus, len(errs))}
+	ok := make([]pb.ItemStatus, len(errs)) // one allocation for a batch that succeeded
 	for i, err := range errs {
-		resp.Results[i] = itemStatus(err)
+		if err == nil {
+			resp.Results[i] = &ok[i]
+		} else {
+			resp.Results[i] = itemStatus(err)
+		}
 	}
 	return resp
 }

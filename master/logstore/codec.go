@@ -24,9 +24,14 @@ const logVersion byte = 1
 
 func logKey(index uint64) []byte {
 	k := make([]byte, logKeyLen)
+	putLogKey(k, index)
+	return k
+}
+
+// putLogKey writes the key of index into k, logKeyLen bytes.
+func putLogKey(k []byte, index uint64) {
 	k[0] = logPrefix
 	binary.BigEndian.PutUint64(k[1:], index)
-	return k
 }
 
 // parseLogKey returns the index encoded in a log key.
@@ -54,16 +59,27 @@ func appendLog(dst []byte, l *raft.Log) []byte {
 	dst = binary.AppendUvarint(dst, l.Index)
 	dst = binary.AppendUvarint(dst, l.Term)
 	dst = append(dst, byte(l.Type))
-	var at int64
-	if !l.AppendedAt.IsZero() {
-		at = l.AppendedAt.UnixNano()
-	}
-	dst = binary.AppendVarint(dst, at)
+	dst = binary.AppendVarint(dst, appendedAt(l))
 	dst = binary.AppendUvarint(dst, uint64(len(l.Data)))
 	dst = append(dst, l.Data...)
 	dst = binary.AppendUvarint(dst, uint64(len(l.Extensions)))
 	dst = append(dst, l.Extensions...)
 	return dst
+}
+
+// logLen is the length of appendLog's encoding of l.
+func logLen(l *raft.Log) int {
+	var b [binary.MaxVarintLen64]byte
+	n := 1 + binary.PutUvarint(b[:], l.Index) + binary.PutUvarint(b[:], l.Term) + 1 + binary.PutVarint(b[:], appendedAt(l))
+	n += binary.PutUvarint(b[:], uint64(len(l.Data))) + len(l.Data)
+	return n + binary.PutUvarint(b[:], uint64(len(l.Extensions))) + len(l.Extensions)
+}
+
+func appendedAt(l *raft.Log) int64 {
+	if l.AppendedAt.IsZero() {
+		return 0
+	}
+	return l.AppendedAt.UnixNano()
 }
 
 // decodeLog decodes b into l. Data and Extensions are copied, so b may be

@@ -281,12 +281,15 @@ func (s *Store) StoreLogs(logs []*raft.Log) error {
 	}
 	b := s.db.NewBatch()
 	defer b.Close()
-	var buf []byte
 	lo, hi := logs[0].Index, logs[0].Index
 	for _, l := range logs {
-		buf = appendLog(buf[:0], l)
-		// Batch.Set copies key and value, so buf can be reused.
-		if err := b.Set(logKey(l.Index), buf, nil); err != nil {
+		// Encoded in place in the batch, with no copy between.
+		op := b.SetDeferred(logKeyLen, logLen(l))
+		putLogKey(op.Key, l.Index)
+		if n := len(appendLog(op.Value[:0], l)); n != len(op.Value) {
+			return fmt.Errorf("logstore: log %d encodes to %d bytes, not %d", l.Index, n, len(op.Value))
+		}
+		if err := op.Finish(); err != nil {
 			return fmt.Errorf("logstore: batching log %d: %w", l.Index, err)
 		}
 		lo, hi = min(lo, l.Index), max(hi, l.Index)

@@ -357,15 +357,21 @@ func FuzzDecodeLog(f *testing.F) {
 	f.Add(appendLog(nil, testLog(1)))
 	f.Add(appendLog(nil, &raft.Log{}))
 	f.Add([]byte{logVersion, 0xff})
+	f.Add(appendLog(nil, &raft.Log{Index: 1 << 63, Term: 1 << 40, AppendedAt: time.Unix(-5, 0), Data: make([]byte, 300)}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var l raft.Log
 		if decodeLog(b, &l) != nil {
 			return
 		}
-		// Whatever decodes must round-trip.
+		// Whatever decodes must round-trip, and StoreLogs's room for it
+		// (logLen) must be its length.
 		var again raft.Log
-		if err := decodeLog(appendLog(nil, &l), &again); err != nil || !logsEqual(&l, &again) {
+		enc := appendLog(nil, &l)
+		if err := decodeLog(enc, &again); err != nil || !logsEqual(&l, &again) {
 			t.Fatalf("round trip of %+v: %+v, %v", l, again, err)
+		}
+		if n := logLen(&l); n != len(enc) {
+			t.Fatalf("logLen(%+v) = %d; encoded %d bytes", l, n, len(enc))
 		}
 	})
 }
