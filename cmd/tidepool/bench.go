@@ -11,6 +11,7 @@ import (
 	"os"
 	"runtime/pprof"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -239,7 +240,7 @@ func (b *bench) row(ctx context.Context, op string, size int64, batch, workers i
 				}
 				for j := range names {
 					if op == "put" {
-						names[j] = fmt.Sprintf("%sput/%d", b.prefix, b.seq.Add(1))
+						names[j] = b.prefix + "put/" + strconv.FormatInt(b.seq.Add(1), 10) // Sprintf took 3% of a row's CPU
 					} else {
 						names[j] = getKeys[(w+(i*batch+j)*workers)%len(getKeys)]
 					}
