@@ -44,9 +44,11 @@ iperf2=$(iperf_two 55301 55307)
 
 echo "tidepool up + bench (each row $DURATION)" >&2
 "$tp" up --dir "$work/up" --dram 4GiB --ssd 0 --lease-ttl 2s --listen 127.0.0.1:55303 --raft 127.0.0.1:55304 \
-	--engine 127.0.0.1:55305 --http 127.0.0.1:55306 --log-level warn & pids+=($!)
+	--engine 127.0.0.1:55305 --http 127.0.0.1:55306 --log-level info 2>"$work/up.log" & pids+=($!)
 up=$!
 for _ in $(seq 100); do "$tp" status --masters 127.0.0.1:55303 2>/dev/null | grep -q alive && break; sleep 0.1; done
+# Its store writes its 4 GiB once at start (--prefault): wait for it.
+for _ in $(seq 600); do grep -q "prefault" "$work/up.log" && break; sleep 0.1; done
 m=(--masters 127.0.0.1:55303 --duration "$DURATION" --json)
 # A first row puts and removes as a running system has: the measured rows
 # then meet a raft log and tables with history (a fresh master's first
@@ -72,8 +74,11 @@ for i in 1 2 3; do
 		--http "127.0.0.1:553${i}3" --peers "$peers" --lease-ttl 2s --log-level warn & pids+=($!)
 done
 masters=127.0.0.1:55311,127.0.0.1:55321,127.0.0.1:55331
-"$tp" store --id s1 --masters "$masters" --listen 127.0.0.1:55341 --http 127.0.0.1:55342 --tier dram:4GiB --log-level warn & pids+=($!)
+"$tp" store --id s1 --masters "$masters" --listen 127.0.0.1:55341 --http 127.0.0.1:55342 --tier dram:4GiB --log-level info 2>"$work/store.log" & pids+=($!)
 for _ in $(seq 200); do "$tp" status --masters "$masters" 2>/dev/null | grep -q alive && break; sleep 0.1; done
+# Its prefault too; then a first row, as for the one master.
+for _ in $(seq 600); do grep -q "prefault" "$work/store.log" && break; sleep 0.1; done
+"$tp" bench --masters "$masters" --duration "$DURATION" --json --ops put --sizes 4KiB --batch 128 --concurrency 1 >/dev/null
 "$tp" bench --masters "$masters" --duration "$DURATION" --json --ops put --sizes 4KiB --batch 128 --concurrency 1,2,4,8 >"$work/three.json"
 
 $PY - "$work/one.json" "$work/meta.json" "$work/three.json" "$fsyncs" "$iperf1" "$iperf2" "$pings" "$iperf1b" "$iperf2b" <<'PYEOF'
