@@ -164,7 +164,7 @@ func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
 	}
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), latest)
 	defer cancel()
-	req := &pb.BatchPutEndRequest{}
+	req := &pb.BatchPutEndRequest{SparseResults: true}
 	var shapes []shape
 	for _, call := range batch {
 		req.Items = append(req.Items, call.items...)
@@ -181,8 +181,8 @@ func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
 		return err
 	})
 	answered := time.Now()
-	if err == nil && (len(resp.Results) != len(req.Items) || !holdsFit(resp)) {
-		err = fmt.Errorf("%w: master answered %d results and %d holds for %d puts", ErrProtocol, len(resp.Results), len(resp.HoldMs), len(req.Items))
+	if err == nil {
+		err = unsparse(resp, len(req.Items))
 	}
 	if err == nil {
 		// The runs answer a prefix of the grants asked for, in order.
@@ -218,6 +218,29 @@ func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
 		}
 		base += len(call.items)
 	}
+}
+
+// unsparse turns a BatchPutEnd answer to n items into one result per
+// item (nil: it succeeded), whichever form the master answered in (see
+// BatchPutEndRequest.sparse_results), checking that it fits.
+func unsparse(r *pb.BatchPutEndResponse, n int) error {
+	if len(r.Failed) > 0 || len(r.Results) == 0 {
+		full := make([]*pb.ItemStatus, n)
+		for k, i := range r.Failed {
+			if int(i) >= n || (k > 0 && i <= r.Failed[k-1]) || k >= len(r.Results) {
+				return fmt.Errorf("%w: master answered failed items %v for %d puts", ErrProtocol, r.Failed, n)
+			}
+			full[i] = r.Results[k]
+		}
+		if len(r.Results) != len(r.Failed) {
+			return fmt.Errorf("%w: master answered %d results for %d failed items", ErrProtocol, len(r.Results), len(r.Failed))
+		}
+		r.Results, r.Failed = full, nil
+	}
+	if len(r.Results) != n || !holdsFit(r) {
+		return fmt.Errorf("%w: master answered %d results and %d holds for %d puts", ErrProtocol, len(r.Results), len(r.HoldMs), n)
+	}
+	return nil
 }
 
 func later(a, b time.Time) time.Time {

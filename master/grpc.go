@@ -650,10 +650,17 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		}
 	}
 	m.s.touch(ended, m.s.cfg.Now())
-	return &pb.BatchPutEndResponse{
-		Results: itemsResponse(errs).Results, Grants: m.grant(ctx, req.Grants), Unplaced: unplaced,
-		HoldMs: m.s.holds(req.Items, errs),
-	}, nil
+	resp := &pb.BatchPutEndResponse{Grants: m.grant(ctx, req.Grants), Unplaced: unplaced, HoldMs: m.s.holds(req.Items, errs)}
+	if !req.SparseResults {
+		resp.Results = itemsResponse(errs).Results
+		return resp, nil
+	}
+	for i, err := range errs {
+		if err != nil {
+			resp.Results, resp.Failed = append(resp.Results, itemStatus(err)), append(resp.Failed, uint32(i))
+		}
+	}
+	return resp, nil
 }
 
 // holds says, per item, how long the writer of each put that ended well

@@ -158,6 +158,18 @@ func TestPutGrants(t *testing.T) {
 	if _, err := mc.PutRevoke(rpcCtx(t), &pb.KeysRequest{Keys: []string{""}}); err == nil {
 		t.Fatal("a revoke with an empty key and no put id was accepted")
 	}
+	// Sparse results answer only the items that failed, by index.
+	s0, err := mc.PutStart(rpcCtx(t), &pb.PutStartRequest{Key: "s0", Size: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err = mc.BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{SparseResults: true, Items: []*pb.PutEndItem{
+		{Key: "s0", PutId: s0.PutId, Size: 1000},
+		{Key: "y", PutId: 12345, Size: 10},
+	}})
+	if err != nil || len(resp.Results) != 1 || !slices.Equal(resp.Failed, []uint32{1}) || codes.Code(resp.Results[0].Code) != codes.FailedPrecondition {
+		t.Fatalf("sparse put end of one placed and one unknown put: %v, %v", resp, err)
+	}
 	m.srv.fsm.proposed.Range(func(k, _ any) bool {
 		t.Errorf("proposal %v still held after its put ended", k)
 		return true

@@ -692,7 +692,11 @@ type BatchPutEndRequest struct {
 	// Puts to place now for keys not known yet, answered as grants: the
 	// client's next puts of these shapes (size, tier, replicas) skip
 	// BatchPutStart. Keys are empty; the leader may answer fewer.
-	Grants        []*PutStartRequest `protobuf:"bytes,2,rep,name=grants,proto3" json:"grants,omitempty"`
+	Grants []*PutStartRequest `protobuf:"bytes,2,rep,name=grants,proto3" json:"grants,omitempty"`
+	// Answer only the items that failed: results then holds their statuses
+	// and failed their indices, in order (a master that predates this field
+	// answers every item, failed empty).
+	SparseResults bool `protobuf:"varint,3,opt,name=sparse_results,json=sparseResults,proto3" json:"sparse_results,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -741,6 +745,13 @@ func (x *BatchPutEndRequest) GetGrants() []*PutStartRequest {
 	return nil
 }
 
+func (x *BatchPutEndRequest) GetSparseResults() bool {
+	if x != nil {
+		return x.SparseResults
+	}
+	return false
+}
+
 type BatchPutEndResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Results []*ItemStatus          `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
@@ -752,7 +763,9 @@ type BatchPutEndResponse struct {
 	// writer waits before it reports the put done: the key was removed while
 	// a lookup leased it, and until then a client may still answer that
 	// removed incarnation from its lookup cache.
-	HoldMs        []uint32 `protobuf:"varint,4,rep,packed,name=hold_ms,json=holdMs,proto3" json:"hold_ms,omitempty"`
+	HoldMs []uint32 `protobuf:"varint,4,rep,packed,name=hold_ms,json=holdMs,proto3" json:"hold_ms,omitempty"`
+	// With sparse_results: the indices of the items results answers.
+	Failed        []uint32 `protobuf:"varint,5,rep,packed,name=failed,proto3" json:"failed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -811,6 +824,13 @@ func (x *BatchPutEndResponse) GetUnplaced() []uint32 {
 func (x *BatchPutEndResponse) GetHoldMs() []uint32 {
 	if x != nil {
 		return x.HoldMs
+	}
+	return nil
+}
+
+func (x *BatchPutEndResponse) GetFailed() []uint32 {
+	if x != nil {
+		return x.Failed
 	}
 	return nil
 }
@@ -4192,15 +4212,17 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
 	"\x06tenant\x18\a \x01(\tR\x06tenant\x12\"\n" +
 	"\freservations\x18\b \x03(\x04R\freservations\x12'\n" +
-	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"y\n" +
+	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"\xa0\x01\n" +
 	"\x12BatchPutEndRequest\x12-\n" +
 	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\x124\n" +
-	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\"\xac\x01\n" +
+	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\x12%\n" +
+	"\x0esparse_results\x18\x03 \x01(\bR\rsparseResults\"\xc4\x01\n" +
 	"\x13BatchPutEndResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\x12-\n" +
 	"\x06grants\x18\x02 \x03(\v2\x15.tidepool.v1.GrantRunR\x06grants\x12\x1a\n" +
 	"\bunplaced\x18\x03 \x03(\rR\bunplaced\x12\x17\n" +
-	"\ahold_ms\x18\x04 \x03(\rR\x06holdMs\"\xda\x01\n" +
+	"\ahold_ms\x18\x04 \x03(\rR\x06holdMs\x12\x16\n" +
+	"\x06failed\x18\x05 \x03(\rR\x06failed\"\xda\x01\n" +
 	"\bGrantRun\x12 \n" +
 	"\ffirst_put_id\x18\x01 \x01(\x04R\n" +
 	"firstPutId\x12\x14\n" +
