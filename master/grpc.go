@@ -568,6 +568,11 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 			errs[i] = fmt.Errorf("%w: PutEnd item of %q", ErrInvalidRequest, it.Key)
 			continue
 		}
+		if len(it.Reservations) != len(it.Replicas) {
+			// The FSM refuses these too; columns (columnsOf) cannot say it.
+			errs[i] = fmt.Errorf("%w: %d replicas and %d reservations for %q", ErrInvalidRequest, len(it.Replicas), len(it.Reservations), it.Key)
+			continue
+		}
 		if callerTenant(ctx) != "" {
 			// Where another leader placed a put, this one takes the
 			// client's word for its replicas: space free in their

@@ -182,7 +182,8 @@ func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) an
 	return errs
 }
 
-// columnsOf is the items in columns (see PublishColumnsCmd).
+// columnsOf is the items in columns (see PublishColumnsCmd). Each item
+// must have one reservation per replica (BatchPutEnd refuses others).
 func columnsOf(items []*pb.PublishItem) *pb.PublishColumnsCmd {
 	n := len(items)
 	c := &pb.PublishColumnsCmd{

@@ -329,6 +329,10 @@ func (s *Store) DeleteRange(lo, hi uint64) error {
 
 	s.writeMu.Lock()
 	defer s.writeMu.Unlock()
+	// Forgotten first, so no error below leaves deleted entries served.
+	s.mu.Lock()
+	s.mu.recent = [recentLogs]*raft.Log{} // rare: compaction or a follower's conflict
+	s.mu.Unlock()
 	if err := b.Commit(pebble.Sync); err != nil {
 		return fmt.Errorf("logstore: deleting logs %d-%d: %w", lo, hi, err)
 	}
@@ -340,7 +344,6 @@ func (s *Store) DeleteRange(lo, hi uint64) error {
 	}
 	s.mu.Lock()
 	s.mu.first, s.mu.last = first, last
-	s.mu.recent = [recentLogs]*raft.Log{} // rare: compaction or a follower's conflict
 	s.mu.Unlock()
 	return nil
 }
