@@ -147,7 +147,7 @@ func flagValue(args []string, name string) []string {
 func TestChartDefault(t *testing.T) {
 	objs := render(t, "")
 	sts := find[appsv1.StatefulSet](objs, "tp-tidepool-master")
-	if sts == nil || *sts.Spec.Replicas != 1 || sts.Spec.PodManagementPolicy != appsv1.ParallelPodManagement {
+	if sts == nil || *sts.Spec.Replicas != 1 || sts.Spec.PodManagementPolicy != appsv1.ParallelPodManagement || sts.Spec.UpdateStrategy.Type != appsv1.OnDeleteStatefulSetStrategyType {
 		t.Fatalf("master StatefulSet: %+v", sts)
 	}
 	args := sts.Spec.Template.Spec.Containers[0].Args
