@@ -156,9 +156,6 @@ type CopyEndResult struct {
 	Done bool
 }
 
-// Apply implements raft.FSM. It returns []PutStartResult, []error (one per
-// key), []CopyStartResult, []CopyEndResult, RegisterResult or error, by
-// command.
 // command decodes l's command, or finds it among those proposed.
 func (f *FSM) command(l *raft.Log) (*pb.Command, error) {
 	if len(l.Data) > 0 {
@@ -173,6 +170,9 @@ func (f *FSM) command(l *raft.Log) (*pb.Command, error) {
 	return cmd, nil
 }
 
+// Apply implements raft.FSM. It returns []PutStartResult, []error (one per
+// key), []CopyStartResult, []CopyEndResult, RegisterResult or error, by
+// command.
 func (f *FSM) Apply(l *raft.Log) any {
 	cmd, err := f.command(l)
 	if err != nil {
