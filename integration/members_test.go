@@ -132,14 +132,18 @@ func TestGrowAndReplaceMasters(t *testing.T) {
 		}
 		return nil
 	})
-	// Every master's address is known to every master.
+	// Every master's address is known to every master, a follower once it
+	// has applied the entry that the leader already answers from.
 	for _, j := range joined {
-		out := string(mustCLI(t, ctx, nil, "status", "--masters", j.grpc).stdout)
-		for _, a := range []string{m1.grpc, joined[0].grpc, joined[1].grpc} {
-			if !strings.Contains(out, a) {
-				t.Fatalf("status through %s does not show %s:\n%s", j.id, a, out)
+		waitFor(t, 10*time.Second, func() error {
+			out := string(mustCLI(t, ctx, nil, "status", "--masters", j.grpc).stdout)
+			for _, a := range []string{m1.grpc, joined[0].grpc, joined[1].grpc} {
+				if !strings.Contains(out, a) {
+					return fmt.Errorf("status through %s does not show %s:\n%s", j.id, a, out)
+				}
 			}
-		}
+			return nil
+		})
 	}
 
 	// Removing two of three would leave one voter of a cluster whose other

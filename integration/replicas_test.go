@@ -131,8 +131,16 @@ func TestReplicasSurviveStoreKills(t *testing.T) {
 	if st.UnderReplicated != uint64(len(keys)) {
 		t.Fatalf("%d under-replicated with one store left, want all %d", st.UnderReplicated, len(keys))
 	}
-	out := mustCLI(t, ctx, nil, "status", "--masters", masters)
-	if !bytes.Contains(out.stdout, fmt.Appendf(nil, "re-replicating: %d objects", len(keys))) {
-		t.Fatalf("status does not say what is under-replicated:\n%s", out.stdout)
-	}
+	// The CLI may ask a follower, which learns that s2 is dead up to a raft
+	// commit timeout after the leader.
+	waitFor(t, 10*time.Second, func() error {
+		out, err := runCLI(ctx, nil, "status", "--masters", masters)
+		if err != nil || out.code != 0 {
+			return fmt.Errorf("tidepool status: %v %s", err, out)
+		}
+		if !bytes.Contains(out.stdout, fmt.Appendf(nil, "re-replicating: %d objects", len(keys))) {
+			return fmt.Errorf("status does not say what is under-replicated:\n%s", out.stdout)
+		}
+		return nil
+	})
 }
