@@ -90,15 +90,22 @@ func (s *segment) carve(id, off, n uint64) bool {
 		if i == len(r.spans) || r.spans[i].off > off || off+n > r.spans[i].off+r.spans[i].len {
 			continue
 		}
+		// In place: puts of a run publish in order, each from the front
+		// of what is left, so most carves shorten a span and allocate
+		// nothing.
 		sp := r.spans[i]
-		var parts []span
-		if off > sp.off {
-			parts = append(parts, span{sp.off, off - sp.off})
+		end := sp.off + sp.len
+		switch {
+		case off == sp.off && off+n == end:
+			r.spans = slices.Delete(r.spans, i, i+1)
+		case off == sp.off:
+			r.spans[i] = span{off + n, end - off - n}
+		case off+n == end:
+			r.spans[i].len = off - sp.off
+		default:
+			r.spans[i].len = off - sp.off
+			r.spans = slices.Insert(r.spans, i+1, span{off + n, end - off - n})
 		}
-		if end := sp.off + sp.len; off+n < end {
-			parts = append(parts, span{off + n, end - off - n})
-		}
-		r.spans = slices.Replace(r.spans, i, i+1, parts...)
 		return true
 	}
 	return false
