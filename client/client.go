@@ -413,13 +413,24 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 
 	// Write every replica of every placed put in one engine batch.
 	batch := c.eng.NewBatch()
-	tasks := make([][]*engine.Task, len(keys))
+	nreps := 0
+	for _, g := range placed {
+		nreps += len(g.replicas)
+	}
+	tasks := make([][]*engine.Task, len(keys)) // each a window of all
+	all := make([]*engine.Task, 0, nreps)
+	var ticket string // the last one: a run's puts share theirs
 	for i, g := range placed {
 		opts := engine.Options{Priority: engine.Medium, Deadline: g.deadline}
+		from := len(all)
 		for _, rep := range g.replicas {
-			t := batch.Write(values[i], target(rep), int64(rep.Offset), opts)
-			tasks[i] = append(tasks[i], t)
+			if string(rep.Ticket) != ticket {
+				ticket = string(rep.Ticket)
+			}
+			t := engine.Target{Endpoint: rep.Endpoint, Segment: rep.Segment, Ticket: ticket}
+			all = append(all, batch.Write(values[i], t, int64(rep.Offset), opts))
 		}
+		tasks[i] = all[from:len(all):len(all)]
 	}
 	if err := batch.Submit(ctx); err == nil {
 		// Not ctx: Wait must see every task terminal (ctx cancels them), or
@@ -479,8 +490,8 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	// knows; another leader (after a failover) asks for them.
 	call := &endCall{items: make([]*pb.PutEndItem, len(end.Items))}
 	for sh, n := range shapes {
-		for range c.grants.want(sh, n, now) {
-			call.grants = append(call.grants, sh)
+		if n := c.grants.want(sh, n, now); n > 0 {
+			call.grants = append(call.grants, ask{sh, n})
 		}
 	}
 	short := make([]pb.PutEndItem, len(end.Items))

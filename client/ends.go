@@ -27,7 +27,7 @@ type endQueue struct {
 // the grants it asks for.
 type endCall struct {
 	items    []*pb.PutEndItem
-	grants   []shape
+	grants   []ask
 	deadline time.Time     // of the put's context; zero: none
 	bytes    int           // about what its items weigh on the wire
 	turn     chan struct{} // closed when it is to send the next batch
@@ -168,9 +168,11 @@ func (c *Client) sendEnds(ctx context.Context, batch []*endCall) {
 	var shapes []shape
 	for _, call := range batch {
 		req.Items = append(req.Items, call.items...)
-		for _, sh := range call.grants {
-			req.Grants = append(req.Grants, &pb.PutStartRequest{Size: sh.size, Tier: sh.tier, Replicas: sh.replicas, Tenant: c.tenant})
-			shapes = append(shapes, sh)
+		for _, a := range call.grants {
+			req.GrantAsks = append(req.GrantAsks, &pb.GrantAsk{Size: a.size, Tier: a.tier, Replicas: a.replicas, Tenant: c.tenant, Count: uint32(a.n)})
+			for range a.n {
+				shapes = append(shapes, a.shape)
+			}
 		}
 	}
 	var resp *pb.BatchPutEndResponse

@@ -22,6 +22,12 @@ type shape struct {
 	replicas uint32
 }
 
+// An ask is n grants of a shape to ask for.
+type ask struct {
+	shape
+	n int
+}
+
 type grant struct {
 	id           uint64
 	replicas     []*pb.Replica
@@ -101,6 +107,10 @@ func (g *grantPool) addRun(sh shape, run *pb.GrantRun, asked time.Time) (left []
 	deadline := asked.Add(time.Duration(run.WriteTimeoutMs) * time.Millisecond)
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	// The run's replicas in two allocations, not two a grant.
+	nr := len(run.Replicas)
+	reps := make([]pb.Replica, int(run.Count)*nr)
+	ptrs := make([]*pb.Replica, len(reps))
 	// Pooled last first: take pops from the end, so puts go in order.
 	for i := int(run.Count) - 1; i >= 0; i-- {
 		id := run.FirstPutId + uint64(i)
@@ -108,11 +118,13 @@ func (g *grantPool) addRun(sh shape, run *pb.GrantRun, asked time.Time) (left []
 			left = append(left, id)
 			continue
 		}
-		reps := make([]*pb.Replica, len(run.Replicas))
 		for j, r := range run.Replicas {
-			reps[j] = &pb.Replica{Segment: r.Segment, Node: r.Node, Endpoint: r.Endpoint, Offset: r.Offset + uint64(i)*run.Stride, Length: r.Length, Tier: r.Tier, Ticket: r.Ticket}
+			k := i*nr + j
+			p := &reps[k]
+			p.Segment, p.Node, p.Endpoint, p.Offset, p.Length, p.Tier, p.Ticket = r.Segment, r.Node, r.Endpoint, r.Offset+uint64(i)*run.Stride, r.Length, r.Tier, r.Ticket
+			ptrs[k] = p
 		}
-		g.byShap[sh] = append(g.byShap[sh], grant{id: id, replicas: reps, reservations: run.Reservations, deadline: deadline})
+		g.byShap[sh] = append(g.byShap[sh], grant{id: id, replicas: ptrs[i*nr : (i+1)*nr : (i+1)*nr], reservations: run.Reservations, deadline: deadline})
 	}
 	return left
 }

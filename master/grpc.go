@@ -513,8 +513,8 @@ func (m *masterService) PutEnd(ctx context.Context, req *pb.KeysRequest) (*pb.It
 }
 
 func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequest) (*pb.BatchPutEndResponse, error) {
-	if len(req.Items) == 0 || len(req.Items) > MaxBatchKeys || len(req.Grants) > MaxBatchKeys {
-		return nil, fmt.Errorf("%w: batch of %d items and %d grants (want 1 to %d)", ErrInvalidRequest, len(req.Items), len(req.Grants), MaxBatchKeys)
+	if len(req.Items) == 0 || len(req.Items) > MaxBatchKeys || len(req.Grants)+len(req.GrantAsks) > MaxBatchKeys {
+		return nil, fmt.Errorf("%w: batch of %d items and %d grant asks (want 1 to %d)", ErrInvalidRequest, len(req.Items), len(req.Grants)+len(req.GrantAsks), MaxBatchKeys)
 	}
 	if err := m.s.leaderOnly(); err != nil {
 		return nil, err
@@ -655,7 +655,7 @@ func (m *masterService) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequ
 		}
 	}
 	m.s.touch(ended, m.s.cfg.Now())
-	resp := &pb.BatchPutEndResponse{Grants: m.grant(ctx, req.Grants), Unplaced: unplaced, HoldMs: m.s.holds(req.Items, errs)}
+	resp := &pb.BatchPutEndResponse{Grants: m.grant(ctx, grantAsks(req)), Unplaced: unplaced, HoldMs: m.s.holds(req.Items, errs)}
 	if !req.SparseResults {
 		resp.Results = itemsResponse(errs).Results
 		return resp, nil

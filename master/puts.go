@@ -489,13 +489,13 @@ const (
 	maxGrantBytes = 16 << 20
 )
 
-// grant places puts for keys not known yet, as runs: consecutive requests
-// of one shape become as few runs of contiguous space as the reservations
-// allow. The runs answer a prefix of the requests, in order: it stops at
-// maxGrants, maxGrantBytes, or a shape it cannot place without evicting or
-// spilling (the client then starts those puts as usual).
-func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) []*pb.GrantRun {
-	if len(reqs) == 0 {
+// grant places puts for keys not known yet, as runs: each ask becomes as
+// few runs of contiguous space as the reservations allow. The runs answer
+// a prefix of the asks, in order: it stops at maxGrants, maxGrantBytes,
+// or a shape it cannot place without evicting or spilling (the client
+// then starts those puts as usual).
+func (m *masterService) grant(ctx context.Context, asks []*pb.GrantAsk) []*pb.GrantRun {
+	if len(asks) == 0 {
 		return nil
 	}
 	host := clientHost(ctx)
@@ -506,20 +506,18 @@ func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) [
 	var out []*pb.GrantRun
 	var count int
 	var bytes uint64
-	for i := 0; i < len(reqs); {
-		it := reqs[i]
-		same := 1
-		for i+same < len(reqs) && reqs[i+same].Size == it.Size && reqs[i+same].Tier == it.Tier && reqs[i+same].Replicas == it.Replicas {
-			same++
+	for _, a := range asks {
+		if a.Count == 0 {
+			continue
 		}
-		i += same
-		if it.Size == 0 || validTier(it.Tier) != nil || m.s.fsm.hasQuota(it.Tenant, orDRAM(it.Tier)) {
+		if a.Size == 0 || validTier(a.Tier) != nil || m.s.fsm.hasQuota(a.Tenant, orDRAM(a.Tier)) {
 			// A put under a quota starts as usual, where room is made
 			// within the quota first.
-			return out // the runs answer a prefix of the requests
+			return out
 		}
-		want := min(same, maxGrants-count, int((maxGrantBytes-bytes)/it.Size))
-		cands := m.s.candidates(it.Size, it.Tier, host)
+		it := &pb.PutStartRequest{Size: a.Size, Tier: a.Tier, Replicas: a.Replicas, Tenant: a.Tenant}
+		want := min(int(min(a.Count, maxGrants)), maxGrants-count, int((maxGrantBytes-bytes)/a.Size))
+		cands := m.s.candidates(a.Size, a.Tier, host)
 		for placed := 0; placed < want; {
 			run, err := m.s.placeRun(ctx, it, want-placed, cands, views)
 			if err != nil || run == nil {
@@ -528,13 +526,33 @@ func (m *masterService) grant(ctx context.Context, reqs []*pb.PutStartRequest) [
 			out = append(out, run)
 			placed += int(run.Count)
 			count += int(run.Count)
-			bytes += uint64(run.Count) * it.Size
+			bytes += uint64(run.Count) * a.Size
 		}
-		if want < same {
-			return out // the runs answer a prefix of the requests, in order
+		if want < int(a.Count) {
+			return out
 		}
 	}
 	return out
+}
+
+// grantAsks is what req asks grants for: its grants, one request a grant
+// (clients before grant_asks), as asks of consecutive requests of one
+// shape, then its grant_asks.
+func grantAsks(req *pb.BatchPutEndRequest) []*pb.GrantAsk {
+	if len(req.Grants) == 0 {
+		return req.GrantAsks
+	}
+	var asks []*pb.GrantAsk
+	for i := 0; i < len(req.Grants); {
+		it := req.Grants[i]
+		same := 1
+		for i+same < len(req.Grants) && req.Grants[i+same].Size == it.Size && req.Grants[i+same].Tier == it.Tier && req.Grants[i+same].Replicas == it.Replicas {
+			same++
+		}
+		i += same
+		asks = append(asks, &pb.GrantAsk{Size: it.Size, Tier: it.Tier, Replicas: it.Replicas, Tenant: it.Tenant, Count: uint32(same)})
+	}
+	return append(asks, req.GrantAsks...)
 }
 
 // placeRun places up to count puts of it's shape in contiguous space of

@@ -10,6 +10,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -170,10 +171,60 @@ func TestPutGrants(t *testing.T) {
 	if err != nil || len(resp.Results) != 1 || !slices.Equal(resp.Failed, []uint32{1}) || codes.Code(resp.Results[0].Code) != codes.FailedPrecondition {
 		t.Fatalf("sparse put end of one placed and one unknown put: %v, %v", resp, err)
 	}
+	// Grants asked by shape and count, after those asked one a request
+	// (older clients), as one prefix: a zero count asks none.
+	resp, err = mc.BatchPutEnd(rpcCtx(t), &pb.BatchPutEndRequest{
+		Items:     []*pb.PutEndItem{{Key: "y", PutId: 12345, Size: 10}},
+		Grants:    []*pb.PutStartRequest{{Size: 500}},
+		GrantAsks: []*pb.GrantAsk{{Size: 2000, Count: 0}, {Size: 1000, Count: 2}, {Size: 3000, Count: 3}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sizes []uint64
+	for _, run := range resp.Grants {
+		for range run.Count {
+			sizes = append(sizes, run.Replicas[0].Length)
+		}
+	}
+	if want := []uint64{500, 1000, 1000, 3000, 3000, 3000}; !slices.Equal(sizes, want) {
+		t.Fatalf("grants of sizes %v, want %v", sizes, want)
+	}
 	m.srv.fsm.proposed.Range(func(k, _ any) bool {
 		t.Errorf("proposal %v still held after its put ended", k)
 		return true
 	})
+}
+
+// TestGrantAsks: grants asked one a request become asks of consecutive
+// requests of one shape, ahead of the request's grant_asks.
+func TestGrantAsks(t *testing.T) {
+	a := func(size uint64, tier pb.Tier, reps, n uint32) *pb.GrantAsk {
+		return &pb.GrantAsk{Size: size, Tier: tier, Replicas: reps, Count: n}
+	}
+	r := func(size uint64, tier pb.Tier, reps uint32) *pb.PutStartRequest {
+		return &pb.PutStartRequest{Size: size, Tier: tier, Replicas: reps}
+	}
+	ssd := pb.Tier_TIER_SSD
+	for _, tc := range []struct {
+		name string
+		req  *pb.BatchPutEndRequest
+		want []*pb.GrantAsk
+	}{
+		{"none", &pb.BatchPutEndRequest{}, nil},
+		{"asks alone", &pb.BatchPutEndRequest{GrantAsks: []*pb.GrantAsk{a(1, 0, 0, 5)}}, []*pb.GrantAsk{a(1, 0, 0, 5)}},
+		{"runs of requests", &pb.BatchPutEndRequest{Grants: []*pb.PutStartRequest{r(1, 0, 0), r(1, 0, 0), r(1, ssd, 0), r(1, ssd, 2), r(1, 0, 0)}},
+			[]*pb.GrantAsk{a(1, 0, 0, 2), a(1, ssd, 0, 1), a(1, ssd, 2, 1), a(1, 0, 0, 1)}},
+		{"requests first", &pb.BatchPutEndRequest{Grants: []*pb.PutStartRequest{r(2, 0, 0)}, GrantAsks: []*pb.GrantAsk{a(1, 0, 0, 3)}},
+			[]*pb.GrantAsk{a(2, 0, 0, 1), a(1, 0, 0, 3)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := grantAsks(tc.req)
+			if !slices.EqualFunc(got, tc.want, func(x, y *pb.GrantAsk) bool { return proto.Equal(x, y) }) {
+				t.Fatalf("grantAsks = %v, want %v", got, tc.want)
+			}
+		})
+	}
 }
 
 // TestPutsNeverShareSpace: concurrent puts, revokes and removes of random

@@ -100,6 +100,11 @@ func (n namespace) request(req any) error {
 				return err
 			}
 		}
+		for _, a := range r.GrantAsks {
+			if err := n.owner(&a.Tenant); err != nil {
+				return err
+			}
+		}
 	case *pb.KeysRequest:
 		n.keys(r.Keys)
 	case *pb.ListRequest:

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	"github.com/tidepool-kv/tidepool/auth"
 	"github.com/tidepool-kv/tidepool/master/leaderconn"
@@ -95,14 +96,18 @@ func r19PutStart(t *testing.T, m *member, token, key string, size uint64) *pb.Pu
 }
 
 // r19Grant has tenant token end a put of key and ask for one grant of
-// size bytes, and returns the grant's put id.
-func r19Grant(t *testing.T, m *member, token, key string, size uint64) uint64 {
+// size bytes, as an ask or (asks false) as clients before asks did, and
+// returns the grant's put id.
+func r19Grant(t *testing.T, m *member, token, key string, size uint64, asks bool) uint64 {
 	t.Helper()
 	r := r19PutStart(t, m, token, key, size)
-	resp, err := m.master().BatchPutEnd(r19Ctx(t, token), &pb.BatchPutEndRequest{
-		Items:  []*pb.PutEndItem{{Key: key, PutId: r.PutId, Size: size, Checksum: 1}},
-		Grants: []*pb.PutStartRequest{{Size: size}},
-	})
+	req := &pb.BatchPutEndRequest{Items: []*pb.PutEndItem{{Key: key, PutId: r.PutId, Size: size, Checksum: 1}}}
+	if asks {
+		req.GrantAsks = []*pb.GrantAsk{{Size: size, Count: 1}}
+	} else {
+		req.Grants = []*pb.PutStartRequest{{Size: size}}
+	}
+	resp, err := m.master().BatchPutEnd(r19Ctx(t, token), req)
 	if err != nil {
 		t.Fatalf("batch put end %q with a grant: %v", key, err)
 	}
@@ -121,15 +126,26 @@ func r19Grant(t *testing.T, m *member, token, key string, size uint64) uint64 {
 func TestReview19TenantUsesOwnGrant(t *testing.T) {
 	m := r19Pool(t)
 	const size = 4096
-	id := r19Grant(t, m, r19TenantA, "first", size)
-	resp, err := m.master().BatchPutEnd(r19Ctx(t, r19TenantA), &pb.BatchPutEndRequest{
-		Items: []*pb.PutEndItem{{Key: "second", PutId: id, Size: size, Checksum: 1}},
-	})
-	if err != nil {
-		t.Fatal(err)
+	for _, asks := range []bool{true, false} {
+		id := r19Grant(t, m, r19TenantA, fmt.Sprint("first", asks), size, asks)
+		resp, err := m.master().BatchPutEnd(r19Ctx(t, r19TenantA), &pb.BatchPutEndRequest{
+			Items: []*pb.PutEndItem{{Key: fmt.Sprint("second", asks), PutId: id, Size: size, Checksum: 1}},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c := resp.Results[0].Code; c != 0 {
+			t.Fatalf("tenant a's put through its own grant %d (asks %v): %v %q, want OK", id, asks, codes.Code(c), resp.Results[0].Message)
+		}
 	}
-	if c := resp.Results[0].Code; c != 0 {
-		t.Fatalf("tenant a's put through its own grant %d: %v %q, want OK", id, codes.Code(c), resp.Results[0].Message)
+	// An ask naming another tenant is refused whole.
+	r := r19PutStart(t, m, r19TenantA, "third", size)
+	_, err := m.master().BatchPutEnd(r19Ctx(t, r19TenantA), &pb.BatchPutEndRequest{
+		Items:     []*pb.PutEndItem{{Key: "third", PutId: r.PutId, Size: size, Checksum: 1}},
+		GrantAsks: []*pb.GrantAsk{{Size: size, Count: 1, Tenant: "b"}},
+	})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Fatalf("an ask for another tenant's grants: %v, want PermissionDenied", err)
 	}
 }
 
@@ -140,7 +156,7 @@ func TestReview19TenantUsesOwnGrant(t *testing.T) {
 func TestReview19RevokeAnotherTenantsGrant(t *testing.T) {
 	m := r19Pool(t)
 	const size = 4096
-	id := r19Grant(t, m, r19TenantA, "first", size)
+	id := r19Grant(t, m, r19TenantA, "first", size, true)
 	resp, err := m.master().PutRevoke(r19Ctx(t, r19TenantB), &pb.KeysRequest{Keys: []string{""}, PutIds: []uint64{id}})
 	if err != nil {
 		t.Fatal(err)

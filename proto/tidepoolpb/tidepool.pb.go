@@ -691,12 +691,18 @@ type BatchPutEndRequest struct {
 	Items []*PutEndItem `protobuf:"bytes,1,rep,name=items,proto3" json:"items,omitempty"`
 	// Puts to place now for keys not known yet, answered as grants: the
 	// client's next puts of these shapes (size, tier, replicas) skip
-	// BatchPutStart. Keys are empty; the leader may answer fewer.
+	// BatchPutStart. Keys are empty; the leader may answer fewer. Clients
+	// now ask in grant_asks; this form, one request a grant, is for those
+	// before.
 	Grants []*PutStartRequest `protobuf:"bytes,2,rep,name=grants,proto3" json:"grants,omitempty"`
 	// Answer only the items that failed: results then holds their statuses
 	// and failed their indices, in order (a master that predates this field
 	// answers every item, failed empty).
 	SparseResults bool `protobuf:"varint,3,opt,name=sparse_results,json=sparseResults,proto3" json:"sparse_results,omitempty"`
+	// Grants asked for by shape, answered after those of grants, as if each
+	// ask were count requests of grants in a row (a master that predates
+	// this field answers none of them).
+	GrantAsks     []*GrantAsk `protobuf:"bytes,4,rep,name=grant_asks,json=grantAsks,proto3" json:"grant_asks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -752,6 +758,90 @@ func (x *BatchPutEndRequest) GetSparseResults() bool {
 	return false
 }
 
+func (x *BatchPutEndRequest) GetGrantAsks() []*GrantAsk {
+	if x != nil {
+		return x.GrantAsks
+	}
+	return nil
+}
+
+// GrantAsk asks for count grants of one shape.
+type GrantAsk struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Size          uint64                 `protobuf:"varint,1,opt,name=size,proto3" json:"size,omitempty"`
+	Tier          Tier                   `protobuf:"varint,2,opt,name=tier,proto3,enum=tidepool.v1.Tier" json:"tier,omitempty"`
+	Replicas      uint32                 `protobuf:"varint,3,opt,name=replicas,proto3" json:"replicas,omitempty"`
+	Tenant        string                 `protobuf:"bytes,4,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	Count         uint32                 `protobuf:"varint,5,opt,name=count,proto3" json:"count,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GrantAsk) Reset() {
+	*x = GrantAsk{}
+	mi := &file_tidepool_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GrantAsk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GrantAsk) ProtoMessage() {}
+
+func (x *GrantAsk) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GrantAsk.ProtoReflect.Descriptor instead.
+func (*GrantAsk) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *GrantAsk) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *GrantAsk) GetTier() Tier {
+	if x != nil {
+		return x.Tier
+	}
+	return Tier_TIER_UNSPECIFIED
+}
+
+func (x *GrantAsk) GetReplicas() uint32 {
+	if x != nil {
+		return x.Replicas
+	}
+	return 0
+}
+
+func (x *GrantAsk) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
+func (x *GrantAsk) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
 type BatchPutEndResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Results []*ItemStatus          `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
@@ -772,7 +862,7 @@ type BatchPutEndResponse struct {
 
 func (x *BatchPutEndResponse) Reset() {
 	*x = BatchPutEndResponse{}
-	mi := &file_tidepool_proto_msgTypes[8]
+	mi := &file_tidepool_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -784,7 +874,7 @@ func (x *BatchPutEndResponse) String() string {
 func (*BatchPutEndResponse) ProtoMessage() {}
 
 func (x *BatchPutEndResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[8]
+	mi := &file_tidepool_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -797,7 +887,7 @@ func (x *BatchPutEndResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BatchPutEndResponse.ProtoReflect.Descriptor instead.
 func (*BatchPutEndResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{8}
+	return file_tidepool_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *BatchPutEndResponse) GetResults() []*ItemStatus {
@@ -854,7 +944,7 @@ type GrantRun struct {
 
 func (x *GrantRun) Reset() {
 	*x = GrantRun{}
-	mi := &file_tidepool_proto_msgTypes[9]
+	mi := &file_tidepool_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -866,7 +956,7 @@ func (x *GrantRun) String() string {
 func (*GrantRun) ProtoMessage() {}
 
 func (x *GrantRun) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[9]
+	mi := &file_tidepool_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -879,7 +969,7 @@ func (x *GrantRun) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GrantRun.ProtoReflect.Descriptor instead.
 func (*GrantRun) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{9}
+	return file_tidepool_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *GrantRun) GetFirstPutId() uint64 {
@@ -936,7 +1026,7 @@ type KeysRequest struct {
 
 func (x *KeysRequest) Reset() {
 	*x = KeysRequest{}
-	mi := &file_tidepool_proto_msgTypes[10]
+	mi := &file_tidepool_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -948,7 +1038,7 @@ func (x *KeysRequest) String() string {
 func (*KeysRequest) ProtoMessage() {}
 
 func (x *KeysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[10]
+	mi := &file_tidepool_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -961,7 +1051,7 @@ func (x *KeysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeysRequest.ProtoReflect.Descriptor instead.
 func (*KeysRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{10}
+	return file_tidepool_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *KeysRequest) GetKeys() []string {
@@ -987,7 +1077,7 @@ type ItemsResponse struct {
 
 func (x *ItemsResponse) Reset() {
 	*x = ItemsResponse{}
-	mi := &file_tidepool_proto_msgTypes[11]
+	mi := &file_tidepool_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -999,7 +1089,7 @@ func (x *ItemsResponse) String() string {
 func (*ItemsResponse) ProtoMessage() {}
 
 func (x *ItemsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[11]
+	mi := &file_tidepool_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1012,7 +1102,7 @@ func (x *ItemsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemsResponse.ProtoReflect.Descriptor instead.
 func (*ItemsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{11}
+	return file_tidepool_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ItemsResponse) GetResults() []*ItemStatus {
@@ -1034,7 +1124,7 @@ type ObjectReplicas struct {
 
 func (x *ObjectReplicas) Reset() {
 	*x = ObjectReplicas{}
-	mi := &file_tidepool_proto_msgTypes[12]
+	mi := &file_tidepool_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1046,7 +1136,7 @@ func (x *ObjectReplicas) String() string {
 func (*ObjectReplicas) ProtoMessage() {}
 
 func (x *ObjectReplicas) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[12]
+	mi := &file_tidepool_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1059,7 +1149,7 @@ func (x *ObjectReplicas) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectReplicas.ProtoReflect.Descriptor instead.
 func (*ObjectReplicas) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{12}
+	return file_tidepool_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ObjectReplicas) GetStatus() *ItemStatus {
@@ -1102,7 +1192,7 @@ type GetReplicasResponse struct {
 
 func (x *GetReplicasResponse) Reset() {
 	*x = GetReplicasResponse{}
-	mi := &file_tidepool_proto_msgTypes[13]
+	mi := &file_tidepool_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1114,7 +1204,7 @@ func (x *GetReplicasResponse) String() string {
 func (*GetReplicasResponse) ProtoMessage() {}
 
 func (x *GetReplicasResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[13]
+	mi := &file_tidepool_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1127,7 +1217,7 @@ func (x *GetReplicasResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicasResponse.ProtoReflect.Descriptor instead.
 func (*GetReplicasResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{13}
+	return file_tidepool_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *GetReplicasResponse) GetResults() []*ObjectReplicas {
@@ -1153,7 +1243,7 @@ type ExistsResponse struct {
 
 func (x *ExistsResponse) Reset() {
 	*x = ExistsResponse{}
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1165,7 +1255,7 @@ func (x *ExistsResponse) String() string {
 func (*ExistsResponse) ProtoMessage() {}
 
 func (x *ExistsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[14]
+	mi := &file_tidepool_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1178,7 +1268,7 @@ func (x *ExistsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExistsResponse.ProtoReflect.Descriptor instead.
 func (*ExistsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{14}
+	return file_tidepool_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ExistsResponse) GetExists() []bool {
@@ -1201,7 +1291,7 @@ type ListRequest struct {
 
 func (x *ListRequest) Reset() {
 	*x = ListRequest{}
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1213,7 +1303,7 @@ func (x *ListRequest) String() string {
 func (*ListRequest) ProtoMessage() {}
 
 func (x *ListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[15]
+	mi := &file_tidepool_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1226,7 +1316,7 @@ func (x *ListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRequest.ProtoReflect.Descriptor instead.
 func (*ListRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{15}
+	return file_tidepool_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListRequest) GetPrefix() string {
@@ -1270,7 +1360,7 @@ type ObjectInfo struct {
 
 func (x *ObjectInfo) Reset() {
 	*x = ObjectInfo{}
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1282,7 +1372,7 @@ func (x *ObjectInfo) String() string {
 func (*ObjectInfo) ProtoMessage() {}
 
 func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1295,7 +1385,7 @@ func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectInfo.ProtoReflect.Descriptor instead.
 func (*ObjectInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{16}
+	return file_tidepool_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ObjectInfo) GetKey() string {
@@ -1379,7 +1469,7 @@ type ListResponse struct {
 
 func (x *ListResponse) Reset() {
 	*x = ListResponse{}
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1391,7 +1481,7 @@ func (x *ListResponse) String() string {
 func (*ListResponse) ProtoMessage() {}
 
 func (x *ListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1404,7 +1494,7 @@ func (x *ListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResponse.ProtoReflect.Descriptor instead.
 func (*ListResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{17}
+	return file_tidepool_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ListResponse) GetObjects() []*ObjectInfo {
@@ -1435,7 +1525,7 @@ type CorruptReplica struct {
 
 func (x *CorruptReplica) Reset() {
 	*x = CorruptReplica{}
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1447,7 +1537,7 @@ func (x *CorruptReplica) String() string {
 func (*CorruptReplica) ProtoMessage() {}
 
 func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1460,7 +1550,7 @@ func (x *CorruptReplica) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CorruptReplica.ProtoReflect.Descriptor instead.
 func (*CorruptReplica) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{18}
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CorruptReplica) GetKey() string {
@@ -1494,7 +1584,7 @@ type CorruptReplicaResponse struct {
 
 func (x *CorruptReplicaResponse) Reset() {
 	*x = CorruptReplicaResponse{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1506,7 +1596,7 @@ func (x *CorruptReplicaResponse) String() string {
 func (*CorruptReplicaResponse) ProtoMessage() {}
 
 func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1519,7 +1609,7 @@ func (x *CorruptReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CorruptReplicaResponse.ProtoReflect.Descriptor instead.
 func (*CorruptReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *CorruptReplicaResponse) GetDropped() bool {
@@ -1541,7 +1631,7 @@ type UnreachableReport struct {
 
 func (x *UnreachableReport) Reset() {
 	*x = UnreachableReport{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1553,7 +1643,7 @@ func (x *UnreachableReport) String() string {
 func (*UnreachableReport) ProtoMessage() {}
 
 func (x *UnreachableReport) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1566,7 +1656,7 @@ func (x *UnreachableReport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnreachableReport.ProtoReflect.Descriptor instead.
 func (*UnreachableReport) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *UnreachableReport) GetSegments() []string {
@@ -1586,7 +1676,7 @@ type UnreachableResponse struct {
 
 func (x *UnreachableResponse) Reset() {
 	*x = UnreachableResponse{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1598,7 +1688,7 @@ func (x *UnreachableResponse) String() string {
 func (*UnreachableResponse) ProtoMessage() {}
 
 func (x *UnreachableResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1611,7 +1701,7 @@ func (x *UnreachableResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnreachableResponse.ProtoReflect.Descriptor instead.
 func (*UnreachableResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *UnreachableResponse) GetNodes() []string {
@@ -1629,7 +1719,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1641,7 +1731,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1654,7 +1744,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 type MemberInfo struct {
@@ -1673,7 +1763,7 @@ type MemberInfo struct {
 
 func (x *MemberInfo) Reset() {
 	*x = MemberInfo{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1685,7 +1775,7 @@ func (x *MemberInfo) String() string {
 func (*MemberInfo) ProtoMessage() {}
 
 func (x *MemberInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1698,7 +1788,7 @@ func (x *MemberInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberInfo.ProtoReflect.Descriptor instead.
 func (*MemberInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *MemberInfo) GetId() string {
@@ -1744,7 +1834,7 @@ type MembersRequest struct {
 
 func (x *MembersRequest) Reset() {
 	*x = MembersRequest{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1756,7 +1846,7 @@ func (x *MembersRequest) String() string {
 func (*MembersRequest) ProtoMessage() {}
 
 func (x *MembersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1769,7 +1859,7 @@ func (x *MembersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MembersRequest.ProtoReflect.Descriptor instead.
 func (*MembersRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 // AddMemberRequest adds a master, started with --join, as a raft voter.
@@ -1784,7 +1874,7 @@ type AddMemberRequest struct {
 
 func (x *AddMemberRequest) Reset() {
 	*x = AddMemberRequest{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1796,7 +1886,7 @@ func (x *AddMemberRequest) String() string {
 func (*AddMemberRequest) ProtoMessage() {}
 
 func (x *AddMemberRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1809,7 +1899,7 @@ func (x *AddMemberRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddMemberRequest.ProtoReflect.Descriptor instead.
 func (*AddMemberRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *AddMemberRequest) GetId() string {
@@ -1842,7 +1932,7 @@ type RemoveMemberRequest struct {
 
 func (x *RemoveMemberRequest) Reset() {
 	*x = RemoveMemberRequest{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1854,7 +1944,7 @@ func (x *RemoveMemberRequest) String() string {
 func (*RemoveMemberRequest) ProtoMessage() {}
 
 func (x *RemoveMemberRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1867,7 +1957,7 @@ func (x *RemoveMemberRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveMemberRequest.ProtoReflect.Descriptor instead.
 func (*RemoveMemberRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *RemoveMemberRequest) GetId() string {
@@ -1886,7 +1976,7 @@ type MembersResponse struct {
 
 func (x *MembersResponse) Reset() {
 	*x = MembersResponse{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1898,7 +1988,7 @@ func (x *MembersResponse) String() string {
 func (*MembersResponse) ProtoMessage() {}
 
 func (x *MembersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1911,7 +2001,7 @@ func (x *MembersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MembersResponse.ProtoReflect.Descriptor instead.
 func (*MembersResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *MembersResponse) GetMembers() []*MemberInfo {
@@ -1944,7 +2034,7 @@ type SegmentInfo struct {
 
 func (x *SegmentInfo) Reset() {
 	*x = SegmentInfo{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1956,7 +2046,7 @@ func (x *SegmentInfo) String() string {
 func (*SegmentInfo) ProtoMessage() {}
 
 func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1969,7 +2059,7 @@ func (x *SegmentInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentInfo.ProtoReflect.Descriptor instead.
 func (*SegmentInfo) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SegmentInfo) GetName() string {
@@ -2078,7 +2168,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2090,7 +2180,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2103,7 +2193,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *StatusResponse) GetLeaderId() string {
@@ -2219,7 +2309,7 @@ type ScoreRequest struct {
 
 func (x *ScoreRequest) Reset() {
 	*x = ScoreRequest{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2231,7 +2321,7 @@ func (x *ScoreRequest) String() string {
 func (*ScoreRequest) ProtoMessage() {}
 
 func (x *ScoreRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2244,7 +2334,7 @@ func (x *ScoreRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScoreRequest.ProtoReflect.Descriptor instead.
 func (*ScoreRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ScoreRequest) GetChain() *LookupRequest {
@@ -2271,7 +2361,7 @@ type TierWeight struct {
 
 func (x *TierWeight) Reset() {
 	*x = TierWeight{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2283,7 +2373,7 @@ func (x *TierWeight) String() string {
 func (*TierWeight) ProtoMessage() {}
 
 func (x *TierWeight) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2296,7 +2386,7 @@ func (x *TierWeight) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TierWeight.ProtoReflect.Descriptor instead.
 func (*TierWeight) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *TierWeight) GetTier() Tier {
@@ -2330,7 +2420,7 @@ type ScoreResponse struct {
 
 func (x *ScoreResponse) Reset() {
 	*x = ScoreResponse{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2342,7 +2432,7 @@ func (x *ScoreResponse) String() string {
 func (*ScoreResponse) ProtoMessage() {}
 
 func (x *ScoreResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2355,7 +2445,7 @@ func (x *ScoreResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScoreResponse.ProtoReflect.Descriptor instead.
 func (*ScoreResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ScoreResponse) GetMatched() uint32 {
@@ -2389,7 +2479,7 @@ type TierBlocks struct {
 
 func (x *TierBlocks) Reset() {
 	*x = TierBlocks{}
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2401,7 +2491,7 @@ func (x *TierBlocks) String() string {
 func (*TierBlocks) ProtoMessage() {}
 
 func (x *TierBlocks) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[33]
+	mi := &file_tidepool_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2414,7 +2504,7 @@ func (x *TierBlocks) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TierBlocks.ProtoReflect.Descriptor instead.
 func (*TierBlocks) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{33}
+	return file_tidepool_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *TierBlocks) GetTier() Tier {
@@ -2455,7 +2545,7 @@ type LookupRequest struct {
 
 func (x *LookupRequest) Reset() {
 	*x = LookupRequest{}
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2467,7 +2557,7 @@ func (x *LookupRequest) String() string {
 func (*LookupRequest) ProtoMessage() {}
 
 func (x *LookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[34]
+	mi := &file_tidepool_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2480,7 +2570,7 @@ func (x *LookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupRequest.ProtoReflect.Descriptor instead.
 func (*LookupRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{34}
+	return file_tidepool_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *LookupRequest) GetKeys() []string {
@@ -2550,7 +2640,7 @@ type LookupResponse struct {
 
 func (x *LookupResponse) Reset() {
 	*x = LookupResponse{}
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2562,7 +2652,7 @@ func (x *LookupResponse) String() string {
 func (*LookupResponse) ProtoMessage() {}
 
 func (x *LookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[35]
+	mi := &file_tidepool_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2575,7 +2665,7 @@ func (x *LookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LookupResponse.ProtoReflect.Descriptor instead.
 func (*LookupResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{35}
+	return file_tidepool_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *LookupResponse) GetMatched() uint32 {
@@ -2659,7 +2749,7 @@ type ChildrenRequest struct {
 
 func (x *ChildrenRequest) Reset() {
 	*x = ChildrenRequest{}
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2671,7 +2761,7 @@ func (x *ChildrenRequest) String() string {
 func (*ChildrenRequest) ProtoMessage() {}
 
 func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[36]
+	mi := &file_tidepool_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2684,7 +2774,7 @@ func (x *ChildrenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChildrenRequest.ProtoReflect.Descriptor instead.
 func (*ChildrenRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{36}
+	return file_tidepool_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ChildrenRequest) GetKey() string {
@@ -2713,7 +2803,7 @@ type SegmentSpec struct {
 
 func (x *SegmentSpec) Reset() {
 	*x = SegmentSpec{}
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2725,7 +2815,7 @@ func (x *SegmentSpec) String() string {
 func (*SegmentSpec) ProtoMessage() {}
 
 func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[37]
+	mi := &file_tidepool_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2738,7 +2828,7 @@ func (x *SegmentSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentSpec.ProtoReflect.Descriptor instead.
 func (*SegmentSpec) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{37}
+	return file_tidepool_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *SegmentSpec) GetName() string {
@@ -2784,7 +2874,7 @@ type AdoptedObject struct {
 
 func (x *AdoptedObject) Reset() {
 	*x = AdoptedObject{}
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2796,7 +2886,7 @@ func (x *AdoptedObject) String() string {
 func (*AdoptedObject) ProtoMessage() {}
 
 func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[38]
+	mi := &file_tidepool_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2809,7 +2899,7 @@ func (x *AdoptedObject) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptedObject.ProtoReflect.Descriptor instead.
 func (*AdoptedObject) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{38}
+	return file_tidepool_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *AdoptedObject) GetKey() string {
@@ -2897,7 +2987,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2909,7 +2999,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[39]
+	mi := &file_tidepool_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2922,7 +3012,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{39}
+	return file_tidepool_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *RegisterRequest) GetNode() string {
@@ -2981,7 +3071,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2993,7 +3083,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[40]
+	mi := &file_tidepool_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3006,7 +3096,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{40}
+	return file_tidepool_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *AdoptRequest) GetNode() string {
@@ -3046,7 +3136,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3058,7 +3148,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[41]
+	mi := &file_tidepool_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3071,7 +3161,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{41}
+	return file_tidepool_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *AdoptResponse) GetAdopted() uint32 {
@@ -3095,7 +3185,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3107,7 +3197,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[42]
+	mi := &file_tidepool_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3120,7 +3210,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{42}
+	return file_tidepool_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *RegisterResponse) GetEpoch() uint64 {
@@ -3160,7 +3250,7 @@ type SegmentObjectsRequest struct {
 
 func (x *SegmentObjectsRequest) Reset() {
 	*x = SegmentObjectsRequest{}
-	mi := &file_tidepool_proto_msgTypes[43]
+	mi := &file_tidepool_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3172,7 +3262,7 @@ func (x *SegmentObjectsRequest) String() string {
 func (*SegmentObjectsRequest) ProtoMessage() {}
 
 func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[43]
+	mi := &file_tidepool_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3185,7 +3275,7 @@ func (x *SegmentObjectsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsRequest.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{43}
+	return file_tidepool_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *SegmentObjectsRequest) GetNode() string {
@@ -3234,7 +3324,7 @@ type SegmentObjectsResponse struct {
 
 func (x *SegmentObjectsResponse) Reset() {
 	*x = SegmentObjectsResponse{}
-	mi := &file_tidepool_proto_msgTypes[44]
+	mi := &file_tidepool_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3246,7 +3336,7 @@ func (x *SegmentObjectsResponse) String() string {
 func (*SegmentObjectsResponse) ProtoMessage() {}
 
 func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[44]
+	mi := &file_tidepool_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3259,7 +3349,7 @@ func (x *SegmentObjectsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SegmentObjectsResponse.ProtoReflect.Descriptor instead.
 func (*SegmentObjectsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{44}
+	return file_tidepool_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *SegmentObjectsResponse) GetObjects() []*AdoptedObject {
@@ -3293,7 +3383,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_tidepool_proto_msgTypes[45]
+	mi := &file_tidepool_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3305,7 +3395,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[45]
+	mi := &file_tidepool_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3318,7 +3408,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{45}
+	return file_tidepool_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *HeartbeatRequest) GetNode() string {
@@ -3375,7 +3465,7 @@ type CopyTask struct {
 
 func (x *CopyTask) Reset() {
 	*x = CopyTask{}
-	mi := &file_tidepool_proto_msgTypes[46]
+	mi := &file_tidepool_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3387,7 +3477,7 @@ func (x *CopyTask) String() string {
 func (*CopyTask) ProtoMessage() {}
 
 func (x *CopyTask) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[46]
+	mi := &file_tidepool_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3400,7 +3490,7 @@ func (x *CopyTask) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyTask.ProtoReflect.Descriptor instead.
 func (*CopyTask) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{46}
+	return file_tidepool_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *CopyTask) GetId() uint64 {
@@ -3463,7 +3553,7 @@ type CopyResult struct {
 
 func (x *CopyResult) Reset() {
 	*x = CopyResult{}
-	mi := &file_tidepool_proto_msgTypes[47]
+	mi := &file_tidepool_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3475,7 +3565,7 @@ func (x *CopyResult) String() string {
 func (*CopyResult) ProtoMessage() {}
 
 func (x *CopyResult) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[47]
+	mi := &file_tidepool_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3488,7 +3578,7 @@ func (x *CopyResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyResult.ProtoReflect.Descriptor instead.
 func (*CopyResult) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{47}
+	return file_tidepool_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *CopyResult) GetId() uint64 {
@@ -3522,7 +3612,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_tidepool_proto_msgTypes[48]
+	mi := &file_tidepool_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3534,7 +3624,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[48]
+	mi := &file_tidepool_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3547,7 +3637,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{48}
+	return file_tidepool_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *HeartbeatResponse) GetCopies() []*CopyTask {
@@ -3570,7 +3660,7 @@ type PinRequest struct {
 
 func (x *PinRequest) Reset() {
 	*x = PinRequest{}
-	mi := &file_tidepool_proto_msgTypes[49]
+	mi := &file_tidepool_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3582,7 +3672,7 @@ func (x *PinRequest) String() string {
 func (*PinRequest) ProtoMessage() {}
 
 func (x *PinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[49]
+	mi := &file_tidepool_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3595,7 +3685,7 @@ func (x *PinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PinRequest.ProtoReflect.Descriptor instead.
 func (*PinRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{49}
+	return file_tidepool_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *PinRequest) GetKey() string {
@@ -3641,7 +3731,7 @@ type EvictRequest struct {
 
 func (x *EvictRequest) Reset() {
 	*x = EvictRequest{}
-	mi := &file_tidepool_proto_msgTypes[50]
+	mi := &file_tidepool_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3653,7 +3743,7 @@ func (x *EvictRequest) String() string {
 func (*EvictRequest) ProtoMessage() {}
 
 func (x *EvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[50]
+	mi := &file_tidepool_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3666,7 +3756,7 @@ func (x *EvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictRequest.ProtoReflect.Descriptor instead.
 func (*EvictRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{50}
+	return file_tidepool_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *EvictRequest) GetKey() string {
@@ -3734,7 +3824,7 @@ type EvictResponse struct {
 
 func (x *EvictResponse) Reset() {
 	*x = EvictResponse{}
-	mi := &file_tidepool_proto_msgTypes[51]
+	mi := &file_tidepool_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3746,7 +3836,7 @@ func (x *EvictResponse) String() string {
 func (*EvictResponse) ProtoMessage() {}
 
 func (x *EvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[51]
+	mi := &file_tidepool_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3759,7 +3849,7 @@ func (x *EvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictResponse.ProtoReflect.Descriptor instead.
 func (*EvictResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{51}
+	return file_tidepool_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *EvictResponse) GetObjects() []*ObjectInfo {
@@ -3794,7 +3884,7 @@ type DrainRequest struct {
 
 func (x *DrainRequest) Reset() {
 	*x = DrainRequest{}
-	mi := &file_tidepool_proto_msgTypes[52]
+	mi := &file_tidepool_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3806,7 +3896,7 @@ func (x *DrainRequest) String() string {
 func (*DrainRequest) ProtoMessage() {}
 
 func (x *DrainRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[52]
+	mi := &file_tidepool_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3819,7 +3909,7 @@ func (x *DrainRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainRequest.ProtoReflect.Descriptor instead.
 func (*DrainRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{52}
+	return file_tidepool_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *DrainRequest) GetNode() string {
@@ -3857,7 +3947,7 @@ type DrainProgress struct {
 
 func (x *DrainProgress) Reset() {
 	*x = DrainProgress{}
-	mi := &file_tidepool_proto_msgTypes[53]
+	mi := &file_tidepool_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3869,7 +3959,7 @@ func (x *DrainProgress) String() string {
 func (*DrainProgress) ProtoMessage() {}
 
 func (x *DrainProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[53]
+	mi := &file_tidepool_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3882,7 +3972,7 @@ func (x *DrainProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainProgress.ProtoReflect.Descriptor instead.
 func (*DrainProgress) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{53}
+	return file_tidepool_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *DrainProgress) GetObjectsLeft() uint64 {
@@ -3944,7 +4034,7 @@ type TenantQuota struct {
 
 func (x *TenantQuota) Reset() {
 	*x = TenantQuota{}
-	mi := &file_tidepool_proto_msgTypes[54]
+	mi := &file_tidepool_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3956,7 +4046,7 @@ func (x *TenantQuota) String() string {
 func (*TenantQuota) ProtoMessage() {}
 
 func (x *TenantQuota) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[54]
+	mi := &file_tidepool_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3969,7 +4059,7 @@ func (x *TenantQuota) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantQuota.ProtoReflect.Descriptor instead.
 func (*TenantQuota) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{54}
+	return file_tidepool_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *TenantQuota) GetTenant() string {
@@ -4008,7 +4098,7 @@ type QuotasRequest struct {
 
 func (x *QuotasRequest) Reset() {
 	*x = QuotasRequest{}
-	mi := &file_tidepool_proto_msgTypes[55]
+	mi := &file_tidepool_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4020,7 +4110,7 @@ func (x *QuotasRequest) String() string {
 func (*QuotasRequest) ProtoMessage() {}
 
 func (x *QuotasRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[55]
+	mi := &file_tidepool_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4033,7 +4123,7 @@ func (x *QuotasRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use QuotasRequest.ProtoReflect.Descriptor instead.
 func (*QuotasRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{55}
+	return file_tidepool_proto_rawDescGZIP(), []int{56}
 }
 
 // TenantUsage is what one tenant holds in one tier, and its limits there.
@@ -4051,7 +4141,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_tidepool_proto_msgTypes[56]
+	mi := &file_tidepool_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4063,7 +4153,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[56]
+	mi := &file_tidepool_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4076,7 +4166,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{56}
+	return file_tidepool_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *TenantUsage) GetTenant() string {
@@ -4130,7 +4220,7 @@ type QuotasResponse struct {
 
 func (x *QuotasResponse) Reset() {
 	*x = QuotasResponse{}
-	mi := &file_tidepool_proto_msgTypes[57]
+	mi := &file_tidepool_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4142,7 +4232,7 @@ func (x *QuotasResponse) String() string {
 func (*QuotasResponse) ProtoMessage() {}
 
 func (x *QuotasResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[57]
+	mi := &file_tidepool_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4155,7 +4245,7 @@ func (x *QuotasResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use QuotasResponse.ProtoReflect.Descriptor instead.
 func (*QuotasResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{57}
+	return file_tidepool_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *QuotasResponse) GetTenants() []*TenantUsage {
@@ -4212,11 +4302,19 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x06parent\x18\x06 \x01(\tR\x06parent\x12\x16\n" +
 	"\x06tenant\x18\a \x01(\tR\x06tenant\x12\"\n" +
 	"\freservations\x18\b \x03(\x04R\freservations\x12'\n" +
-	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"\xa0\x01\n" +
+	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"\xd6\x01\n" +
 	"\x12BatchPutEndRequest\x12-\n" +
 	"\x05items\x18\x01 \x03(\v2\x17.tidepool.v1.PutEndItemR\x05items\x124\n" +
 	"\x06grants\x18\x02 \x03(\v2\x1c.tidepool.v1.PutStartRequestR\x06grants\x12%\n" +
-	"\x0esparse_results\x18\x03 \x01(\bR\rsparseResults\"\xc4\x01\n" +
+	"\x0esparse_results\x18\x03 \x01(\bR\rsparseResults\x124\n" +
+	"\n" +
+	"grant_asks\x18\x04 \x03(\v2\x15.tidepool.v1.GrantAskR\tgrantAsks\"\x8f\x01\n" +
+	"\bGrantAsk\x12\x12\n" +
+	"\x04size\x18\x01 \x01(\x04R\x04size\x12%\n" +
+	"\x04tier\x18\x02 \x01(\x0e2\x11.tidepool.v1.TierR\x04tier\x12\x1a\n" +
+	"\breplicas\x18\x03 \x01(\rR\breplicas\x12\x16\n" +
+	"\x06tenant\x18\x04 \x01(\tR\x06tenant\x12\x14\n" +
+	"\x05count\x18\x05 \x01(\rR\x05count\"\xc4\x01\n" +
 	"\x13BatchPutEndResponse\x121\n" +
 	"\aresults\x18\x01 \x03(\v2\x17.tidepool.v1.ItemStatusR\aresults\x12-\n" +
 	"\x06grants\x18\x02 \x03(\v2\x15.tidepool.v1.GrantRunR\x06grants\x12\x1a\n" +
@@ -4534,7 +4632,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 }
 
 var file_tidepool_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 58)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 59)
 var file_tidepool_proto_goTypes = []any{
 	(Tier)(0),                      // 0: tidepool.v1.Tier
 	(ObjectState)(0),               // 1: tidepool.v1.ObjectState
@@ -4546,56 +4644,57 @@ var file_tidepool_proto_goTypes = []any{
 	(*BatchPutStartResponse)(nil),  // 7: tidepool.v1.BatchPutStartResponse
 	(*PutEndItem)(nil),             // 8: tidepool.v1.PutEndItem
 	(*BatchPutEndRequest)(nil),     // 9: tidepool.v1.BatchPutEndRequest
-	(*BatchPutEndResponse)(nil),    // 10: tidepool.v1.BatchPutEndResponse
-	(*GrantRun)(nil),               // 11: tidepool.v1.GrantRun
-	(*KeysRequest)(nil),            // 12: tidepool.v1.KeysRequest
-	(*ItemsResponse)(nil),          // 13: tidepool.v1.ItemsResponse
-	(*ObjectReplicas)(nil),         // 14: tidepool.v1.ObjectReplicas
-	(*GetReplicasResponse)(nil),    // 15: tidepool.v1.GetReplicasResponse
-	(*ExistsResponse)(nil),         // 16: tidepool.v1.ExistsResponse
-	(*ListRequest)(nil),            // 17: tidepool.v1.ListRequest
-	(*ObjectInfo)(nil),             // 18: tidepool.v1.ObjectInfo
-	(*ListResponse)(nil),           // 19: tidepool.v1.ListResponse
-	(*CorruptReplica)(nil),         // 20: tidepool.v1.CorruptReplica
-	(*CorruptReplicaResponse)(nil), // 21: tidepool.v1.CorruptReplicaResponse
-	(*UnreachableReport)(nil),      // 22: tidepool.v1.UnreachableReport
-	(*UnreachableResponse)(nil),    // 23: tidepool.v1.UnreachableResponse
-	(*StatusRequest)(nil),          // 24: tidepool.v1.StatusRequest
-	(*MemberInfo)(nil),             // 25: tidepool.v1.MemberInfo
-	(*MembersRequest)(nil),         // 26: tidepool.v1.MembersRequest
-	(*AddMemberRequest)(nil),       // 27: tidepool.v1.AddMemberRequest
-	(*RemoveMemberRequest)(nil),    // 28: tidepool.v1.RemoveMemberRequest
-	(*MembersResponse)(nil),        // 29: tidepool.v1.MembersResponse
-	(*SegmentInfo)(nil),            // 30: tidepool.v1.SegmentInfo
-	(*StatusResponse)(nil),         // 31: tidepool.v1.StatusResponse
-	(*ScoreRequest)(nil),           // 32: tidepool.v1.ScoreRequest
-	(*TierWeight)(nil),             // 33: tidepool.v1.TierWeight
-	(*ScoreResponse)(nil),          // 34: tidepool.v1.ScoreResponse
-	(*TierBlocks)(nil),             // 35: tidepool.v1.TierBlocks
-	(*LookupRequest)(nil),          // 36: tidepool.v1.LookupRequest
-	(*LookupResponse)(nil),         // 37: tidepool.v1.LookupResponse
-	(*ChildrenRequest)(nil),        // 38: tidepool.v1.ChildrenRequest
-	(*SegmentSpec)(nil),            // 39: tidepool.v1.SegmentSpec
-	(*AdoptedObject)(nil),          // 40: tidepool.v1.AdoptedObject
-	(*RegisterRequest)(nil),        // 41: tidepool.v1.RegisterRequest
-	(*AdoptRequest)(nil),           // 42: tidepool.v1.AdoptRequest
-	(*AdoptResponse)(nil),          // 43: tidepool.v1.AdoptResponse
-	(*RegisterResponse)(nil),       // 44: tidepool.v1.RegisterResponse
-	(*SegmentObjectsRequest)(nil),  // 45: tidepool.v1.SegmentObjectsRequest
-	(*SegmentObjectsResponse)(nil), // 46: tidepool.v1.SegmentObjectsResponse
-	(*HeartbeatRequest)(nil),       // 47: tidepool.v1.HeartbeatRequest
-	(*CopyTask)(nil),               // 48: tidepool.v1.CopyTask
-	(*CopyResult)(nil),             // 49: tidepool.v1.CopyResult
-	(*HeartbeatResponse)(nil),      // 50: tidepool.v1.HeartbeatResponse
-	(*PinRequest)(nil),             // 51: tidepool.v1.PinRequest
-	(*EvictRequest)(nil),           // 52: tidepool.v1.EvictRequest
-	(*EvictResponse)(nil),          // 53: tidepool.v1.EvictResponse
-	(*DrainRequest)(nil),           // 54: tidepool.v1.DrainRequest
-	(*DrainProgress)(nil),          // 55: tidepool.v1.DrainProgress
-	(*TenantQuota)(nil),            // 56: tidepool.v1.TenantQuota
-	(*QuotasRequest)(nil),          // 57: tidepool.v1.QuotasRequest
-	(*TenantUsage)(nil),            // 58: tidepool.v1.TenantUsage
-	(*QuotasResponse)(nil),         // 59: tidepool.v1.QuotasResponse
+	(*GrantAsk)(nil),               // 10: tidepool.v1.GrantAsk
+	(*BatchPutEndResponse)(nil),    // 11: tidepool.v1.BatchPutEndResponse
+	(*GrantRun)(nil),               // 12: tidepool.v1.GrantRun
+	(*KeysRequest)(nil),            // 13: tidepool.v1.KeysRequest
+	(*ItemsResponse)(nil),          // 14: tidepool.v1.ItemsResponse
+	(*ObjectReplicas)(nil),         // 15: tidepool.v1.ObjectReplicas
+	(*GetReplicasResponse)(nil),    // 16: tidepool.v1.GetReplicasResponse
+	(*ExistsResponse)(nil),         // 17: tidepool.v1.ExistsResponse
+	(*ListRequest)(nil),            // 18: tidepool.v1.ListRequest
+	(*ObjectInfo)(nil),             // 19: tidepool.v1.ObjectInfo
+	(*ListResponse)(nil),           // 20: tidepool.v1.ListResponse
+	(*CorruptReplica)(nil),         // 21: tidepool.v1.CorruptReplica
+	(*CorruptReplicaResponse)(nil), // 22: tidepool.v1.CorruptReplicaResponse
+	(*UnreachableReport)(nil),      // 23: tidepool.v1.UnreachableReport
+	(*UnreachableResponse)(nil),    // 24: tidepool.v1.UnreachableResponse
+	(*StatusRequest)(nil),          // 25: tidepool.v1.StatusRequest
+	(*MemberInfo)(nil),             // 26: tidepool.v1.MemberInfo
+	(*MembersRequest)(nil),         // 27: tidepool.v1.MembersRequest
+	(*AddMemberRequest)(nil),       // 28: tidepool.v1.AddMemberRequest
+	(*RemoveMemberRequest)(nil),    // 29: tidepool.v1.RemoveMemberRequest
+	(*MembersResponse)(nil),        // 30: tidepool.v1.MembersResponse
+	(*SegmentInfo)(nil),            // 31: tidepool.v1.SegmentInfo
+	(*StatusResponse)(nil),         // 32: tidepool.v1.StatusResponse
+	(*ScoreRequest)(nil),           // 33: tidepool.v1.ScoreRequest
+	(*TierWeight)(nil),             // 34: tidepool.v1.TierWeight
+	(*ScoreResponse)(nil),          // 35: tidepool.v1.ScoreResponse
+	(*TierBlocks)(nil),             // 36: tidepool.v1.TierBlocks
+	(*LookupRequest)(nil),          // 37: tidepool.v1.LookupRequest
+	(*LookupResponse)(nil),         // 38: tidepool.v1.LookupResponse
+	(*ChildrenRequest)(nil),        // 39: tidepool.v1.ChildrenRequest
+	(*SegmentSpec)(nil),            // 40: tidepool.v1.SegmentSpec
+	(*AdoptedObject)(nil),          // 41: tidepool.v1.AdoptedObject
+	(*RegisterRequest)(nil),        // 42: tidepool.v1.RegisterRequest
+	(*AdoptRequest)(nil),           // 43: tidepool.v1.AdoptRequest
+	(*AdoptResponse)(nil),          // 44: tidepool.v1.AdoptResponse
+	(*RegisterResponse)(nil),       // 45: tidepool.v1.RegisterResponse
+	(*SegmentObjectsRequest)(nil),  // 46: tidepool.v1.SegmentObjectsRequest
+	(*SegmentObjectsResponse)(nil), // 47: tidepool.v1.SegmentObjectsResponse
+	(*HeartbeatRequest)(nil),       // 48: tidepool.v1.HeartbeatRequest
+	(*CopyTask)(nil),               // 49: tidepool.v1.CopyTask
+	(*CopyResult)(nil),             // 50: tidepool.v1.CopyResult
+	(*HeartbeatResponse)(nil),      // 51: tidepool.v1.HeartbeatResponse
+	(*PinRequest)(nil),             // 52: tidepool.v1.PinRequest
+	(*EvictRequest)(nil),           // 53: tidepool.v1.EvictRequest
+	(*EvictResponse)(nil),          // 54: tidepool.v1.EvictResponse
+	(*DrainRequest)(nil),           // 55: tidepool.v1.DrainRequest
+	(*DrainProgress)(nil),          // 56: tidepool.v1.DrainProgress
+	(*TenantQuota)(nil),            // 57: tidepool.v1.TenantQuota
+	(*QuotasRequest)(nil),          // 58: tidepool.v1.QuotasRequest
+	(*TenantUsage)(nil),            // 59: tidepool.v1.TenantUsage
+	(*QuotasResponse)(nil),         // 60: tidepool.v1.QuotasResponse
 }
 var file_tidepool_proto_depIdxs = []int32{
 	0,  // 0: tidepool.v1.Replica.tier:type_name -> tidepool.v1.Tier
@@ -4607,104 +4706,106 @@ var file_tidepool_proto_depIdxs = []int32{
 	3,  // 6: tidepool.v1.PutEndItem.replicas:type_name -> tidepool.v1.Replica
 	8,  // 7: tidepool.v1.BatchPutEndRequest.items:type_name -> tidepool.v1.PutEndItem
 	4,  // 8: tidepool.v1.BatchPutEndRequest.grants:type_name -> tidepool.v1.PutStartRequest
-	2,  // 9: tidepool.v1.BatchPutEndResponse.results:type_name -> tidepool.v1.ItemStatus
-	11, // 10: tidepool.v1.BatchPutEndResponse.grants:type_name -> tidepool.v1.GrantRun
-	3,  // 11: tidepool.v1.GrantRun.replicas:type_name -> tidepool.v1.Replica
-	2,  // 12: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
-	2,  // 13: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
-	3,  // 14: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
-	14, // 15: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
-	1,  // 16: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
-	3,  // 17: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
-	18, // 18: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	25, // 19: tidepool.v1.MembersResponse.members:type_name -> tidepool.v1.MemberInfo
-	0,  // 20: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
-	25, // 21: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
-	30, // 22: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
-	36, // 23: tidepool.v1.ScoreRequest.chain:type_name -> tidepool.v1.LookupRequest
-	33, // 24: tidepool.v1.ScoreRequest.weights:type_name -> tidepool.v1.TierWeight
-	0,  // 25: tidepool.v1.TierWeight.tier:type_name -> tidepool.v1.Tier
-	35, // 26: tidepool.v1.ScoreResponse.tiers:type_name -> tidepool.v1.TierBlocks
-	0,  // 27: tidepool.v1.TierBlocks.tier:type_name -> tidepool.v1.Tier
-	3,  // 28: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
-	0,  // 29: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
-	39, // 30: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
-	40, // 31: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
-	40, // 32: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
-	40, // 33: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
-	49, // 34: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
-	3,  // 35: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
-	3,  // 36: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
-	2,  // 37: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
-	48, // 38: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
-	0,  // 39: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
-	18, // 40: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
-	0,  // 41: tidepool.v1.TenantQuota.tier:type_name -> tidepool.v1.Tier
-	0,  // 42: tidepool.v1.TenantUsage.tier:type_name -> tidepool.v1.Tier
-	58, // 43: tidepool.v1.QuotasResponse.tenants:type_name -> tidepool.v1.TenantUsage
-	4,  // 44: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
-	12, // 45: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
-	9,  // 46: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
-	12, // 47: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
-	6,  // 48: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
-	12, // 49: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
-	12, // 50: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
-	12, // 51: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
-	17, // 52: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
-	24, // 53: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
-	20, // 54: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
-	22, // 55: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
-	36, // 56: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
-	38, // 57: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
-	32, // 58: tidepool.v1.Master.Score:input_type -> tidepool.v1.ScoreRequest
-	41, // 59: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
-	47, // 60: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
-	45, // 61: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
-	42, // 62: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
-	47, // 63: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
-	51, // 64: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
-	12, // 65: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
-	52, // 66: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
-	54, // 67: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
-	26, // 68: tidepool.v1.Admin.Members:input_type -> tidepool.v1.MembersRequest
-	27, // 69: tidepool.v1.Admin.AddMember:input_type -> tidepool.v1.AddMemberRequest
-	28, // 70: tidepool.v1.Admin.RemoveMember:input_type -> tidepool.v1.RemoveMemberRequest
-	56, // 71: tidepool.v1.Admin.SetQuota:input_type -> tidepool.v1.TenantQuota
-	57, // 72: tidepool.v1.Admin.Quotas:input_type -> tidepool.v1.QuotasRequest
-	5,  // 73: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
-	13, // 74: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
-	10, // 75: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
-	13, // 76: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
-	7,  // 77: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
-	15, // 78: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
-	16, // 79: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
-	13, // 80: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
-	19, // 81: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
-	31, // 82: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
-	21, // 83: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
-	23, // 84: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
-	37, // 85: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
-	19, // 86: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
-	34, // 87: tidepool.v1.Master.Score:output_type -> tidepool.v1.ScoreResponse
-	44, // 88: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
-	50, // 89: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
-	46, // 90: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
-	43, // 91: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
-	50, // 92: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
-	13, // 93: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
-	13, // 94: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
-	53, // 95: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
-	55, // 96: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
-	29, // 97: tidepool.v1.Admin.Members:output_type -> tidepool.v1.MembersResponse
-	29, // 98: tidepool.v1.Admin.AddMember:output_type -> tidepool.v1.MembersResponse
-	29, // 99: tidepool.v1.Admin.RemoveMember:output_type -> tidepool.v1.MembersResponse
-	59, // 100: tidepool.v1.Admin.SetQuota:output_type -> tidepool.v1.QuotasResponse
-	59, // 101: tidepool.v1.Admin.Quotas:output_type -> tidepool.v1.QuotasResponse
-	73, // [73:102] is the sub-list for method output_type
-	44, // [44:73] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	10, // 9: tidepool.v1.BatchPutEndRequest.grant_asks:type_name -> tidepool.v1.GrantAsk
+	0,  // 10: tidepool.v1.GrantAsk.tier:type_name -> tidepool.v1.Tier
+	2,  // 11: tidepool.v1.BatchPutEndResponse.results:type_name -> tidepool.v1.ItemStatus
+	12, // 12: tidepool.v1.BatchPutEndResponse.grants:type_name -> tidepool.v1.GrantRun
+	3,  // 13: tidepool.v1.GrantRun.replicas:type_name -> tidepool.v1.Replica
+	2,  // 14: tidepool.v1.ItemsResponse.results:type_name -> tidepool.v1.ItemStatus
+	2,  // 15: tidepool.v1.ObjectReplicas.status:type_name -> tidepool.v1.ItemStatus
+	3,  // 16: tidepool.v1.ObjectReplicas.replicas:type_name -> tidepool.v1.Replica
+	15, // 17: tidepool.v1.GetReplicasResponse.results:type_name -> tidepool.v1.ObjectReplicas
+	1,  // 18: tidepool.v1.ObjectInfo.state:type_name -> tidepool.v1.ObjectState
+	3,  // 19: tidepool.v1.ObjectInfo.replicas:type_name -> tidepool.v1.Replica
+	19, // 20: tidepool.v1.ListResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	26, // 21: tidepool.v1.MembersResponse.members:type_name -> tidepool.v1.MemberInfo
+	0,  // 22: tidepool.v1.SegmentInfo.tier:type_name -> tidepool.v1.Tier
+	26, // 23: tidepool.v1.StatusResponse.members:type_name -> tidepool.v1.MemberInfo
+	31, // 24: tidepool.v1.StatusResponse.segments:type_name -> tidepool.v1.SegmentInfo
+	37, // 25: tidepool.v1.ScoreRequest.chain:type_name -> tidepool.v1.LookupRequest
+	34, // 26: tidepool.v1.ScoreRequest.weights:type_name -> tidepool.v1.TierWeight
+	0,  // 27: tidepool.v1.TierWeight.tier:type_name -> tidepool.v1.Tier
+	36, // 28: tidepool.v1.ScoreResponse.tiers:type_name -> tidepool.v1.TierBlocks
+	0,  // 29: tidepool.v1.TierBlocks.tier:type_name -> tidepool.v1.Tier
+	3,  // 30: tidepool.v1.LookupResponse.segments:type_name -> tidepool.v1.Replica
+	0,  // 31: tidepool.v1.SegmentSpec.tier:type_name -> tidepool.v1.Tier
+	40, // 32: tidepool.v1.RegisterRequest.segments:type_name -> tidepool.v1.SegmentSpec
+	41, // 33: tidepool.v1.RegisterRequest.adopt:type_name -> tidepool.v1.AdoptedObject
+	41, // 34: tidepool.v1.AdoptRequest.objects:type_name -> tidepool.v1.AdoptedObject
+	41, // 35: tidepool.v1.SegmentObjectsResponse.objects:type_name -> tidepool.v1.AdoptedObject
+	50, // 36: tidepool.v1.HeartbeatRequest.copies_done:type_name -> tidepool.v1.CopyResult
+	3,  // 37: tidepool.v1.CopyTask.source:type_name -> tidepool.v1.Replica
+	3,  // 38: tidepool.v1.CopyTask.target:type_name -> tidepool.v1.Replica
+	2,  // 39: tidepool.v1.CopyResult.status:type_name -> tidepool.v1.ItemStatus
+	49, // 40: tidepool.v1.HeartbeatResponse.copies:type_name -> tidepool.v1.CopyTask
+	0,  // 41: tidepool.v1.EvictRequest.tier:type_name -> tidepool.v1.Tier
+	19, // 42: tidepool.v1.EvictResponse.objects:type_name -> tidepool.v1.ObjectInfo
+	0,  // 43: tidepool.v1.TenantQuota.tier:type_name -> tidepool.v1.Tier
+	0,  // 44: tidepool.v1.TenantUsage.tier:type_name -> tidepool.v1.Tier
+	59, // 45: tidepool.v1.QuotasResponse.tenants:type_name -> tidepool.v1.TenantUsage
+	4,  // 46: tidepool.v1.Master.PutStart:input_type -> tidepool.v1.PutStartRequest
+	13, // 47: tidepool.v1.Master.PutEnd:input_type -> tidepool.v1.KeysRequest
+	9,  // 48: tidepool.v1.Master.BatchPutEnd:input_type -> tidepool.v1.BatchPutEndRequest
+	13, // 49: tidepool.v1.Master.PutRevoke:input_type -> tidepool.v1.KeysRequest
+	6,  // 50: tidepool.v1.Master.BatchPutStart:input_type -> tidepool.v1.BatchPutStartRequest
+	13, // 51: tidepool.v1.Master.GetReplicas:input_type -> tidepool.v1.KeysRequest
+	13, // 52: tidepool.v1.Master.Exists:input_type -> tidepool.v1.KeysRequest
+	13, // 53: tidepool.v1.Master.Remove:input_type -> tidepool.v1.KeysRequest
+	18, // 54: tidepool.v1.Master.List:input_type -> tidepool.v1.ListRequest
+	25, // 55: tidepool.v1.Master.Status:input_type -> tidepool.v1.StatusRequest
+	21, // 56: tidepool.v1.Master.ReportCorrupt:input_type -> tidepool.v1.CorruptReplica
+	23, // 57: tidepool.v1.Master.ReportUnreachable:input_type -> tidepool.v1.UnreachableReport
+	37, // 58: tidepool.v1.Master.Lookup:input_type -> tidepool.v1.LookupRequest
+	39, // 59: tidepool.v1.Master.Children:input_type -> tidepool.v1.ChildrenRequest
+	33, // 60: tidepool.v1.Master.Score:input_type -> tidepool.v1.ScoreRequest
+	42, // 61: tidepool.v1.Registry.Register:input_type -> tidepool.v1.RegisterRequest
+	48, // 62: tidepool.v1.Registry.Heartbeat:input_type -> tidepool.v1.HeartbeatRequest
+	46, // 63: tidepool.v1.Registry.SegmentObjects:input_type -> tidepool.v1.SegmentObjectsRequest
+	43, // 64: tidepool.v1.Registry.Adopt:input_type -> tidepool.v1.AdoptRequest
+	48, // 65: tidepool.v1.Registry.Leave:input_type -> tidepool.v1.HeartbeatRequest
+	52, // 66: tidepool.v1.Admin.Pin:input_type -> tidepool.v1.PinRequest
+	13, // 67: tidepool.v1.Admin.Unpin:input_type -> tidepool.v1.KeysRequest
+	53, // 68: tidepool.v1.Admin.Evict:input_type -> tidepool.v1.EvictRequest
+	55, // 69: tidepool.v1.Admin.Drain:input_type -> tidepool.v1.DrainRequest
+	27, // 70: tidepool.v1.Admin.Members:input_type -> tidepool.v1.MembersRequest
+	28, // 71: tidepool.v1.Admin.AddMember:input_type -> tidepool.v1.AddMemberRequest
+	29, // 72: tidepool.v1.Admin.RemoveMember:input_type -> tidepool.v1.RemoveMemberRequest
+	57, // 73: tidepool.v1.Admin.SetQuota:input_type -> tidepool.v1.TenantQuota
+	58, // 74: tidepool.v1.Admin.Quotas:input_type -> tidepool.v1.QuotasRequest
+	5,  // 75: tidepool.v1.Master.PutStart:output_type -> tidepool.v1.PutStartResult
+	14, // 76: tidepool.v1.Master.PutEnd:output_type -> tidepool.v1.ItemsResponse
+	11, // 77: tidepool.v1.Master.BatchPutEnd:output_type -> tidepool.v1.BatchPutEndResponse
+	14, // 78: tidepool.v1.Master.PutRevoke:output_type -> tidepool.v1.ItemsResponse
+	7,  // 79: tidepool.v1.Master.BatchPutStart:output_type -> tidepool.v1.BatchPutStartResponse
+	16, // 80: tidepool.v1.Master.GetReplicas:output_type -> tidepool.v1.GetReplicasResponse
+	17, // 81: tidepool.v1.Master.Exists:output_type -> tidepool.v1.ExistsResponse
+	14, // 82: tidepool.v1.Master.Remove:output_type -> tidepool.v1.ItemsResponse
+	20, // 83: tidepool.v1.Master.List:output_type -> tidepool.v1.ListResponse
+	32, // 84: tidepool.v1.Master.Status:output_type -> tidepool.v1.StatusResponse
+	22, // 85: tidepool.v1.Master.ReportCorrupt:output_type -> tidepool.v1.CorruptReplicaResponse
+	24, // 86: tidepool.v1.Master.ReportUnreachable:output_type -> tidepool.v1.UnreachableResponse
+	38, // 87: tidepool.v1.Master.Lookup:output_type -> tidepool.v1.LookupResponse
+	20, // 88: tidepool.v1.Master.Children:output_type -> tidepool.v1.ListResponse
+	35, // 89: tidepool.v1.Master.Score:output_type -> tidepool.v1.ScoreResponse
+	45, // 90: tidepool.v1.Registry.Register:output_type -> tidepool.v1.RegisterResponse
+	51, // 91: tidepool.v1.Registry.Heartbeat:output_type -> tidepool.v1.HeartbeatResponse
+	47, // 92: tidepool.v1.Registry.SegmentObjects:output_type -> tidepool.v1.SegmentObjectsResponse
+	44, // 93: tidepool.v1.Registry.Adopt:output_type -> tidepool.v1.AdoptResponse
+	51, // 94: tidepool.v1.Registry.Leave:output_type -> tidepool.v1.HeartbeatResponse
+	14, // 95: tidepool.v1.Admin.Pin:output_type -> tidepool.v1.ItemsResponse
+	14, // 96: tidepool.v1.Admin.Unpin:output_type -> tidepool.v1.ItemsResponse
+	54, // 97: tidepool.v1.Admin.Evict:output_type -> tidepool.v1.EvictResponse
+	56, // 98: tidepool.v1.Admin.Drain:output_type -> tidepool.v1.DrainProgress
+	30, // 99: tidepool.v1.Admin.Members:output_type -> tidepool.v1.MembersResponse
+	30, // 100: tidepool.v1.Admin.AddMember:output_type -> tidepool.v1.MembersResponse
+	30, // 101: tidepool.v1.Admin.RemoveMember:output_type -> tidepool.v1.MembersResponse
+	60, // 102: tidepool.v1.Admin.SetQuota:output_type -> tidepool.v1.QuotasResponse
+	60, // 103: tidepool.v1.Admin.Quotas:output_type -> tidepool.v1.QuotasResponse
+	75, // [75:104] is the sub-list for method output_type
+	46, // [46:75] is the sub-list for method input_type
+	46, // [46:46] is the sub-list for extension type_name
+	46, // [46:46] is the sub-list for extension extendee
+	0,  // [0:46] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -4718,7 +4819,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   58,
+			NumMessages:   59,
 			NumExtensions: 0,
 			NumServices:   3,
 		},
