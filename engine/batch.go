@@ -100,16 +100,16 @@ type Task struct {
 	opts  Options
 	state atomic.Int32
 	err   error // written once, before state turns terminal
-	done  chan struct{}
-	start time.Time
+	// done is made by the first Done, if any: Wait counts on the batch
+	// instead, so most tasks never need a channel of their own.
+	done   atomic.Pointer[chan struct{}]
+	closed atomic.Bool // done closed
+	batch  *Batch      // counted in its pending; nil for a task outside any
+	start  time.Time
 }
 
 func newTask(kind OpKind, buf []byte, t Target, off int64, o Options) *Task {
-	return &Task{
-		op:   Op{Kind: kind, Target: t, Offset: off, Buf: buf, Priority: o.Priority},
-		opts: o,
-		done: make(chan struct{}),
-	}
+	return &Task{op: Op{Kind: kind, Target: t, Offset: off, Buf: buf, Priority: o.Priority}, opts: o}
 }
 
 // State returns the task's current state.
@@ -126,7 +126,25 @@ func (t *Task) Err() error {
 }
 
 // Done returns a channel closed when the task reaches a terminal state.
-func (t *Task) Done() <-chan struct{} { return t.done }
+func (t *Task) Done() <-chan struct{} {
+	if p := t.done.Load(); p != nil {
+		return *p
+	}
+	ch := make(chan struct{})
+	if !t.done.CompareAndSwap(nil, &ch) {
+		return *t.done.Load()
+	}
+	if t.State().Terminal() { // finish may have looked for a channel before there was one
+		t.closeDone()
+	}
+	return ch
+}
+
+func (t *Task) closeDone() {
+	if p := t.done.Load(); p != nil && t.closed.CompareAndSwap(false, true) {
+		close(*p)
+	}
+}
 
 // finish moves t to its terminal state. Each task is finished by exactly one goroutine.
 func (t *Task) finish(s State, err error) {
@@ -134,7 +152,10 @@ func (t *Task) finish(s State, err error) {
 		t.err = fmt.Errorf("%s %s[%d:+%d]: %w", t.op.Kind, t.op.Target, t.op.Offset, len(t.op.Buf), err)
 	}
 	t.state.Store(int32(s))
-	close(t.done)
+	t.closeDone()
+	if b := t.batch; b != nil && b.pending.Add(-1) == 0 {
+		close(b.all)
+	}
 }
 
 // validate catches what no peer can serve, before any I/O.
@@ -156,10 +177,13 @@ func (t *Task) validate() error {
 // Submit, then Wait. A batch is submitted once; Wait and the Task methods may be called from any
 // goroutine.
 type Batch struct {
-	e  *Engine
-	mu struct {
+	e       *Engine
+	pending atomic.Int64  // tasks not terminal, from Submit on
+	all     chan struct{} // made by Submit; closed when pending reaches 0
+	mu      struct {
 		sync.Mutex
 		tasks     []*Task
+		slab      []Task // where the next tasks are allocated: a few allocations a batch, not one a task
 		submitted bool
 	}
 }
@@ -167,23 +191,30 @@ type Batch struct {
 // Read adds a task that copies len(dst) bytes at off in the target segment into dst. dst must not
 // be touched until the task is terminal.
 func (b *Batch) Read(dst []byte, t Target, off int64, o Options) *Task {
-	return b.add(newTask(OpRead, dst, t, off, o))
+	return b.add(OpRead, dst, t, off, o)
 }
 
 // Write adds a task that copies src into the target segment at off. src must not be modified
 // until the task is terminal.
 func (b *Batch) Write(src []byte, t Target, off int64, o Options) *Task {
-	return b.add(newTask(OpWrite, src, t, off, o))
+	return b.add(OpWrite, src, t, off, o)
 }
 
-func (b *Batch) add(t *Task) *Task {
+func (b *Batch) add(kind OpKind, buf []byte, tg Target, off int64, o Options) *Task {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.mu.submitted {
 		// No panic: the task fails on its own and is not part of the batch.
+		t := newTask(kind, buf, tg, off, o)
 		t.finish(Failed, fmt.Errorf("%w: batch already submitted", ErrInvalid))
 		return t
 	}
+	if len(b.mu.slab) == 0 {
+		b.mu.slab = make([]Task, min(max(4, len(b.mu.tasks)), 256))
+	}
+	t := &b.mu.slab[0]
+	b.mu.slab = b.mu.slab[1:]
+	t.op, t.opts, t.batch = Op{Kind: kind, Target: tg, Offset: off, Buf: buf, Priority: o.Priority}, o, b
 	b.mu.tasks = append(b.mu.tasks, t)
 	return t
 }
@@ -199,6 +230,10 @@ func (b *Batch) Submit(ctx context.Context) error {
 	}
 	b.mu.submitted = true
 	tasks := b.mu.tasks
+	b.all = make(chan struct{})
+	if b.pending.Store(int64(len(tasks))); len(tasks) == 0 {
+		close(b.all)
+	}
 	b.mu.Unlock()
 
 	now := time.Now()
@@ -224,12 +259,10 @@ func (b *Batch) Wait(ctx context.Context) error {
 	if !submitted {
 		return fmt.Errorf("%w: Wait before Submit", ErrInvalid)
 	}
-	for _, t := range tasks {
-		select {
-		case <-t.done:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
+	select {
+	case <-b.all:
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 	for _, t := range tasks {
 		if t.err != nil {

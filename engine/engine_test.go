@@ -616,3 +616,30 @@ func TestMergedReadsEndToEnd(t *testing.T) {
 		t.Fatal("merged read returned the wrong bytes")
 	}
 }
+
+// TestTaskDone: a task's Done channel, made on demand, is closed whether
+// it is asked for before the task ends, after, or while it ends.
+func TestTaskDone(t *testing.T) {
+	for i := range 1000 {
+		tk := newTask(OpRead, nil, Target{}, 0, Options{})
+		var early <-chan struct{}
+		if i%2 == 0 { // else the first Done races the end
+			early = tk.Done()
+		}
+		var wg sync.WaitGroup
+		got := make(chan (<-chan struct{}), 1)
+		wg.Go(func() { got <- tk.Done() })
+		wg.Go(func() { tk.finish(Done, nil) })
+		wg.Wait()
+		for _, ch := range []<-chan struct{}{early, <-got, tk.Done()} {
+			if ch == nil {
+				continue
+			}
+			select {
+			case <-ch:
+			default:
+				t.Fatal("Done not closed after the task ended")
+			}
+		}
+	}
+}
