@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"hash/maphash"
 	"log/slog"
 	"runtime"
 	"slices"
@@ -60,6 +61,7 @@ type Client struct {
 	log       *slog.Logger
 	descs     *descCache   // nil: no lookup cache
 	removed   *removals    // this client's removals, against descs
+	cached    *cacheMarks  // the keys ever handed to descs
 	born      time.Time    // when New made it: its cached blocks' time origin
 	shared    bool         // Config.SharedBuffers
 	lease     atomic.Int64 // the master's lease TTL in ns, as last answered
@@ -100,6 +102,7 @@ func New(cfg Config) (*Client, error) {
 	c.putTimeout.Store(int64(30 * time.Second))
 	c.grants = newGrantPool()
 	c.removed = newRemovals()
+	c.cached = &cacheMarks{seed: maphash.MakeSeed()}
 	c.ends = newEndQueue()
 	if cfg.LookupCache >= 0 {
 		n := cfg.LookupCache
@@ -401,10 +404,12 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	if c.descs != nil {
 		defer func() {
 			for i := range placed {
-				if len(placed[i].replicas) > 0 {
-					// Always: a lookup's Set of the key may still be queued
-					// in the cache's buffer, and only a Del queued behind
-					// it drops what it stores.
+				// Whether or not the cache holds the key now: a lookup's
+				// Set of it may still be queued in the cache's buffer,
+				// and only a Del queued behind it drops what it stores.
+				// Most puts follow a lookup that missed, which cached
+				// nothing.
+				if len(placed[i].replicas) > 0 && c.cached.marked(keys[i]) {
 					c.descs.Del(keys[i])
 				}
 			}

@@ -171,6 +171,7 @@ func (c *Client) Lookup(ctx context.Context, chain []string) (Match, error) {
 				// a larger buffer (the agent's packed request) that the
 				// cache would otherwise keep.
 				b.Key = strings.Clone(b.Key)
+				c.cached.mark(b.Key) // before the Set: a put that sees no mark has no Set to overtake
 				c.descs.SetWithTTL(b.Key, b, 1, ttl)
 			}
 		}
@@ -388,6 +389,33 @@ type removals struct {
 	seed   maphash.Seed
 	clock  atomic.Uint64
 	stamps [removalStripes]atomic.Uint64 // per stripe: the tick of its last removal
+}
+
+// cacheMarks marks, by a hash, each key this client has handed its
+// descriptor cache, so that a put of a key never marked skips the cache's
+// Del (an allocation and a channel send). Marks are never cleared: a
+// client that has cached about a million keys marks most hashes, and
+// then every put deletes, as if there were no marks.
+type cacheMarks struct {
+	seed maphash.Seed
+	bits [cacheMarkBits / 64]atomic.Uint64
+}
+
+const cacheMarkBits = 1 << 20 // 128 KiB
+
+func (m *cacheMarks) bit(key string) (*atomic.Uint64, uint64) {
+	h := maphash.String(m.seed, key) & (cacheMarkBits - 1)
+	return &m.bits[h/64], 1 << (h % 64)
+}
+
+func (m *cacheMarks) mark(key string) {
+	w, b := m.bit(key)
+	w.Or(b)
+}
+
+func (m *cacheMarks) marked(key string) bool {
+	w, b := m.bit(key)
+	return w.Load()&b != 0
 }
 
 // removalStripes is how many stripes keys are hashed to (a power of 2).
