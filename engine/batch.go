@@ -388,13 +388,14 @@ func (e *Engine) copyInline(ctx context.Context, groups [][]*Task) (rest [][]*Ta
 // segment and in memory (a run of KV blocks read into one host buffer), so
 // each group travels as one request: fewer, larger slices.
 func mergeContiguous(tasks []*Task) [][]*Task {
-	var groups [][]*Task
-	for _, t := range tasks {
-		if n := len(groups); n > 0 && continues(groups[n-1], t) {
-			groups[n-1] = append(groups[n-1], t)
-			continue
+	groups := make([][]*Task, 0, len(tasks))
+	for i := 0; i < len(tasks); {
+		j := i + 1
+		for j < len(tasks) && continues(tasks[i:j], tasks[j]) {
+			j++
 		}
-		groups = append(groups, []*Task{t})
+		groups = append(groups, tasks[i:j:j]) // windows of tasks: no allocation a group
+		i = j
 	}
 	return groups
 }
