@@ -1465,6 +1465,10 @@ func TestPublishColumnsAsItems(t *testing.T) {
 	bad := []func(c *pb.PublishColumnsCmd){
 		func(c *pb.PublishColumnsCmd) { c.Sizes = c.Sizes[1:] },
 		func(c *pb.PublishColumnsCmd) { c.Parents = c.Parents[1:] },
+		func(c *pb.PublishColumnsCmd) { c.ParentLengths = c.ParentLengths[1:] },
+		func(c *pb.PublishColumnsCmd) { c.Keys = c.Keys[1:] },
+		func(c *pb.PublishColumnsCmd) { c.KeyLengths[0]++ },
+		func(c *pb.PublishColumnsCmd) { c.KeyLengths = c.KeyLengths[1:] },
 		func(c *pb.PublishColumnsCmd) { c.Tenants[1] = 7 },
 		func(c *pb.PublishColumnsCmd) { c.Segments[0] = 3 },
 		func(c *pb.PublishColumnsCmd) { c.ReplicaCounts[0] = 2 },

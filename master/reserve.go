@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"unsafe"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -151,7 +152,7 @@ func publicationOf(it *pb.PublishItem, replicas []placedReplica) publication {
 // publishColumns publishes each item of c, or refuses the whole command
 // if its columns do not line up.
 func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) any {
-	n := len(c.Keys)
+	n := len(c.KeyLengths)
 	reps := 0
 	for _, k := range c.ReplicaCounts {
 		reps += int(k)
@@ -160,7 +161,8 @@ func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) an
 	case n > MaxBatchKeys:
 		return fmt.Errorf("%w: %d items in one command", ErrInvalidRequest, n)
 	case len(c.Sizes) != n || len(c.Checksums) != n || len(c.PutIds) != n || len(c.ReplicasWanted) != n || len(c.ReplicaCounts) != n,
-		len(c.Parents) != 0 && len(c.Parents) != n, len(c.Tenants) != 0 && len(c.Tenants) != n,
+		!packed(c.Keys, c.KeyLengths), !packed(c.Parents, c.ParentLengths),
+		len(c.ParentLengths) != 0 && len(c.ParentLengths) != n, len(c.Tenants) != 0 && len(c.Tenants) != n,
 		len(c.Segments) != reps || len(c.Offsets) != reps || len(c.Reservations) != reps,
 		slices.ContainsFunc(c.Tenants, func(t uint32) bool { return int(t) >= len(c.TenantNames) }),
 		slices.ContainsFunc(c.Segments, func(s uint32) bool { return int(s) >= len(c.SegmentNames) }):
@@ -168,14 +170,14 @@ func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) an
 	}
 	errs := make([]error, n)
 	var buf [4]placedReplica
-	next := 0
-	for i, key := range c.Keys {
+	next, keyAt, parentAt := 0, 0, 0
+	for i := range n {
 		p := publication{
-			key: key, size: c.Sizes[i], checksum: c.Checksums[i], putID: c.PutIds[i], want: c.ReplicasWanted[i],
+			key: unpack(c.Keys, &keyAt, c.KeyLengths[i]), size: c.Sizes[i], checksum: c.Checksums[i], putID: c.PutIds[i], want: c.ReplicasWanted[i],
 			replicas: buf[:0], reservations: int(c.ReplicaCounts[i]),
 		}
-		if len(c.Parents) > 0 {
-			p.parent = c.Parents[i]
+		if len(c.ParentLengths) > 0 {
+			p.parent = unpack(c.Parents, &parentAt, c.ParentLengths[i])
 		}
 		if len(c.Tenants) > 0 {
 			p.tenant = c.TenantNames[c.Tenants[i]]
@@ -193,18 +195,23 @@ func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) an
 // must have one reservation per replica (BatchPutEnd refuses others).
 func columnsOf(items []*pb.PublishItem) *pb.PublishColumnsCmd {
 	n := len(items)
+	keys, parents := 0, 0
+	for _, it := range items {
+		keys, parents = keys+len(it.Key), parents+len(it.Parent)
+	}
 	c := &pb.PublishColumnsCmd{
-		Keys: make([]string, n), Sizes: make([]uint64, n), Checksums: make([]uint32, n), PutIds: make([]uint64, n),
+		Keys: make([]byte, 0, keys), KeyLengths: make([]uint32, n), Sizes: make([]uint64, n), Checksums: make([]uint32, n), PutIds: make([]uint64, n),
 		ReplicasWanted: make([]uint32, n), ReplicaCounts: make([]uint32, n),
 	}
+	if parents > 0 {
+		c.Parents, c.ParentLengths = make([]byte, 0, parents), make([]uint32, n)
+	}
 	for i, it := range items {
-		c.Keys[i], c.Sizes[i], c.Checksums[i], c.PutIds[i] = it.Key, it.Size, it.Checksum, it.PutId
+		c.Keys, c.KeyLengths[i] = append(c.Keys, it.Key...), uint32(len(it.Key))
+		c.Sizes[i], c.Checksums[i], c.PutIds[i] = it.Size, it.Checksum, it.PutId
 		c.ReplicasWanted[i], c.ReplicaCounts[i] = it.ReplicasWanted, uint32(len(it.Replicas))
-		if it.Parent != "" && c.Parents == nil {
-			c.Parents = make([]string, n)
-		}
-		if c.Parents != nil {
-			c.Parents[i] = it.Parent
+		if parents > 0 {
+			c.Parents, c.ParentLengths[i] = append(c.Parents, it.Parent...), uint32(len(it.Parent))
 		}
 		if it.Tenant != "" && c.Tenants == nil {
 			c.Tenants, c.TenantNames = make([]uint32, n), []string{""}
@@ -224,6 +231,28 @@ func columnsOf(items []*pb.PublishItem) *pb.PublishColumnsCmd {
 		}
 	}
 	return c
+}
+
+// packed reports whether lengths cut b into strings with nothing left.
+func packed(b []byte, lengths []uint32) bool {
+	n := 0
+	for _, l := range lengths {
+		n += int(l)
+	}
+	return n == len(b)
+}
+
+// unpack returns the next string of packed bytes b, of length l, at *at,
+// and moves *at past it. The string shares b's bytes, which no one
+// writes: a decoded command is not changed, and publish copies the key
+// into its record.
+func unpack(b []byte, at *int, l uint32) string {
+	if l == 0 {
+		return ""
+	}
+	s := unsafe.String(&b[*at], int(l))
+	*at += int(l)
+	return s
 }
 
 // intern returns the index of name in names, appending it if missing: a

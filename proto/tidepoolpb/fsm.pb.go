@@ -813,15 +813,19 @@ func (x *PublishCmd) GetItems() []*PublishItem {
 // so on; its replicas are the next replica_counts[i] entries of segments,
 // offsets and reservations.
 type PublishColumnsCmd struct {
-	state          protoimpl.MessageState `protogen:"open.v1"`
-	Keys           []string               `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
-	Sizes          []uint64               `protobuf:"varint,2,rep,packed,name=sizes,proto3" json:"sizes,omitempty"`
-	Checksums      []uint32               `protobuf:"varint,3,rep,packed,name=checksums,proto3" json:"checksums,omitempty"`
-	PutIds         []uint64               `protobuf:"varint,4,rep,packed,name=put_ids,json=putIds,proto3" json:"put_ids,omitempty"`
-	ReplicasWanted []uint32               `protobuf:"varint,5,rep,packed,name=replicas_wanted,json=replicasWanted,proto3" json:"replicas_wanted,omitempty"`
-	ReplicaCounts  []uint32               `protobuf:"varint,6,rep,packed,name=replica_counts,json=replicaCounts,proto3" json:"replica_counts,omitempty"`
-	// Empty when no item has a parent.
-	Parents []string `protobuf:"bytes,7,rep,name=parents,proto3" json:"parents,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The keys one after another, key i key_lengths[i] bytes long: one
+	// field to decode, not one a key.
+	Keys           []byte   `protobuf:"bytes,14,opt,name=keys,proto3" json:"keys,omitempty"`
+	KeyLengths     []uint32 `protobuf:"varint,15,rep,packed,name=key_lengths,json=keyLengths,proto3" json:"key_lengths,omitempty"`
+	Sizes          []uint64 `protobuf:"varint,2,rep,packed,name=sizes,proto3" json:"sizes,omitempty"`
+	Checksums      []uint32 `protobuf:"varint,3,rep,packed,name=checksums,proto3" json:"checksums,omitempty"`
+	PutIds         []uint64 `protobuf:"varint,4,rep,packed,name=put_ids,json=putIds,proto3" json:"put_ids,omitempty"`
+	ReplicasWanted []uint32 `protobuf:"varint,5,rep,packed,name=replicas_wanted,json=replicasWanted,proto3" json:"replicas_wanted,omitempty"`
+	ReplicaCounts  []uint32 `protobuf:"varint,6,rep,packed,name=replica_counts,json=replicaCounts,proto3" json:"replica_counts,omitempty"`
+	// The parents likewise; both empty when no item has a parent.
+	Parents       []byte   `protobuf:"bytes,16,opt,name=parents,proto3" json:"parents,omitempty"`
+	ParentLengths []uint32 `protobuf:"varint,17,rep,packed,name=parent_lengths,json=parentLengths,proto3" json:"parent_lengths,omitempty"`
 	// Indexes into tenant_names; empty when no item has a tenant.
 	Tenants     []uint32 `protobuf:"varint,8,rep,packed,name=tenants,proto3" json:"tenants,omitempty"`
 	TenantNames []string `protobuf:"bytes,9,rep,name=tenant_names,json=tenantNames,proto3" json:"tenant_names,omitempty"`
@@ -864,9 +868,16 @@ func (*PublishColumnsCmd) Descriptor() ([]byte, []int) {
 	return file_fsm_proto_rawDescGZIP(), []int{5}
 }
 
-func (x *PublishColumnsCmd) GetKeys() []string {
+func (x *PublishColumnsCmd) GetKeys() []byte {
 	if x != nil {
 		return x.Keys
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetKeyLengths() []uint32 {
+	if x != nil {
+		return x.KeyLengths
 	}
 	return nil
 }
@@ -906,9 +917,16 @@ func (x *PublishColumnsCmd) GetReplicaCounts() []uint32 {
 	return nil
 }
 
-func (x *PublishColumnsCmd) GetParents() []string {
+func (x *PublishColumnsCmd) GetParents() []byte {
 	if x != nil {
 		return x.Parents
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetParentLengths() []uint32 {
+	if x != nil {
+		return x.ParentLengths
 	}
 	return nil
 }
@@ -3018,22 +3036,25 @@ const file_fsm_proto_rawDesc = "" +
 	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"<\n" +
 	"\n" +
 	"PublishCmd\x12.\n" +
-	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"\x9a\x03\n" +
+	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"\xee\x03\n" +
 	"\x11PublishColumnsCmd\x12\x12\n" +
-	"\x04keys\x18\x01 \x03(\tR\x04keys\x12\x14\n" +
+	"\x04keys\x18\x0e \x01(\fR\x04keys\x12\x1f\n" +
+	"\vkey_lengths\x18\x0f \x03(\rR\n" +
+	"keyLengths\x12\x14\n" +
 	"\x05sizes\x18\x02 \x03(\x04R\x05sizes\x12\x1c\n" +
 	"\tchecksums\x18\x03 \x03(\rR\tchecksums\x12\x17\n" +
 	"\aput_ids\x18\x04 \x03(\x04R\x06putIds\x12'\n" +
 	"\x0freplicas_wanted\x18\x05 \x03(\rR\x0ereplicasWanted\x12%\n" +
 	"\x0ereplica_counts\x18\x06 \x03(\rR\rreplicaCounts\x12\x18\n" +
-	"\aparents\x18\a \x03(\tR\aparents\x12\x18\n" +
+	"\aparents\x18\x10 \x01(\fR\aparents\x12%\n" +
+	"\x0eparent_lengths\x18\x11 \x03(\rR\rparentLengths\x12\x18\n" +
 	"\atenants\x18\b \x03(\rR\atenants\x12!\n" +
 	"\ftenant_names\x18\t \x03(\tR\vtenantNames\x12\x1a\n" +
 	"\bsegments\x18\n" +
 	" \x03(\rR\bsegments\x12#\n" +
 	"\rsegment_names\x18\v \x03(\tR\fsegmentNames\x12\x18\n" +
 	"\aoffsets\x18\f \x03(\x04R\aoffsets\x12\"\n" +
-	"\freservations\x18\r \x03(\x04R\freservations\"[\n" +
+	"\freservations\x18\r \x03(\x04R\freservationsJ\x04\b\x01\x10\x02J\x04\b\a\x10\b\"[\n" +
 	"\n" +
 	"ReleaseCmd\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x10\n" +
