@@ -537,7 +537,7 @@ func (m *masterService) grant(ctx context.Context, asks []*pb.GrantAsk) []*pb.Gr
 
 // grantAsks is what req asks grants for: its grants, one request a grant
 // (clients before grant_asks), as asks of consecutive requests of one
-// shape, then its grant_asks.
+// shape and tenant, then its grant_asks.
 func grantAsks(req *pb.BatchPutEndRequest) []*pb.GrantAsk {
 	if len(req.Grants) == 0 {
 		return req.GrantAsks
@@ -546,7 +546,7 @@ func grantAsks(req *pb.BatchPutEndRequest) []*pb.GrantAsk {
 	for i := 0; i < len(req.Grants); {
 		it := req.Grants[i]
 		same := 1
-		for i+same < len(req.Grants) && req.Grants[i+same].Size == it.Size && req.Grants[i+same].Tier == it.Tier && req.Grants[i+same].Replicas == it.Replicas {
+		for i+same < len(req.Grants) && req.Grants[i+same].Size == it.Size && req.Grants[i+same].Tier == it.Tier && req.Grants[i+same].Replicas == it.Replicas && req.Grants[i+same].Tenant == it.Tenant {
 			same++
 		}
 		i += same

@@ -153,6 +153,10 @@ func publicationOf(it *pb.PublishItem, replicas []placedReplica) publication {
 // if its columns do not line up.
 func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) any {
 	n := len(c.KeyLengths)
+	listed := n == 0 && len(c.KeyList) > 0 // an earlier leader's form
+	if listed {
+		n = len(c.KeyList)
+	}
 	reps := 0
 	for _, k := range c.ReplicaCounts {
 		reps += int(k)
@@ -162,7 +166,9 @@ func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) an
 		return fmt.Errorf("%w: %d items in one command", ErrInvalidRequest, n)
 	case len(c.Sizes) != n || len(c.Checksums) != n || len(c.PutIds) != n || len(c.ReplicasWanted) != n || len(c.ReplicaCounts) != n,
 		!packed(c.Keys, c.KeyLengths), !packed(c.Parents, c.ParentLengths),
-		len(c.ParentLengths) != 0 && len(c.ParentLengths) != n, len(c.Tenants) != 0 && len(c.Tenants) != n,
+		len(c.ParentLengths) != 0 && len(c.ParentLengths) != n, len(c.ParentList) != 0 && len(c.ParentList) != n,
+		listed && len(c.ParentLengths) != 0, !listed && len(c.KeyList)+len(c.ParentList) != 0,
+		len(c.Tenants) != 0 && len(c.Tenants) != n,
 		len(c.Segments) != reps || len(c.Offsets) != reps || len(c.Reservations) != reps,
 		slices.ContainsFunc(c.Tenants, func(t uint32) bool { return int(t) >= len(c.TenantNames) }),
 		slices.ContainsFunc(c.Segments, func(s uint32) bool { return int(s) >= len(c.SegmentNames) }):
@@ -173,11 +179,20 @@ func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) an
 	next, keyAt, parentAt := 0, 0, 0
 	for i := range n {
 		p := publication{
-			key: unpack(c.Keys, &keyAt, c.KeyLengths[i]), size: c.Sizes[i], checksum: c.Checksums[i], putID: c.PutIds[i], want: c.ReplicasWanted[i],
+			size: c.Sizes[i], checksum: c.Checksums[i], putID: c.PutIds[i], want: c.ReplicasWanted[i],
 			replicas: buf[:0], reservations: int(c.ReplicaCounts[i]),
 		}
-		if len(c.ParentLengths) > 0 {
-			p.parent = unpack(c.Parents, &parentAt, c.ParentLengths[i])
+		switch {
+		case listed:
+			p.key = c.KeyList[i]
+			if len(c.ParentList) > 0 {
+				p.parent = c.ParentList[i]
+			}
+		default:
+			p.key = unpack(c.Keys, &keyAt, c.KeyLengths[i])
+			if len(c.ParentLengths) > 0 {
+				p.parent = unpack(c.Parents, &parentAt, c.ParentLengths[i])
+			}
 		}
 		if len(c.Tenants) > 0 {
 			p.tenant = c.TenantNames[c.Tenants[i]]

@@ -816,8 +816,12 @@ type PublishColumnsCmd struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The keys one after another, key i key_lengths[i] bytes long: one
 	// field to decode, not one a key.
-	Keys           []byte   `protobuf:"bytes,14,opt,name=keys,proto3" json:"keys,omitempty"`
-	KeyLengths     []uint32 `protobuf:"varint,15,rep,packed,name=key_lengths,json=keyLengths,proto3" json:"key_lengths,omitempty"`
+	Keys       []byte   `protobuf:"bytes,14,opt,name=keys,proto3" json:"keys,omitempty"`
+	KeyLengths []uint32 `protobuf:"varint,15,rep,packed,name=key_lengths,json=keyLengths,proto3" json:"key_lengths,omitempty"`
+	// The keys and parents as earlier leaders wrote them, one string each;
+	// read when key_lengths is empty.
+	KeyList        []string `protobuf:"bytes,1,rep,name=key_list,json=keyList,proto3" json:"key_list,omitempty"`
+	ParentList     []string `protobuf:"bytes,7,rep,name=parent_list,json=parentList,proto3" json:"parent_list,omitempty"`
 	Sizes          []uint64 `protobuf:"varint,2,rep,packed,name=sizes,proto3" json:"sizes,omitempty"`
 	Checksums      []uint32 `protobuf:"varint,3,rep,packed,name=checksums,proto3" json:"checksums,omitempty"`
 	PutIds         []uint64 `protobuf:"varint,4,rep,packed,name=put_ids,json=putIds,proto3" json:"put_ids,omitempty"`
@@ -878,6 +882,20 @@ func (x *PublishColumnsCmd) GetKeys() []byte {
 func (x *PublishColumnsCmd) GetKeyLengths() []uint32 {
 	if x != nil {
 		return x.KeyLengths
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetKeyList() []string {
+	if x != nil {
+		return x.KeyList
+	}
+	return nil
+}
+
+func (x *PublishColumnsCmd) GetParentList() []string {
+	if x != nil {
+		return x.ParentList
 	}
 	return nil
 }
@@ -3036,11 +3054,14 @@ const file_fsm_proto_rawDesc = "" +
 	"\x0freplicas_wanted\x18\t \x01(\rR\x0ereplicasWanted\"<\n" +
 	"\n" +
 	"PublishCmd\x12.\n" +
-	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"\xee\x03\n" +
+	"\x05items\x18\x01 \x03(\v2\x18.tidepool.v1.PublishItemR\x05items\"\x9e\x04\n" +
 	"\x11PublishColumnsCmd\x12\x12\n" +
 	"\x04keys\x18\x0e \x01(\fR\x04keys\x12\x1f\n" +
 	"\vkey_lengths\x18\x0f \x03(\rR\n" +
-	"keyLengths\x12\x14\n" +
+	"keyLengths\x12\x19\n" +
+	"\bkey_list\x18\x01 \x03(\tR\akeyList\x12\x1f\n" +
+	"\vparent_list\x18\a \x03(\tR\n" +
+	"parentList\x12\x14\n" +
 	"\x05sizes\x18\x02 \x03(\x04R\x05sizes\x12\x1c\n" +
 	"\tchecksums\x18\x03 \x03(\rR\tchecksums\x12\x17\n" +
 	"\aput_ids\x18\x04 \x03(\x04R\x06putIds\x12'\n" +
@@ -3054,7 +3075,7 @@ const file_fsm_proto_rawDesc = "" +
 	" \x03(\rR\bsegments\x12#\n" +
 	"\rsegment_names\x18\v \x03(\tR\fsegmentNames\x12\x18\n" +
 	"\aoffsets\x18\f \x03(\x04R\aoffsets\x12\"\n" +
-	"\freservations\x18\r \x03(\x04R\freservationsJ\x04\b\x01\x10\x02J\x04\b\a\x10\b\"[\n" +
+	"\freservations\x18\r \x03(\x04R\freservations\"[\n" +
 	"\n" +
 	"ReleaseCmd\x12\x18\n" +
 	"\asegment\x18\x01 \x01(\tR\asegment\x12\x10\n" +
