@@ -253,7 +253,7 @@ class ReviewTest(ClusterTest):
                 tidepool.Client(sock, shm_bytes=1 << 20, wait=5).close()
                 print("new session: ok")
             except tidepool.Error as e:
-                print("new session:", type(e).__name__)
+                print("new session:", type(e).__name__, e)
             s.close()
         """)
         self.assertEqual(p.returncode, 0, p.stderr)
@@ -267,7 +267,10 @@ class ReviewTest(ClusterTest):
         r, w = os.pipe()
         self.addCleanup(os.close, w)
         p = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-            import os, sys, time
+            import faulthandler, os, sys, time
+            # Not forever: gRPC's fork handler has been seen to hang the
+            # fork, joining a thread that never ended.
+            faulthandler.dump_traceback_later(60, exit=True)
             sys.path.insert(0, %(path)r)
             os.environ["TIDEPOOL_AGENT_SOCKET"] = os.path.join(%(dir)r, "no-agent-%%d.sock" %% os.getpid())
             os.environ["TIDEPOOL_BIN"] = %(bin)r

@@ -757,13 +757,22 @@ class Client:
         deadline = time.monotonic() + wait
         _check_peer(self._path, wait)
         req = agent_pb2.OpenRequest(client=self.client_name, shm_bytes=self._shm_bytes)
-        try:
-            if wait > 0:
-                resp = res.stub.Open(req, timeout=max(deadline - time.monotonic(), 0.5), wait_for_ready=True)
-            else:
-                resp = res.stub.Open(req, timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise errors.from_rpc(e, "open a session with the agent at %s" % self.socket) from None
+        while True:
+            try:
+                if wait > 0:
+                    resp = res.stub.Open(req, timeout=max(deadline - time.monotonic(), 0.5), wait_for_ready=True)
+                else:
+                    resp = res.stub.Open(req, timeout=self._timeout)
+                break
+            except grpc.RpcError as e:
+                # Within wait, UNAVAILABLE is tried again: gRPC fails a
+                # call fast, "Broken pipe", now and then just after a
+                # forked child of this process exited, wait_for_ready or
+                # not, and the next call goes through.
+                if wait > 0 and e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline - 0.05:
+                    time.sleep(0.05)
+                    continue
+                raise errors.from_rpc(e, "open a session with the agent at %s" % self.socket) from None
         res.masters.set(list(resp.masters))
         try:
             return _Region(resp, self._shm_bytes)
