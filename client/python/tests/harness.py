@@ -8,6 +8,7 @@ directory, or taken from $TIDEPOOL_BIN.
 
 import atexit
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,6 +49,52 @@ def binary():
 
 def have_go():
     return bool(os.environ.get("TIDEPOOL_BIN")) or shutil.which("go") is not None
+
+
+def fork_env(fork_support):
+    """The environment of a script that forks: gRPC's fork support on for
+    a forked child that makes calls, off otherwise. Off, not unset:
+    Debian's gRPC runs its fork handlers unless told not to."""
+    return dict(os.environ, GRPC_ENABLE_FORK_SUPPORT="1" if fork_support else "0")
+
+
+_FRAME = re.compile(r'(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n  File "<string>", line (\d+) ')
+
+
+def run_script(script, fork_support=False, timeout=60):
+    """Runs script in a fresh interpreter with the SDK on its path and
+    returns the CompletedProcess. A script still running after timeout
+    seconds dumps its stacks (faulthandler on SIGUSR1: a signal handler
+    survives a fork, which its timer thread does not) and is killed, with
+    any child it forked. One stuck in os.fork() runs again, at most twice:
+    gRPC 1.51's prefork handler deadlocks now and then (on two loaded
+    cores about one fork in 50 with fork support unset, one in 10 with it
+    on) when an executor thread wakes just as it joins it, and a test
+    whose child makes calls cannot turn it off."""
+    script = ("import faulthandler, os, signal, sys\nfaulthandler.register(signal.SIGUSR1)\n"
+              "sys.path.insert(0, %r)\n" % PYTHON_DIR) + script
+    lines = script.splitlines()
+    for attempt in range(3):
+        p = subprocess.Popen([sys.executable, "-c", script], env=fork_env(fork_support), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)
+            try:
+                out, err = p.communicate(timeout=2)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # gone meanwhile
+                out, err = p.communicate()
+            err += "\nharness: killed after %d s" % timeout
+        p = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        if attempt == 2 or not any("os.fork()" in lines[int(n) - 1] for n in _FRAME.findall(err)):
+            return p
+        print("harness: gRPC's fork handler deadlocked (run %d); running the script again" % (attempt + 1),
+              file=sys.stderr)
 
 
 def free_addr():

@@ -7,7 +7,6 @@ import ctypes
 import gc
 import os
 import shutil
-import subprocess
 import tempfile
 import textwrap
 import threading
@@ -669,8 +668,6 @@ class SessionTest(ClusterTest):
         # gRPC works in a forked child only with its fork support on, which
         # must be set before it is imported: hence a process of its own.
         script = textwrap.dedent("""
-            import os, sys
-            sys.path.insert(0, %(path)r)
             import tidepool
 
             c = tidepool.Client(%(socket)r, shm_bytes=1 << 20)
@@ -697,10 +694,8 @@ class SessionTest(ClusterTest):
             print("parent ok" if c.session == parent and c.reopened == 0 else "parent lost its session")
             print("child's value", c.get(%(key)r + "child"))
             c.close()
-        """) % {"path": harness.PYTHON_DIR, "socket": self.agent.socket, "key": self.prefix}
-        env = dict(os.environ, GRPC_ENABLE_FORK_SUPPORT="1")
-        p = subprocess.run([harness.sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                           timeout=60)
+        """) % {"socket": self.agent.socket, "key": self.prefix}
+        p = harness.run_script(script, fork_support=True)
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertEqual(p.stdout.split("\n")[:3], ["child ok", "parent ok", "child's value b'c'"], p.stderr)
 

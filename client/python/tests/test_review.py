@@ -39,17 +39,8 @@ for _name in ("tidepool.sglang", "tidepool.mooncake"):
 
 
 def run_script(body, fork_support=False, **subs):
-    """Runs body (a script, %-formatted with subs) in a fresh interpreter
-    with the SDK on its path (and gRPC's fork support on, for a forked
-    child that makes calls); returns the CompletedProcess. A script stuck
-    for a minute dumps its stacks and exits."""
-    script = ("import faulthandler, os, sys\nfaulthandler.dump_traceback_later(60, exit=True)\n"
-              "sys.path.insert(0, %r)\n" % harness.PYTHON_DIR) + textwrap.dedent(body) % subs
-    env = dict(os.environ)
-    env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
-    if fork_support:
-        env["GRPC_ENABLE_FORK_SUPPORT"] = "1"
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    """Runs body, a script %-formatted with subs (harness.run_script)."""
+    return harness.run_script(textwrap.dedent(body) % subs, fork_support)
 
 
 class Gate:
@@ -268,8 +259,6 @@ class ReviewTest(ClusterTest):
         self.addCleanup(os.close, w)
         p = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
             import faulthandler, os, sys, time
-            # Not forever: gRPC's fork handler has been seen to hang the
-            # fork, joining a thread that never ended.
             faulthandler.dump_traceback_later(60, exit=True)
             sys.path.insert(0, %(path)r)
             os.environ["TIDEPOOL_AGENT_SOCKET"] = os.path.join(%(dir)r, "no-agent-%%d.sock" %% os.getpid())
@@ -283,7 +272,7 @@ class ReviewTest(ClusterTest):
             print(s._agent.proc.pid, flush=True)
             os._exit(1)  # the engine's process dies without close()
         """) % {"path": harness.PYTHON_DIR, "dir": self.dir, "bin": harness.binary(), "masters": self.up.grpc,
-                "r": r}], stdout=subprocess.PIPE, text=True, pass_fds=(r,))
+                "r": r}], env=harness.fork_env(False), stdout=subprocess.PIPE, text=True, pass_fds=(r,))
         os.close(r)
         agent_pid = int(p.stdout.readline())
         p.wait(30)
