@@ -445,8 +445,10 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	checksums()
 	var revoked puts
 	var lost map[int][]string
+	// The items go without their replicas, which the leader that placed
+	// them knows; another leader (after a failover) asks for them, and
+	// only then are the full items built (see endUnplaced).
 	ends := make([]pb.PutEndItem, 0, nplaced)
-	end := &pb.BatchPutEndRequest{Items: make([]*pb.PutEndItem, 0, nplaced)}
 	endIdx := make([]int, 0, nplaced)
 	shapes := map[shape]int{}
 	for _, i := range idx { // in the caller's order: a chain's blocks parent first
@@ -472,43 +474,33 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 			revoked.add(keys[i], placed[i].id)
 			continue
 		}
-		// All of where it was placed, so a new leader can publish a put
-		// the old one placed.
 		it := items[i]
 		ends = append(ends, pb.PutEndItem{
-			Key: it.Key, PutId: placed[i].id, Size: it.Size, Checksum: it.Checksum,
-			Replicas: placed[i].replicas, Reservations: placed[i].reservations, Parent: it.Parent, Tenant: it.Tenant,
-			ReplicasWanted: it.Replicas,
+			Key: it.Key, PutId: placed[i].id, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant,
 		})
-		end.Items = append(end.Items, &ends[len(ends)-1])
 		endIdx = append(endIdx, i)
 		shapes[shapeOf(it)]++
 	}
 	if len(revoked.keys) > 0 {
 		c.revoke(revoked.request())
 	}
-	if len(end.Items) == 0 {
+	if len(ends) == 0 {
 		return errs, lost
 	}
-	// Ask for grants for the next puts of a shape put repeatedly. The
-	// items go without their replicas, which the leader that placed them
-	// knows; another leader (after a failover) asks for them.
-	call := &endCall{items: make([]*pb.PutEndItem, len(end.Items))}
+	// Ask for grants for the next puts of a shape put repeatedly.
+	call := &endCall{items: make([]*pb.PutEndItem, len(ends))}
 	for sh, n := range shapes {
 		if n := c.grants.want(sh, n, now); n > 0 {
 			call.grants = append(call.grants, ask{sh, n})
 		}
 	}
-	short := make([]pb.PutEndItem, len(end.Items))
-	for j, it := range end.Items {
-		s := &short[j]
-		s.Key, s.PutId, s.Size, s.Checksum, s.Parent, s.Tenant = it.Key, it.PutId, it.Size, it.Checksum, it.Parent, it.Tenant
-		call.items[j] = s
+	for j := range ends {
+		call.items[j] = &ends[j]
 	}
 	c.end(ctx, call)
 	if call.err != nil {
 		var r puts
-		for _, it := range end.Items {
+		for _, it := range call.items {
 			r.add(it.Key, it.PutId)
 		}
 		c.revoke(r.request())
@@ -518,8 +510,17 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 		return errs, lost
 	}
 	resp := &pb.BatchPutEndResponse{Results: call.results, Unplaced: call.unplaced}
-	holds := call.holds(len(end.Items))
-	failed := c.endUnplaced(ctx, end, resp, holds)
+	holds := call.holds(len(ends))
+	// All of where a put was placed, so a new leader can publish a put
+	// the old one placed.
+	full := func(j int) *pb.PutEndItem {
+		i, s := endIdx[j], &ends[j]
+		return &pb.PutEndItem{
+			Key: s.Key, PutId: s.PutId, Size: s.Size, Checksum: s.Checksum, Parent: s.Parent, Tenant: s.Tenant,
+			Replicas: placed[i].replicas, Reservations: placed[i].reservations, ReplicasWanted: items[i].Replicas,
+		}
+	}
+	failed := c.endUnplaced(ctx, len(ends), full, resp, holds)
 	for j, i := range endIdx {
 		if errs[i] = failed[uint32(j)]; errs[i] == nil {
 			errs[i] = itemError(resp.Results[j])
@@ -590,16 +591,16 @@ func (h *holding) wait(ctx context.Context, keys []string, errs []error) {
 	}
 }
 
-// endUnplaced sends again, with their replicas, the items the leader
-// answered as not placed by it, and puts their results in resp. If that
-// fails it returns the error of each (they are revoked); the others keep
-// their results.
-func (c *Client) endUnplaced(ctx context.Context, end *pb.BatchPutEndRequest, resp *pb.BatchPutEndResponse, holds []time.Time) map[uint32]error {
+// endUnplaced sends again, with their replicas (full(j) is item j of the
+// n sent, in full), the items the leader answered as not placed by it,
+// and puts their results in resp. If that fails it returns the error of
+// each (they are revoked); the others keep their results.
+func (c *Client) endUnplaced(ctx context.Context, n int, full func(int) *pb.PutEndItem, resp *pb.BatchPutEndResponse, holds []time.Time) map[uint32]error {
 	again := &pb.BatchPutEndRequest{}
 	var idx []uint32
 	for _, j := range resp.Unplaced {
-		if int(j) < len(end.Items) {
-			again.Items = append(again.Items, end.Items[j])
+		if int(j) < n {
+			again.Items = append(again.Items, full(int(j)))
 			idx = append(idx, j)
 		}
 	}
