@@ -82,13 +82,16 @@ func fillBatch(ctx context.Context, c *leaderconn.Conn, keys []string, size uint
 	}); err != nil {
 		return err
 	}
-	end := &pb.BatchPutEndRequest{}
+	// The ends as the client sends them: without the replicas, which the
+	// leader that placed the puts knows, and asking for the failed items'
+	// statuses only.
+	end := &pb.BatchPutEndRequest{SparseResults: true}
 	for i, r := range start.Results {
 		if r.Status.GetCode() != 0 {
 			return fmt.Errorf("put start %q: %s", keys[i], r.Status.GetMessage())
 		}
 		if !r.Exists {
-			end.Items = append(end.Items, &pb.PutEndItem{Key: keys[i], PutId: r.PutId, Size: size, Replicas: r.Replicas, Reservations: r.Reservations})
+			end.Items = append(end.Items, &pb.PutEndItem{Key: keys[i], PutId: r.PutId, Size: size})
 		}
 	}
 	if len(end.Items) == 0 {
