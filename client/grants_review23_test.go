@@ -72,7 +72,7 @@ func (m *review23Master) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndReq
 		if len(it.Replicas) > 0 {
 			m.resent++
 			if r := it.Replicas[0]; len(it.Replicas) != 1 || r.Offset != m.offs[it.PutId] || r.Length != m.sizes[it.PutId] || !slices.Equal(it.Reservations, []uint64{1}) {
-				resp.Results = append(resp.Results, &pb.ItemStatus{Code: 9, Message: fmt.Sprintf("put %d sent again with replica %v, placed at %d for %d bytes", it.PutId, r, m.offs[it.PutId], m.sizes[it.PutId])})
+				resp.Results = append(resp.Results, &pb.ItemStatus{Code: 9, Message: fmt.Sprintf("put %d sent again with replica %v and reservations %v, placed at %d for %d bytes in reservation 1", it.PutId, r, it.Reservations, m.offs[it.PutId], m.sizes[it.PutId])})
 				continue
 			}
 		}
