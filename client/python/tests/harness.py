@@ -80,7 +80,10 @@ def run_script(script, fork_support=False, timeout=60):
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGUSR1)
+            try:
+                os.killpg(p.pid, signal.SIGUSR1)  # a forked child's stacks too
+            except ProcessLookupError:
+                pass
             try:
                 out, err = p.communicate(timeout=2)
             except subprocess.TimeoutExpired:

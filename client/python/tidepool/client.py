@@ -666,6 +666,15 @@ def _leader_of(err):
     return None
 
 
+def _keep_forever(res):
+    """Keeps a forked child's inherited _Resources (the parent's channels)
+    alive past interpreter shutdown: without gRPC's fork support, a
+    channel's destructor in the child waits forever on gRPC threads only
+    the parent has. An extra reference that is never dropped is the one
+    way to keep its refcount, module teardown included, above zero."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(res))
+
+
 # Clients of this process, for the fork handler.
 _clients = weakref.WeakSet()
 
@@ -735,7 +744,6 @@ class Client:
         self._region = None  # the current session; None: the next call that needs one opens it
         self._opened = 0  # sessions opened by this process
         self.reopened = 0  # sessions opened after the first (the agent forgot one, or one was retired)
-        self._orphans = []  # a forked child's inherited channels, never touched again
         self._res = _Resources(self._target, self._token)
         self._finalizer = weakref.finalize(self, self._res.shutdown)
         try:
@@ -790,7 +798,7 @@ class Client:
             self._finalizer.detach()
         old = self._res
         if old is not None:
-            self._orphans.append(old.channel)
+            _keep_forever(old)
             for region in old.regions:
                 region.unmap(close_alloc=False)  # the child's copy of the mapping only
         self._res = None
