@@ -16,6 +16,7 @@ func runBenchMeta(ctx context.Context, e *env, args []string) error {
 	var ops, batches, clients listFlag
 	var duration time.Duration
 	var asJSON bool
+	var cpuProfile string
 	var cfgp *client.Config // the client's config, Masters set once the flags are parsed
 	ctx, _, _, done, err := clientCommand(ctx, e, time.Hour, "bench meta", "[flags]",
 		`Measure the master alone, as Mooncake's master_bench does: batches of metadata calls with tiny
@@ -27,12 +28,18 @@ row per op, batch size and client count: keys/s, mean and p99 per call. Keys it 
 			fs.Var(&clients, "clients", "concurrent callers, each with a connection of its own (default 1,2,4)")
 			fs.DurationVar(&duration, "duration", 3*time.Second, "how long each row runs")
 			fs.BoolVar(&asJSON, "json", false, "print one JSON object per row instead of a table")
+			profileFlag(fs, &cpuProfile)
 			cfgp = cfg
 		})
 	if err != nil {
 		return err
 	}
 	defer done()
+	stop, err := startProfile(cpuProfile)
+	if err != nil {
+		return err
+	}
+	defer stop()
 	batchList, err := intList(batches, "--batch", nil, 1, 16384)
 	if err != nil {
 		return err
