@@ -282,6 +282,7 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 		largest = max(largest, v.capacity)
 	}
 	results := make([]*pb.PutStartResult, len(req.Items))
+	recs := make([]putRecord, len(req.Items))
 	loops := m.s.fsm.loopingParents(len(req.Items), func(i int) (string, string) { return req.Items[i].Key, req.Items[i].Parent })
 	over, err := m.s.admitBatch(ctx, len(req.Items), func(i int) (quotaCharge, bool) {
 		return m.quotaCharge(req.Items[i], loops[i], place, views, largest)
@@ -300,7 +301,7 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 			m.s.metrics.putFailed(codes.ResourceExhausted)
 			continue
 		}
-		r, err := m.start(ctx, it, place, views, largest, host)
+		r, err := m.start(ctx, it, &recs[i], place, views, largest, host)
 		if err != nil {
 			return nil, err // the context ended
 		}
@@ -341,9 +342,25 @@ func (m *masterService) quotaCharge(it *pb.PutStartRequest, loop bool, place fun
 	return quotaCharge{key: quotaKey{it.Tenant, tier}, bytes: satMul(it.Size, replicas)}, true
 }
 
-// start places one put. It is not committed until its PutEnd, so a start
-// costs no raft round unless its segment needs a new reservation.
-func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place func(uint64, pb.Tier) []string,
+// putRecord is what the leader keeps and answers for one put of a
+// BatchPutStart: its entry in the put table, the item its PutEnd
+// publishes, its answer and room for one replica's extent. A batch's
+// records are one allocation rather than about ten a put; they live until
+// the batch's last put has ended.
+type putRecord struct {
+	pending pendingPut
+	item    pb.PublishItem
+	result  pb.PutStartResult
+	status  pb.ItemStatus
+	ext     pb.Extent
+	exts    [1]*pb.Extent
+	used    [1]*openResv
+}
+
+// start places one put, keeping what it holds in rec. It is not committed
+// until its PutEnd, so a start costs no raft round unless its segment
+// needs a new reservation.
+func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, rec *putRecord, place func(uint64, pb.Tier) []string,
 	views map[string]segmentView, largest uint64, host string) (*pb.PutStartResult, error) {
 	fail := func(err error) (*pb.PutStartResult, error) { return &pb.PutStartResult{Status: itemStatus(err)}, nil }
 	err := validKey(it.Key)
@@ -381,9 +398,9 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 	case it.Size > largest:
 		return fail(fmt.Errorf("%w: %d bytes, largest segment holds %d", ErrTooLarge, it.Size, largest))
 	}
-	t := m.s.puts
-	item := &pb.PublishItem{Key: it.Key, Size: it.Size, Checksum: it.Checksum, Parent: it.Parent, Tenant: it.Tenant, ReplicasWanted: it.Replicas}
-	p := &pendingPut{item: item, deadline: now.Add(m.s.cfg.PutTimeout)}
+	t, item, p := m.s.puts, &rec.item, &rec.pending
+	item.Key, item.Size, item.Checksum, item.Parent, item.Tenant, item.ReplicasWanted = it.Key, it.Size, it.Checksum, it.Parent, it.Tenant, it.Replicas
+	p.item, p.deadline = item, now.Add(m.s.cfg.PutTimeout)
 	t.mu.Lock()
 	if t.inProgress(it.Key, now) {
 		t.mu.Unlock()
@@ -391,16 +408,17 @@ func (m *masterService) start(ctx context.Context, it *pb.PutStartRequest, place
 	}
 	t.add(p) // claims the key while it is placed
 	t.mu.Unlock()
-	return m.placePut(ctx, p, it, place, views, host)
+	return m.placePut(ctx, rec, it, place, views, host)
 }
 
-// placePut places a put claimed in the put table, and answers it.
-func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutStartRequest, place func(uint64, pb.Tier) []string,
+// placePut places a put claimed in the put table (rec.pending), and
+// answers it.
+func (m *masterService) placePut(ctx context.Context, rec *putRecord, it *pb.PutStartRequest, place func(uint64, pb.Tier) []string,
 	views map[string]segmentView, host string) (*pb.PutStartResult, error) {
-	t, item := m.s.puts, p.item
+	t, p, item := m.s.puts, &rec.pending, &rec.item
 	fail := func(err error) (*pb.PutStartResult, error) { return &pb.PutStartResult{Status: itemStatus(err)}, nil }
 	want := max(int(it.Replicas), 1)
-	exts, used, err := m.s.place(ctx, item, want, it.Tier, place(it.Size, it.Tier), views)
+	exts, used, err := m.s.place(ctx, item, want, it.Tier, place(it.Size, it.Tier), views, rec)
 	for attempt := 0; attempt < maxRoomAttempts && errors.Is(err, ErrNoSpace); attempt++ {
 		// A put under memory pressure evicts instead of failing.
 		// In its first lease TTL a leader evicts only what it made itself;
@@ -408,7 +426,7 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 		if !m.s.makeRoom(ctx, it.Size, it.Tier, host) && !m.s.awaitEvictable(ctx, p.deadline) {
 			break
 		}
-		exts, used, err = m.s.place(ctx, item, want, it.Tier, m.s.candidates(it.Size, it.Tier, host), views)
+		exts, used, err = m.s.place(ctx, item, want, it.Tier, m.s.candidates(it.Size, it.Tier, host), views, rec)
 	}
 	var reps []*pb.Replica
 	if err == nil {
@@ -452,10 +470,10 @@ func (m *masterService) placePut(ctx context.Context, p *pendingPut, it *pb.PutS
 	if want := orDRAM(it.Tier); reps[0].Tier != want {
 		m.s.spill()
 	}
-	return &pb.PutStartResult{
-		Status: itemStatus(nil), Replicas: reps, PutId: p.id, Reservations: item.Reservations,
-		WriteTimeoutMs: uint64(m.s.cfg.PutTimeout.Milliseconds()),
-	}, nil
+	r := &rec.result
+	r.Status, r.Replicas, r.PutId, r.Reservations = &rec.status, reps, p.id, item.Reservations
+	r.WriteTimeoutMs = uint64(m.s.cfg.PutTimeout.Milliseconds())
+	return r, nil
 }
 
 type sizeTier struct {

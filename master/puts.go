@@ -218,10 +218,11 @@ func (t *putTable) inProgress(key string, now time.Time) bool {
 // A put outside its preferred tier (a spill while that tier is full)
 // reserves only its own size, and nothing ahead: demotions into that tier
 // need the room.
-func (s *Server) place(ctx context.Context, it *pb.PublishItem, want int, tier pb.Tier, candidates []string, views map[string]segmentView) ([]*pb.Extent, []*openResv, error) {
+//
+// The first extent, and the slices' first element, live in rec.
+func (s *Server) place(ctx context.Context, it *pb.PublishItem, want int, tier pb.Tier, candidates []string, views map[string]segmentView, rec *putRecord) ([]*pb.Extent, []*openResv, error) {
 	t := s.puts
-	var exts []*pb.Extent
-	var used []*openResv
+	exts, used := rec.exts[:0:1], rec.used[:0:1]
 	nodes := map[string]bool{}
 	var firstErr error
 	for _, seg := range candidates {
@@ -262,7 +263,12 @@ func (s *Server) place(ctx context.Context, it *pb.PublishItem, want int, tier p
 			}
 		}
 		nodes[v.node] = true
-		exts = append(exts, &pb.Extent{Segment: seg, Offset: off, Length: it.Size})
+		e := &rec.ext
+		if len(exts) > 0 {
+			e = new(pb.Extent)
+		}
+		e.Segment, e.Offset, e.Length = seg, off, it.Size
+		exts = append(exts, e)
 		used = append(used, r)
 	}
 	if len(exts) == 0 {

@@ -148,7 +148,9 @@ func TestReview13RevokedWhilePlacedSaysExpired(t *testing.T) {
 	ms := &masterService{s: m.srv}
 	now := m.srv.cfg.Now()
 	it := &pb.PutStartRequest{Key: "k", Size: 64}
-	p := &pendingPut{item: &pb.PublishItem{Key: "k", Size: 64}, deadline: now.Add(m.srv.cfg.PutTimeout)}
+	rec := &putRecord{item: pb.PublishItem{Key: "k", Size: 64}}
+	p := &rec.pending
+	p.item, p.deadline = &rec.item, now.Add(m.srv.cfg.PutTimeout)
 	m.srv.puts.mu.Lock()
 	m.srv.puts.add(p)
 	m.srv.puts.mu.Unlock()
@@ -163,7 +165,7 @@ func TestReview13RevokedWhilePlacedSaysExpired(t *testing.T) {
 		}
 		return m.srv.candidates(size, tier, "")
 	}
-	r, err := ms.placePut(rpcCtx(t), p, it, place, views, "")
+	r, err := ms.placePut(rpcCtx(t), rec, it, place, views, "")
 	if err != nil {
 		t.Fatal(err)
 	}
