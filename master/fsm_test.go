@@ -976,8 +976,10 @@ func TestFSMResultNotAliased(t *testing.T) {
 	}
 	d.f.mu.RLock()
 	defer d.f.mu.RUnlock()
-	if got := d.f.describePlaced(r.Replicas, access{}); len(got) != 0 {
-		t.Fatalf("describe of a dropped segment: %v", got)
+	for _, rec := range []*putRecord{nil, {}} {
+		if got := d.f.describePlaced(r.Replicas, access{}, rec); len(got) != 0 {
+			t.Fatalf("describe of a dropped segment (record %v): %v", rec != nil, got)
+		}
 	}
 }
 

@@ -344,9 +344,9 @@ func (m *masterService) quotaCharge(it *pb.PutStartRequest, loop bool, place fun
 
 // putRecord is what the leader keeps and answers for one put of a
 // BatchPutStart: its entry in the put table, the item its PutEnd
-// publishes, its answer and room for one replica's extent. A batch's
-// records are one allocation rather than about ten a put; they live until
-// the batch's last put has ended.
+// publishes, its answer and room for one replica's extent and
+// descriptor. A batch's records are one allocation rather than about a
+// dozen a put; they live until the batch's last put has ended.
 type putRecord struct {
 	pending pendingPut
 	item    pb.PublishItem
@@ -355,6 +355,8 @@ type putRecord struct {
 	ext     pb.Extent
 	exts    [1]*pb.Extent
 	used    [1]*openResv
+	replica pb.Replica
+	reps    [1]*pb.Replica
 }
 
 // start places one put, keeping what it holds in rec. It is not committed
@@ -431,7 +433,7 @@ func (m *masterService) placePut(ctx context.Context, rec *putRecord, it *pb.Put
 	var reps []*pb.Replica
 	if err == nil {
 		m.s.fsm.mu.RLock()
-		reps = m.s.fsm.describePlaced(exts, access{op: ticket.Write, id: p.id, expiry: p.deadline.UnixNano()})
+		reps = m.s.fsm.describePlaced(exts, access{op: ticket.Write, id: p.id, expiry: p.deadline.UnixNano()}, rec)
 		m.s.fsm.mu.RUnlock()
 		if len(reps) < len(exts) {
 			// A segment went away since it was placed in; its space goes

@@ -621,7 +621,7 @@ func (s *Server) placeRun(ctx context.Context, it *pb.PutStartRequest, count int
 	}
 	deadline := s.cfg.Now().Add(s.cfg.PutTimeout)
 	s.fsm.mu.RLock()
-	reps := s.fsm.describePlaced(exts, access{})
+	reps := s.fsm.describePlaced(exts, access{}, nil)
 	// One ticket per replica covers the whole run, so the run's puts may
 	// travel together; each put's id is in its PutEnd, not its ticket.
 	for _, r := range reps {

@@ -113,17 +113,36 @@ func (f *FSM) describe(size uint64, exts []extent, a access) []*pb.Replica {
 		if s == nil {
 			continue
 		}
-		out = append(out, &pb.Replica{Segment: s.id, Node: s.node, Endpoint: s.endpoint, Offset: e.offset(), Length: size, Tier: s.tier,
-			Ticket: s.ticket(a, e.offset(), size)})
+		r := new(pb.Replica)
+		s.describe(r, e.offset(), size, a)
+		out = append(out, r)
 	}
 	slices.SortStableFunc(out, func(a, b *pb.Replica) int { return cmp.Compare(readRank(a.Tier), readRank(b.Tier)) })
 	return out
 }
 
-// describePlaced is describe for the extents of one put, as placed.
-func (f *FSM) describePlaced(exts []*pb.Extent, a access) []*pb.Replica {
+// describe fills r with the descriptor of the size bytes at off of s,
+// with a ticket for a.
+func (s *segment) describe(r *pb.Replica, off, size uint64, a access) {
+	r.Segment, r.Node, r.Endpoint, r.Offset, r.Length, r.Tier = s.id, s.node, s.endpoint, off, size, s.tier
+	r.Ticket = s.ticket(a, off, size)
+}
+
+// describePlaced is describe for the extents of one put, as placed. A put
+// of one replica (rec not nil) is described in rec.
+func (f *FSM) describePlaced(exts []*pb.Extent, a access, rec *putRecord) []*pb.Replica {
 	if len(exts) == 0 {
 		return nil
+	}
+	if len(exts) == 1 && rec != nil {
+		e := f.extentOn(exts[0].Segment, exts[0].Offset)
+		s := f.seg(e)
+		if s == nil {
+			return nil
+		}
+		s.describe(&rec.replica, e.offset(), exts[0].Length, a)
+		rec.reps[0] = &rec.replica
+		return rec.reps[:]
 	}
 	es := make([]extent, len(exts))
 	for i, e := range exts {
