@@ -290,6 +290,7 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	if err != nil {
 		return nil, err
 	}
+	m.s.fsm.warm(len(req.Items), func(i int) string { return req.Items[i].Key })
 	for i, it := range req.Items {
 		if loops[i] {
 			results[i] = &pb.PutStartResult{Status: itemStatus(parentLoopError(it.Key, it.Parent))}

@@ -291,6 +291,13 @@ func (f *FSM) segmentName(id string) (node string, epoch uint64, name string, ok
 	return s.node, s.epoch, s.name, true
 }
 
+// warm reads ahead the table slots of n keys' lookups (objectTable.warm).
+func (f *FSM) warm(n int, key func(int) string) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	f.objects.warm(n, key)
+}
+
 // putState is what a put of key finds: COMPLETE (nothing to write),
 // PROCESSING (a put started by an older master's PutStartCmd, not yet
 // expired) or UNSPECIFIED.

@@ -174,6 +174,10 @@ func (f *FSM) publishColumns(c *pb.PublishColumnsCmd, now int64, term uint64) an
 		slices.ContainsFunc(c.Segments, func(s uint32) bool { return int(s) >= len(c.SegmentNames) }):
 		return fmt.Errorf("%w: the columns of a publish of %d items do not line up", ErrInvalidRequest, n)
 	}
+	if !listed {
+		at := 0
+		f.objects.warm(n, func(i int) string { return unpack(c.Keys, &at, c.KeyLengths[i]) })
+	}
 	errs := make([]error, n)
 	var buf [4]placedReplica
 	next, keyAt, parentAt := 0, 0, 0
