@@ -290,7 +290,14 @@ func (m *masterService) BatchPutStart(ctx context.Context, req *pb.BatchPutStart
 	if err != nil {
 		return nil, err
 	}
-	m.s.fsm.warm(len(req.Items), func(i int) string { return req.Items[i].Key })
+	if len(req.Items) > 1 {
+		m.s.fsm.warm(len(req.Items), func(i int) string {
+			if k := req.Items[i].Key; len(k) <= MaxKeyLen {
+				return k
+			}
+			return "" // refused below: not worth hashing under the lock
+		})
+	}
 	for i, it := range req.Items {
 		if loops[i] {
 			results[i] = &pb.PutStartResult{Status: itemStatus(parentLoopError(it.Key, it.Parent))}

@@ -254,11 +254,11 @@ func columnsOf(items []*pb.PublishItem) *pb.PublishColumnsCmd {
 
 // packed reports whether lengths cut b into strings with nothing left.
 func packed(b []byte, lengths []uint32) bool {
-	n := 0
+	var n uint64 // no wrap, even where int is 32 bits
 	for _, l := range lengths {
-		n += int(l)
+		n += uint64(l)
 	}
-	return n == len(b)
+	return n == uint64(len(b))
 }
 
 // unpack returns the next string of packed bytes b, of length l, at *at,
