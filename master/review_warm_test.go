@@ -17,9 +17,11 @@ import (
 
 // TestReviewWarmOrderManyRounds: warm asks for each key exactly once and
 // in order over several rounds of 64, the last one partial, and reads the
-// home slot of every key (n = 0, 1, 63, 64, 65, 128, 200).
+// home slot of every key (n = 0, 1, 63, 64, 65, 128, 200), on empty
+// shards too, changing nothing.
 func TestReviewWarmOrderManyRounds(t *testing.T) {
 	tab := newObjectTable()
+	tab.warm(3, func(i int) string { return fmt.Sprintf("k/%d", i) }) // every shard empty
 	for i := range 5000 {
 		tab.put(allocObject(fmt.Sprintf("k/%d", i), ""))
 	}
@@ -34,8 +36,8 @@ func TestReviewWarmOrderManyRounds(t *testing.T) {
 			t.Fatalf("n=%d: warm asked for %v", n, asked)
 		}
 	}
-	if tab.len() != 5000 {
-		t.Fatalf("len %d", tab.len())
+	if tab.len() != 5000 || tab.get("k/7") == nil || tab.get("k/5000") != nil {
+		t.Fatalf("after warm: len %d, get(k/7) %v, get(k/5000) %v", tab.len(), tab.get("k/7"), tab.get("k/5000"))
 	}
 }
 

@@ -37,8 +37,10 @@ func newObjectTable() *objectTable { return &objectTable{seed: maphash.MakeSeed(
 
 func (t *objectTable) hash(key string) (s *tableShard, tag uint8, h uint64) {
 	h = maphash.String(t.seed, key)
-	return &t.shards[h>>56], uint8(h>>48) | 1, h
+	return t.shard(h), uint8(h>>48) | 1, h
 }
+
+func (t *objectTable) shard(h uint64) *tableShard { return &t.shards[h>>56] }
 
 func (t *objectTable) len() int { return t.n }
 
@@ -79,8 +81,7 @@ func (t *objectTable) warm(n int, key func(int) string) {
 			hs[i] = maphash.String(t.seed, key(from+i))
 		}
 		for _, h := range hs {
-			s := &t.shards[h>>56]
-			if len(s.slots) > 0 {
+			if s := t.shard(h); len(s.slots) > 0 {
 				j := int(h) & (len(s.slots) - 1)
 				seen ^= s.tags[j] ^ uint8(uintptr(unsafe.Pointer(s.slots[j])))
 			}

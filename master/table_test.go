@@ -97,25 +97,3 @@ func BenchmarkObjectTableGet(b *testing.B) {
 		}
 	})
 }
-
-// TestObjectTableWarm: warm asks for each key once, in order, on empty
-// shards and full ones alike, and changes nothing.
-func TestObjectTableWarm(t *testing.T) {
-	tab := newObjectTable()
-	keys := []string{"a", "b", "c"}
-	var asked []int
-	key := func(i int) string { asked = append(asked, i); return keys[i] }
-	tab.warm(len(keys), key) // every shard empty
-	o := allocObject("b", "")
-	tab.put(o)
-	for i := range 1000 {
-		tab.put(allocObject(fmt.Sprintf("kv/%d", i), ""))
-	}
-	tab.warm(len(keys), key)
-	if want := []int{0, 1, 2, 0, 1, 2}; !slices.Equal(asked, want) {
-		t.Fatalf("warm asked for keys %v, want %v", asked, want)
-	}
-	if tab.get("b") != o || tab.get("a") != nil || tab.len() != 1001 {
-		t.Fatalf("after warm: get(b) %v, get(a) %v, len %d", tab.get("b"), tab.get("a"), tab.len())
-	}
-}
