@@ -293,7 +293,11 @@ func (f *FSM) Apply(l *raft.Log) any {
 	return fmt.Errorf("%w: empty command at index %d", ErrInvalidRequest, l.Index)
 }
 
+// eachKey applies fn to every key, after warming their table slots.
 func (f *FSM) eachKey(keys []string, fn func(i int, key string) error) []error {
+	if len(keys) > 1 {
+		f.objects.warm(len(keys), func(i int) string { return keys[i] })
+	}
 	errs := make([]error, len(keys))
 	for i, k := range keys {
 		errs[i] = fn(i, k)
