@@ -36,11 +36,22 @@ func newDriver(t testing.TB) *fsmDriver { return &fsmDriver{t: t, f: NewFSM()} }
 
 func (d *fsmDriver) apply(now int64, cmd *pb.Command) any {
 	d.t.Helper()
+	return d.applyEncoded(d.encode(now, cmd))
+}
+
+// encode is cmd as a log entry's data, at now.
+func (d *fsmDriver) encode(now int64, cmd *pb.Command) []byte {
+	d.t.Helper()
 	cmd.NowUnixNano = now
 	data, err := proto.Marshal(cmd)
 	if err != nil {
 		d.t.Fatalf("encode command: %v", err)
 	}
+	return data
+}
+
+// applyEncoded applies the next log entry, of data.
+func (d *fsmDriver) applyEncoded(data []byte) any {
 	d.index++
 	return d.f.Apply(&raft.Log{Index: d.index, Term: 1, Type: raft.LogCommand, Data: data})
 }

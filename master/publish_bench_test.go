@@ -4,9 +4,6 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/hashicorp/raft"
-	"google.golang.org/protobuf/proto"
-
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
 
@@ -26,8 +23,7 @@ func BenchmarkFollowerPublish128(b *testing.B) {
 		data, _, release := next()
 		sweep(others)
 		b.StartTimer()
-		d.index++
-		errs, ok := d.f.Apply(&raft.Log{Index: d.index, Term: 1, Type: raft.LogCommand, Data: data}).([]error)
+		errs, ok := d.applyEncoded(data).([]error)
 		if !ok || len(errs) != publishBatch || errs[0] != nil || errs[publishBatch-1] != nil {
 			b.Fatalf("publish: %v", errs)
 		}
@@ -46,8 +42,7 @@ func BenchmarkRemove128(b *testing.B) {
 	var batches [][]string
 	publish := func() {
 		data, keys, release := next()
-		d.index++
-		d.f.Apply(&raft.Log{Index: d.index, Term: 1, Type: raft.LogCommand, Data: data})
+		d.applyEncoded(data)
 		release()
 		batches = append(batches, keys)
 	}
@@ -59,14 +54,10 @@ func BenchmarkRemove128(b *testing.B) {
 	for i := 0; b.Loop(); i++ {
 		b.StopTimer()
 		publish()
-		data, err := proto.Marshal(&pb.Command{NowUnixNano: batchNow, Op: &pb.Command_Remove{Remove: &pb.RemoveCmd{Keys: batches[i]}}})
-		if err != nil {
-			b.Fatal(err)
-		}
+		data := d.encode(batchNow, &pb.Command{Op: &pb.Command_Remove{Remove: &pb.RemoveCmd{Keys: batches[i]}}})
 		sweep(others)
 		b.StartTimer()
-		d.index++
-		errs, ok := d.f.Apply(&raft.Log{Index: d.index, Term: 1, Type: raft.LogCommand, Data: data}).([]error)
+		errs, ok := d.applyEncoded(data).([]error)
 		if !ok || errs[0] != nil || errs[publishBatch-1] != nil {
 			b.Fatalf("remove: %v", errs)
 		}
@@ -102,10 +93,7 @@ func batchPublisher(b *testing.B, d *fsmDriver) func() (data []byte, keys []stri
 			its[i] = &pb.PublishItem{Key: keys[i], Size: size, Checksum: uint32(seq), PutId: uint64(seq),
 				Replicas: []*pb.Extent{{Segment: "n1/a@1", Offset: r.Spans[0].off + uint64(i*size), Length: size}}, Reservations: []uint64{r.ID}}
 		}
-		data, err := proto.Marshal(&pb.Command{NowUnixNano: batchNow, Op: &pb.Command_PublishColumns{PublishColumns: columnsOf(its)}})
-		if err != nil {
-			b.Fatal(err)
-		}
+		data := d.encode(batchNow, &pb.Command{Op: &pb.Command_PublishColumns{PublishColumns: columnsOf(its)}})
 		release := func() {
 			d.apply(batchNow, &pb.Command{Op: &pb.Command_Release{Release: &pb.ReleaseCmd{Segment: "n1/a@1", Ids: []uint64{r.ID}}}})
 		}

@@ -9,7 +9,6 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/hashicorp/raft"
 	"google.golang.org/protobuf/proto"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
@@ -253,12 +252,7 @@ func TestReviewWarmRace(t *testing.T) {
 				Replicas: []*pb.Extent{{Segment: "n1/a@1", Offset: r.Spans[0].off + uint64(i*size), Length: size}}, Reservations: []uint64{r.ID}}
 			seq++
 		}
-		data, err := proto.Marshal(&pb.Command{NowUnixNano: now, Op: &pb.Command_PublishColumns{PublishColumns: columnsOf(its)}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		d.index++
-		errs, ok := d.f.Apply(&raft.Log{Index: d.index, Term: 1, Type: raft.LogCommand, Data: data}).([]error)
+		errs, ok := d.apply(now, &pb.Command{Op: &pb.Command_PublishColumns{PublishColumns: columnsOf(its)}}).([]error)
 		if !ok || slices.ContainsFunc(errs, func(e error) bool { return e != nil }) {
 			t.Fatalf("publish: %v", errs)
 		}
