@@ -437,11 +437,9 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 		}
 		tasks[i] = all[from:len(all):len(all)]
 	}
-	if err := batch.Submit(ctx); err == nil {
-		// Not ctx: Wait must see every task terminal (ctx cancels them), or
-		// bytes could still be landing after we revoke or read the buffer.
-		_ = batch.Wait(context.Background())
-	}
+	// Run returns once every task is terminal (ctx cancels them), so no
+	// bytes land after we revoke or read the buffer.
+	_ = batch.Run(ctx)
 	checksums()
 	var revoked puts
 	var lost map[int][]string

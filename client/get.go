@@ -159,10 +159,7 @@ func (c *Client) readReplicas(ctx context.Context, keys []string, objs []*pb.Obj
 func (c *Client) readOne(ctx context.Context, dst []byte, rep *pb.Replica, deadline time.Time) error {
 	b := c.eng.NewBatch()
 	t := b.Read(dst, target(rep), int64(rep.Offset), engine.Options{Priority: engine.High, Deadline: deadline})
-	if err := b.Submit(ctx); err != nil {
-		return err
-	}
-	_ = b.Wait(context.Background()) // every task terminal; see batchRead
+	_ = b.Run(ctx) // every task terminal when it returns; see batchRead
 	return t.Err()
 }
 

@@ -223,10 +223,35 @@ func (b *Batch) add(kind OpKind, buf []byte, tg Target, off int64, o Options) *T
 // or TimedOut if ctx's deadline passed), so ctx must outlive the transfers, not just this call.
 // Submit does not block on I/O.
 func (b *Batch) Submit(ctx context.Context) error {
+	tasks, err := b.submit()
+	if err != nil {
+		return err
+	}
+	go b.e.dispatch(ctx, tasks)
+	return nil
+}
+
+// Run starts every task, as Submit, and waits until all are terminal. The
+// caller's goroutine does what Submit hands to another: the copies into
+// and out of memory mapped here, and starting the others. A caller that
+// would wait at once so saves two goroutine hand-offs, each of which may
+// wake a thread. It returns the first error in task order, as Wait.
+func (b *Batch) Run(ctx context.Context) error {
+	tasks, err := b.submit()
+	if err != nil {
+		return err
+	}
+	b.e.dispatch(ctx, tasks)
+	return b.Wait(context.Background())
+}
+
+// submit marks b submitted and returns its tasks, counted as one
+// dispatch the engine waits for on Close.
+func (b *Batch) submit() ([]*Task, error) {
 	b.mu.Lock()
 	if b.mu.submitted {
 		b.mu.Unlock()
-		return fmt.Errorf("%w: batch already submitted", ErrInvalid)
+		return nil, fmt.Errorf("%w: batch already submitted", ErrInvalid)
 	}
 	b.mu.submitted = true
 	tasks := b.mu.tasks
@@ -244,10 +269,9 @@ func (b *Batch) Submit(ctx context.Context) error {
 		for _, t := range tasks {
 			b.e.finish(t, Failed, ErrClosed)
 		}
-		return ErrClosed
+		return nil, ErrClosed
 	}
-	go b.e.dispatch(ctx, tasks)
-	return nil
+	return tasks, nil
 }
 
 // Wait blocks until every task is terminal and returns the first error in task order, or nil if

@@ -643,3 +643,44 @@ func TestTaskDone(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchRun: Run does what Submit and Wait do together: every task is
+// terminal when it returns, with the first error in task order; a second
+// Run, or one on a closed engine, fails every task at once.
+func TestBatchRun(t *testing.T) {
+	mem := NewMemSegment("dram", make([]byte, 1<<20))
+	p := startPeer(t, Config{}, mem)
+	c := newClient(t, Config{})
+	tgt := Target{Endpoint: p.addr, Segment: "dram"}
+	ctx := context.Background()
+
+	src := randomBytes(rand.New(rand.NewPCG(3, 4)), 64<<10)
+	b := c.NewBatch()
+	w := b.Write(src, tgt, 4096, Options{})
+	bad := b.Write(src, tgt, 1<<20-100, Options{}) // past the segment's end
+	late := b.Write(src, Target{Endpoint: p.addr, Segment: "nope"}, 0, Options{})
+	if err := b.Run(ctx); !errors.Is(err, ErrOutOfRange) {
+		t.Fatalf("Run = %v, want the first failed task's ErrOutOfRange", err)
+	}
+	for i, tk := range []*Task{w, bad, late} {
+		if !tk.State().Terminal() {
+			t.Fatalf("task %d is %v after Run returned", i, tk.State())
+		}
+	}
+	if w.State() != Done || late.State() != Failed {
+		t.Fatalf("states %v, %v", w.State(), late.State())
+	}
+	if !bytes.Equal(mem.Bytes()[4096:4096+len(src)], src) {
+		t.Fatal("the write Run reported done is not in the segment")
+	}
+	if err := b.Run(ctx); !errors.Is(err, ErrInvalid) {
+		t.Errorf("second Run = %v", err)
+	}
+
+	c.Close()
+	b = c.NewBatch()
+	tk := b.Write(src, tgt, 0, Options{})
+	if err := b.Run(ctx); !errors.Is(err, ErrClosed) || tk.State() != Failed {
+		t.Fatalf("Run on a closed engine = %v, task %v", err, tk.State())
+	}
+}
