@@ -417,6 +417,13 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	}
 
 	// Write every replica of every placed put in one engine batch.
+	c.ends.startWrite()
+	counted := true
+	defer func() {
+		if counted {
+			c.ends.stopWrite()
+		}
+	}()
 	batch := c.eng.NewBatch()
 	nreps := 0
 	for _, g := range placed {
@@ -495,6 +502,7 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	for j := range ends {
 		call.items[j] = &ends[j]
 	}
+	call.wrote, counted = true, false
 	c.end(ctx, call)
 	if call.err != nil {
 		var r puts

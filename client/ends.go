@@ -21,6 +21,11 @@ type endQueue struct {
 	mu      sync.Mutex
 	busy    bool // a BatchPutEnd is in flight, or its successor is picked
 	waiting []*endCall
+	// writing counts the puts placed and still writing their values:
+	// each will call end soon, and a sender waits for them a little.
+	writing   int
+	arrived   chan struct{} // a writer came (or gave up); 1 buffered
+	lingerFor time.Duration // endLinger but in tests
 }
 
 // endCall is one BatchPutWith's PutEnd: its items (without replicas) and
@@ -30,6 +35,7 @@ type endCall struct {
 	grants   []ask
 	deadline time.Time     // of the put's context; zero: none
 	bytes    int           // about what its items weigh on the wire
+	wrote    bool          // its put was counted in endQueue.writing
 	turn     chan struct{} // closed when it is to send the next batch
 	done     chan struct{} // closed when a batch with it has been answered
 	// Set by the call's sender before done is closed.
@@ -64,7 +70,55 @@ func holdsFit(r *pb.BatchPutEndResponse) bool {
 	return len(r.HoldMs) == 0 || len(r.HoldMs) == len(r.Results)
 }
 
-func newEndQueue() *endQueue { return &endQueue{} }
+func newEndQueue() *endQueue {
+	return &endQueue{arrived: make(chan struct{}, 1), lingerFor: endLinger}
+}
+
+// endLinger bounds how long a sender waits for puts still writing before
+// it sends: about a log write of the leader's, which those puts would
+// otherwise each need for themselves.
+const endLinger = 200 * time.Microsecond
+
+// startWrite counts a put that is about to write its values; its end, or
+// stopWrite if it ends without one, uncounts it.
+func (q *endQueue) startWrite() {
+	q.mu.Lock()
+	q.writing++
+	q.mu.Unlock()
+}
+
+func (q *endQueue) stopWrite() {
+	q.mu.Lock()
+	q.stopWriteLocked()
+	q.mu.Unlock()
+}
+
+func (q *endQueue) stopWriteLocked() {
+	q.writing--
+	select {
+	case q.arrived <- struct{}{}:
+	default:
+	}
+}
+
+// linger waits, within lingerFor, until no put is writing. q.mu is held.
+func (q *endQueue) linger() {
+	if q.writing == 0 {
+		return
+	}
+	t := time.NewTimer(q.lingerFor)
+	defer t.Stop()
+	for q.writing > 0 {
+		q.mu.Unlock()
+		select {
+		case <-q.arrived:
+			q.mu.Lock()
+		case <-t.C:
+			q.mu.Lock()
+			return
+		}
+	}
+}
 
 // A coalesced BatchPutEnd carries at most maxEndItems items (the master's
 // batch limit) and about maxEndBytes (well within gRPC's 64 MiB message).
@@ -86,6 +140,9 @@ func (c *Client) end(ctx context.Context, call *endCall) {
 	q := c.ends
 	q.mu.Lock()
 	q.waiting = append(q.waiting, call)
+	if call.wrote {
+		q.stopWriteLocked()
+	}
 	if !q.busy {
 		q.busy = true
 		close(call.turn)
@@ -115,6 +172,7 @@ func (c *Client) end(ctx context.Context, call *endCall) {
 	}
 	// This call sends: it and those waiting behind it, within the bounds.
 	q.mu.Lock()
+	q.linger()
 	var batch []*endCall
 	n, bytes := 0, 0
 	for len(q.waiting) > 0 {

@@ -1,8 +1,12 @@
 package client
 
 import (
+	"context"
 	"errors"
+	"slices"
+	"sync"
 	"testing"
+	"time"
 
 	pb "github.com/tidepool-kv/tidepool/proto/tidepoolpb"
 )
@@ -57,4 +61,124 @@ func TestUnsparse(t *testing.T) {
 			}
 		})
 	}
+}
+
+// endRecorder is a fake master that answers every BatchPutEnd item
+// published and keeps each call's keys.
+type endRecorder struct {
+	pb.UnimplementedMasterServer
+	mu    sync.Mutex
+	calls [][]string
+}
+
+func (m *endRecorder) BatchPutEnd(_ context.Context, req *pb.BatchPutEndRequest) (*pb.BatchPutEndResponse, error) {
+	var keys []string
+	for _, it := range req.Items {
+		keys = append(keys, it.Key)
+	}
+	m.mu.Lock()
+	m.calls = append(m.calls, keys)
+	m.mu.Unlock()
+	return &pb.BatchPutEndResponse{}, nil // sparse: every item published
+}
+
+func (m *endRecorder) got() [][]string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.Clone(m.calls)
+}
+
+func endOf(key string, wrote bool) *endCall {
+	return &endCall{items: []*pb.PutEndItem{{Key: key, PutId: 1, Size: 1}}, wrote: wrote}
+}
+
+// waitQueued polls until n calls wait in q.
+func waitQueued(t *testing.T, q *endQueue, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		q.mu.Lock()
+		got := len(q.waiting)
+		q.mu.Unlock()
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d calls queued, want %d", got, n)
+		}
+	}
+}
+
+// A sender waits for the puts of its client that are still writing, so
+// they share its BatchPutEnd; one that gives up ends the wait, and the wait
+// is bounded.
+func TestEndLingersForWriters(t *testing.T) {
+	t.Run("writers join", func(t *testing.T) {
+		m := &endRecorder{}
+		c := fakeMasterClient(t, m)
+		q := c.ends
+		q.lingerFor = time.Minute
+		q.startWrite()
+		q.startWrite()
+		var wg sync.WaitGroup
+		first := endOf("first", false)
+		wg.Go(func() { c.end(context.Background(), first) })
+		waitQueued(t, q, 1) // the sender waits for the two writers
+		if got := m.got(); len(got) != 0 {
+			t.Fatalf("the sender did not wait for the writers: %v", got)
+		}
+		a, b := endOf("a", true), endOf("b", true)
+		wg.Go(func() { c.end(context.Background(), a) })
+		wg.Go(func() { c.end(context.Background(), b) })
+		wg.Wait()
+		for _, call := range []*endCall{first, a, b} {
+			if call.err != nil {
+				t.Fatal(call.err)
+			}
+		}
+		got := m.got()
+		if len(got) != 1 || len(got[0]) != 3 {
+			t.Fatalf("BatchPutEnds %v, want one with all three puts", got)
+		}
+	})
+	t.Run("a writer gives up", func(t *testing.T) {
+		m := &endRecorder{}
+		c := fakeMasterClient(t, m)
+		q := c.ends
+		q.lingerFor = time.Minute
+		q.startWrite()
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			c.end(context.Background(), endOf("first", false))
+		}()
+		waitQueued(t, q, 1)
+		q.stopWrite()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the sender still waits for a put that gave up")
+		}
+		if got := m.got(); len(got) != 1 {
+			t.Fatalf("BatchPutEnds %v", got)
+		}
+	})
+	t.Run("bounded", func(t *testing.T) {
+		m := &endRecorder{}
+		c := fakeMasterClient(t, m)
+		q := c.ends
+		q.lingerFor = 20 * time.Millisecond
+		q.startWrite() // never comes
+		start := time.Now()
+		call := endOf("first", false)
+		c.end(context.Background(), call)
+		if call.err != nil {
+			t.Fatal(call.err)
+		}
+		if took := time.Since(start); took < q.lingerFor {
+			t.Fatalf("sent after %v, before the linger of %v", took, q.lingerFor)
+		}
+		if got := m.got(); len(got) != 1 {
+			t.Fatalf("BatchPutEnds %v", got)
+		}
+	})
 }
