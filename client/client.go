@@ -487,6 +487,10 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 		shapes[shapeOf(it)]++
 	}
 	if len(revoked.keys) > 0 {
+		// Its writes are over: no sender waits for this put while it
+		// revokes (a round trip); what it has left to end goes later.
+		c.ends.stopWrite()
+		counted = false
 		c.revoke(revoked.request())
 	}
 	if len(ends) == 0 {
@@ -502,7 +506,7 @@ func (c *Client) putBatch(ctx context.Context, keys []string, values [][]byte, p
 	for j := range ends {
 		call.items[j] = &ends[j]
 	}
-	call.wrote, counted = true, false
+	call.wrote, counted = counted, false
 	c.end(ctx, call)
 	if call.err != nil {
 		var r puts

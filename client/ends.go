@@ -101,14 +101,15 @@ func (q *endQueue) stopWriteLocked() {
 	}
 }
 
-// linger waits, within lingerFor, until no put is writing. q.mu is held.
+// linger waits, within lingerFor, until no put is writing or the next
+// BatchPutEnd is full. q.mu is held.
 func (q *endQueue) linger() {
-	if q.writing == 0 {
+	if q.writing == 0 || q.full() {
 		return
 	}
 	t := time.NewTimer(q.lingerFor)
 	defer t.Stop()
-	for q.writing > 0 {
+	for q.writing > 0 && !q.full() {
 		q.mu.Unlock()
 		select {
 		case <-q.arrived:
@@ -118,6 +119,15 @@ func (q *endQueue) linger() {
 			return
 		}
 	}
+}
+
+// full reports whether the calls waiting fill a BatchPutEnd. q.mu is held.
+func (q *endQueue) full() bool {
+	n, bytes := 0, 0
+	for _, w := range q.waiting {
+		n, bytes = n+len(w.items), bytes+w.bytes
+	}
+	return n >= maxEndItems || bytes >= maxEndBytes
 }
 
 // A coalesced BatchPutEnd carries at most maxEndItems items (the master's

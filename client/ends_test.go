@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"testing"
@@ -160,6 +161,30 @@ func TestEndLingersForWriters(t *testing.T) {
 		}
 		if got := m.got(); len(got) != 1 {
 			t.Fatalf("BatchPutEnds %v", got)
+		}
+	})
+	t.Run("a full BatchPutEnd goes at once", func(t *testing.T) {
+		m := &endRecorder{}
+		c := fakeMasterClient(t, m)
+		q := c.ends
+		q.lingerFor = time.Minute
+		q.startWrite() // would not fit anyway
+		call := &endCall{}
+		for i := range maxEndItems {
+			call.items = append(call.items, &pb.PutEndItem{Key: fmt.Sprintf("k%d", i), PutId: uint64(i + 1), Size: 1})
+		}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			c.end(context.Background(), call)
+		}()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the sender of a full BatchPutEnd waits for another put")
+		}
+		if call.err != nil {
+			t.Fatal(call.err)
 		}
 	})
 	t.Run("bounded", func(t *testing.T) {

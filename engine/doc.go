@@ -22,6 +22,9 @@
 //	if err := b.Submit(ctx); err != nil { ... }
 //	err := b.Wait(ctx) // first error in task order, errors.Is-able; t.State() says how t ended
 //
+// A caller that would wait at once calls Run instead: the same, but its own goroutine does the
+// copies through shared memory and starts the rest, which saves two goroutine hand-offs.
+//
 // A task goes Pending -> Running -> one terminal state, and every task reaches exactly one:
 // Done, Failed (Err wraps ErrSegmentNotFound, ErrOutOfRange, ErrUnavailable, ErrProtocol,
 // ErrRemote, ErrInvalid or ErrClosed), Canceled (the Submit context was canceled) or TimedOut
