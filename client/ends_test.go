@@ -89,6 +89,26 @@ func (m *endRecorder) got() [][]string {
 	return slices.Clone(m.calls)
 }
 
+// lingering starts a fake master that records BatchPutEnds and a client
+// of it whose senders wait up to bound for puts still writing.
+func lingering(t *testing.T, bound time.Duration) (*Client, *endRecorder, *endQueue) {
+	t.Helper()
+	m := &endRecorder{}
+	c := fakeMasterClient(t, m)
+	c.ends.lingerFor = bound // before any call: no lock needed
+	return c, m, c.ends
+}
+
+// waitClosed fails t unless ch closes within 10 s.
+func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(10 * time.Second):
+		t.Fatal(what)
+	}
+}
+
 func endOf(key string, wrote bool) *endCall {
 	return &endCall{items: []*pb.PutEndItem{{Key: key, PutId: 1, Size: 1}}, wrote: wrote}
 }
@@ -114,10 +134,7 @@ func waitQueued(t *testing.T, q *endQueue, n int) {
 // is bounded.
 func TestEndLingersForWriters(t *testing.T) {
 	t.Run("writers join", func(t *testing.T) {
-		m := &endRecorder{}
-		c := fakeMasterClient(t, m)
-		q := c.ends
-		q.lingerFor = time.Minute
+		c, m, q := lingering(t, time.Minute)
 		q.startWrite()
 		q.startWrite()
 		var wg sync.WaitGroup
@@ -142,10 +159,7 @@ func TestEndLingersForWriters(t *testing.T) {
 		}
 	})
 	t.Run("a writer gives up", func(t *testing.T) {
-		m := &endRecorder{}
-		c := fakeMasterClient(t, m)
-		q := c.ends
-		q.lingerFor = time.Minute
+		c, m, q := lingering(t, time.Minute)
 		q.startWrite()
 		done := make(chan struct{})
 		go func() {
@@ -154,20 +168,13 @@ func TestEndLingersForWriters(t *testing.T) {
 		}()
 		waitQueued(t, q, 1)
 		q.stopWrite()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			t.Fatal("the sender still waits for a put that gave up")
-		}
+		waitClosed(t, done, "the sender still waits for a put that gave up")
 		if got := m.got(); len(got) != 1 {
 			t.Fatalf("BatchPutEnds %v", got)
 		}
 	})
 	t.Run("a full BatchPutEnd goes at once", func(t *testing.T) {
-		m := &endRecorder{}
-		c := fakeMasterClient(t, m)
-		q := c.ends
-		q.lingerFor = time.Minute
+		c, _, q := lingering(t, time.Minute)
 		q.startWrite() // would not fit anyway
 		call := &endCall{}
 		for i := range maxEndItems {
@@ -178,20 +185,13 @@ func TestEndLingersForWriters(t *testing.T) {
 			defer close(done)
 			c.end(context.Background(), call)
 		}()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			t.Fatal("the sender of a full BatchPutEnd waits for another put")
-		}
+		waitClosed(t, done, "the sender of a full BatchPutEnd waits for another put")
 		if call.err != nil {
 			t.Fatal(call.err)
 		}
 	})
 	t.Run("bounded", func(t *testing.T) {
-		m := &endRecorder{}
-		c := fakeMasterClient(t, m)
-		q := c.ends
-		q.lingerFor = 20 * time.Millisecond
+		c, m, q := lingering(t, 20*time.Millisecond)
 		q.startWrite() // never comes
 		start := time.Now()
 		call := endOf("first", false)

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"net"
 	"slices"
 	"sync"
 	"testing"
@@ -126,20 +125,11 @@ func (m *review23Master) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*p
 // grant, and the master publishes it; half the granted puts are answered
 // unplaced, and sent again with their own grant's replicas.
 func TestReview23GrantAsksMapToShapes(t *testing.T) {
-	peer := engine.New(engine.Config{})
 	mem := engine.NewMemSegment("seg", make([]byte, 512*review23Slot))
-	if err := peer.Register(mem); err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go peer.Serve(ln)
-	t.Cleanup(func() { peer.Close() })
+	addr := servePeer(t, mem)
 	for _, short := range []int{-1, 0, 1, 2} {
 		t.Run(fmt.Sprint("short", short), func(t *testing.T) {
-			m := &review23Master{endpoint: ln.Addr().String(), short: short, sizes: map[uint64]uint64{}, offs: map[uint64]uint64{}, ended: map[string]uint64{}, granted: map[uint64]bool{}}
+			m := &review23Master{endpoint: addr, short: short, sizes: map[uint64]uint64{}, offs: map[uint64]uint64{}, ended: map[string]uint64{}, granted: map[uint64]bool{}}
 			c := fakeMasterClient(t, m)
 			c.setWriteTimeout(10 * time.Second)
 			ctx := context.Background()

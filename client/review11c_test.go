@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"net"
 	"sync"
 	"testing"
 
@@ -86,17 +85,7 @@ func (m *review11cMaster) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRe
 // removals comment describes.) The lookup here is of a long chain whose
 // last block is the one put again, as a prefix cache's lookups are.
 func TestReview11cRePutRightAfterLookup(t *testing.T) {
-	peer := engine.New(engine.Config{})
-	if err := peer.Register(engine.NewMemSegment("seg", make([]byte, 1<<20))); err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go peer.Serve(ln)
-	t.Cleanup(func() { peer.Close() })
-	m := &review11cMaster{endpoint: ln.Addr().String()}
+	m := &review11cMaster{endpoint: servePeer(t, engine.NewMemSegment("seg", make([]byte, 1<<20)))}
 	c := fakeMasterClient(t, m)
 	c.setWriteTimeout(10e9)
 	ctx := context.Background()

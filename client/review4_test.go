@@ -70,6 +70,23 @@ func fakeMasterClient(t testing.TB, m pb.MasterServer) *Client {
 	return c
 }
 
+// servePeer serves mem from a store engine of its own on loopback and
+// returns its address; the engine is closed when the test ends.
+func servePeer(t testing.TB, mem *engine.MemSegment) string {
+	t.Helper()
+	peer := engine.New(engine.Config{})
+	if err := peer.Register(mem); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go peer.Serve(ln)
+	t.Cleanup(func() { peer.Close() })
+	return ln.Addr().String()
+}
+
 // TestReview4EndIgnoresSendersDeadline: sendEnds says the coalesced round
 // trip "is bounded by the sender's deadline but not its cancellation", but
 // context.WithoutCancel drops the deadline too: a put whose ctx has a

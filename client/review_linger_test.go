@@ -23,7 +23,7 @@ import (
 // counted and, while holdRevoke is set, does not answer until release is
 // closed (or its ctx ends).
 type lingerMaster struct {
-	pb.UnimplementedMasterServer
+	endRecorder
 	endpoint string
 	dead     string // a closed port
 	release  chan struct{}
@@ -33,7 +33,6 @@ type lingerMaster struct {
 	starts     map[string]int
 	holdRevoke bool
 	revokes    int
-	ends       [][]string
 }
 
 func (m *lingerMaster) BatchPutStart(ctx context.Context, req *pb.BatchPutStartRequest) (*pb.BatchPutStartResponse, error) {
@@ -60,17 +59,6 @@ func (m *lingerMaster) BatchPutStart(ctx context.Context, req *pb.BatchPutStartR
 	return resp, nil
 }
 
-func (m *lingerMaster) BatchPutEnd(ctx context.Context, req *pb.BatchPutEndRequest) (*pb.BatchPutEndResponse, error) {
-	var keys []string
-	for _, it := range req.Items {
-		keys = append(keys, it.Key)
-	}
-	m.mu.Lock()
-	m.ends = append(m.ends, keys)
-	m.mu.Unlock()
-	return &pb.BatchPutEndResponse{}, nil // sparse: all published
-}
-
 func (m *lingerMaster) PutRevoke(ctx context.Context, req *pb.KeysRequest) (*pb.ItemsResponse, error) {
 	m.mu.Lock()
 	m.revokes++
@@ -95,23 +83,14 @@ func (m *lingerMaster) revoked() int {
 // fake master and a client of it.
 func lingerFixture(t *testing.T) (*Client, *lingerMaster) {
 	t.Helper()
-	peer := engine.New(engine.Config{})
-	if err := peer.Register(engine.NewMemSegment("seg", make([]byte, 64*4096))); err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go peer.Serve(ln)
-	t.Cleanup(func() { peer.Close() })
+	addr := servePeer(t, engine.NewMemSegment("seg", make([]byte, 64*4096)))
 	dead, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	deadAddr := dead.Addr().String()
 	dead.Close()
-	m := &lingerMaster{endpoint: ln.Addr().String(), dead: deadAddr, release: make(chan struct{})}
+	m := &lingerMaster{endpoint: addr, dead: deadAddr, release: make(chan struct{})}
 	c := fakeMasterClient(t, m)
 	c.setWriteTimeout(10 * time.Second)
 	return c, m
@@ -249,12 +228,7 @@ func TestReviewLingerCounterBalanced(t *testing.T) {
 // minute here): arrived holds one wake-up, and the count is read under
 // the lock.
 func TestReviewLingerNoLostWakeup(t *testing.T) {
-	m := &endRecorder{}
-	c := fakeMasterClient(t, m)
-	q := c.ends
-	q.mu.Lock()
-	q.lingerFor = time.Minute
-	q.mu.Unlock()
+	c, _, q := lingering(t, time.Minute)
 	for round := range 100 {
 		const writers = 4
 		for range writers {
@@ -291,12 +265,7 @@ func TestReviewLingerNoLostWakeup(t *testing.T) {
 // writer nobody waited for does not end a later sender's wait early
 // while a writer is still counted, and the wait still ends at its bound.
 func TestReviewLingerStaleWakeupStillBounded(t *testing.T) {
-	m := &endRecorder{}
-	c := fakeMasterClient(t, m)
-	q := c.ends
-	q.mu.Lock()
-	q.lingerFor = 50 * time.Millisecond
-	q.mu.Unlock()
+	c, _, q := lingering(t, 50*time.Millisecond)
 	q.startWrite()
 	q.stopWrite() // nobody lingers: its wake-up stays in arrived
 	q.startWrite()
@@ -316,12 +285,7 @@ func TestReviewLingerStaleWakeupStillBounded(t *testing.T) {
 // lingering sender and whose ctx ends leaves at once, with its ctx's
 // error, and is not sent; the sender goes on without it.
 func TestReviewLingerWaiterCtxEnds(t *testing.T) {
-	m := &endRecorder{}
-	c := fakeMasterClient(t, m)
-	q := c.ends
-	q.mu.Lock()
-	q.lingerFor = time.Minute
-	q.mu.Unlock()
+	c, m, q := lingering(t, time.Minute)
 	q.startWrite() // w
 	q.startWrite() // a writer that is slow
 	sent := make(chan struct{})
