@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"slices"
 	"sync"
 	"time"
@@ -26,6 +27,7 @@ type endQueue struct {
 	writing   int
 	arrived   chan struct{} // a writer came (or gave up); 1 buffered
 	lingerFor time.Duration // endLinger but in tests
+	lastCalls int           // in the last BatchPutEnd sent
 }
 
 // endCall is one BatchPutWith's PutEnd: its items (without replicas) and
@@ -182,6 +184,13 @@ func (c *Client) end(ctx context.Context, call *endCall) {
 	}
 	// This call sends: it and those waiting behind it, within the bounds.
 	q.mu.Lock()
+	if q.lastCalls > 1 {
+		// Puts whose end was just answered may be about to put again:
+		// let the runnable ones start before counting who writes.
+		q.mu.Unlock()
+		runtime.Gosched()
+		q.mu.Lock()
+	}
 	q.linger()
 	var batch []*endCall
 	n, bytes := 0, 0
@@ -194,6 +203,7 @@ func (c *Client) end(ctx context.Context, call *endCall) {
 		n, bytes = n+len(w.items), bytes+w.bytes
 		q.waiting = q.waiting[1:]
 	}
+	q.lastCalls = len(batch)
 	q.mu.Unlock()
 	c.sendEnds(ctx, batch)
 	q.mu.Lock()

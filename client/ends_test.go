@@ -157,6 +157,18 @@ func TestEndLingersForWriters(t *testing.T) {
 		if len(got) != 1 || len(got[0]) != 3 {
 			t.Fatalf("BatchPutEnds %v, want one with all three puts", got)
 		}
+		// After a coalesced BatchPutEnd the next sender yields once
+		// for its peers; alone, it still sends at once.
+		done := make(chan struct{})
+		last := endOf("last", false)
+		go func() {
+			defer close(done)
+			c.end(context.Background(), last)
+		}()
+		waitClosed(t, done, "a lone put after a coalesced BatchPutEnd waits")
+		if last.err != nil || len(m.got()) != 2 {
+			t.Fatalf("err %v, BatchPutEnds %v", last.err, m.got())
+		}
 	})
 	t.Run("a writer gives up", func(t *testing.T) {
 		c, m, q := lingering(t, time.Minute)
