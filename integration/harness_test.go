@@ -263,7 +263,7 @@ func startDaemon(t *testing.T, ctx context.Context, name string, args func() ([]
 		if err == nil {
 			return p
 		}
-		if p.exited() && strings.Contains(p.out.String(), "address already in use") && attempt < 3 {
+		if out := p.out.String(); p.exited() && (strings.Contains(out, "address already in use") || strings.Contains(out, "ports clash")) && attempt < 3 {
 			t.Logf("%s: a port was taken, retrying with new ports", name)
 			continue
 		}
@@ -352,7 +352,16 @@ type upProc struct {
 func startUp(t *testing.T, ctx context.Context, dir string, extra ...string) *upProc {
 	t.Helper()
 	u := &upProc{}
+	entries, _ := os.ReadDir(dir)
+	fresh, attempt := len(entries) == 0, 0
 	u.proc = startDaemon(t, ctx, "up", func() ([]string, string) {
+		if attempt++; attempt > 1 && fresh {
+			// The masters of the attempt that failed stored a raft
+			// configuration naming its ports.
+			if err := os.RemoveAll(dir); err != nil {
+				t.Fatal(err)
+			}
+		}
 		u.grpc, u.raft, u.engine, u.http = freeAddr(t), freeAddr(t), freeAddr(t), freeAddr(t)
 		return append([]string{"up", "--dir", dir, "--listen", u.grpc, "--raft", u.raft, "--engine", u.engine, "--http", u.http}, extra...), u.http
 	})

@@ -127,7 +127,34 @@ func (c clusterSpec) argvs(httpAddr, level string) (names, https []string, argvs
 		}
 		argvs = append(argvs, argv)
 	}
+	if err == nil {
+		err = distinctPorts(argvs, httpAddr)
+	}
 	return names, https, argvs, grpcs, err
+}
+
+// distinctPorts checks that no two of the cluster's listening addresses
+// (each child's --listen, --raft, --http and event ports, and this
+// process's httpAddr) are the same: ports moved up from different flags
+// can meet, and the second process would then fail to bind.
+func distinctPorts(argvs [][]string, httpAddr string) error {
+	owner := map[string]string{httpAddr: "up --http"}
+	for _, argv := range argvs {
+		for i := 1; i+1 < len(argv); i++ {
+			switch argv[i] {
+			case "--listen", "--raft", "--http", "--kv-events", "--kv-events-replay":
+			default:
+				continue
+			}
+			addr := strings.TrimPrefix(argv[i+1], "tcp://")
+			who := argv[0] + " " + argv[2] + " " + argv[i] // e.g. "store store-1 --listen"
+			if other, ok := owner[addr]; ok {
+				return fmt.Errorf("%w: ports clash: %s and %s are both %s (each process's ports are the flags' moved up %d per process): choose ports further apart", errUsage, other, who, addr, portStep)
+			}
+			owner[addr] = who
+		}
+	}
+	return nil
 }
 
 // runCluster starts the cluster's processes and stops them all when ctx
