@@ -56,6 +56,12 @@ type Config struct {
 	// NoShm turns off the same-host transports that reach a peer's segment through /proc: shm
 	// (shared memory) and file (FileBacked segments). Ops to other engines then go over the rails.
 	NoShm bool
+	// NoShmWarm leaves the pages of a peer's memory that shm maps to be
+	// touched by the copies that first use them. By default a goroutine
+	// reads one word of each page once the segment is mapped, so those
+	// first touches are not on the path of a put or get (see warm in
+	// shm.go): on a VM whose host shadows page tables, 4 us a page.
+	NoShmWarm bool
 	// TLS, if set, is the server side of this engine's listeners: every
 	// peer connection opens with a TLS handshake (within 10 s).
 	TLS *tls.Config
@@ -204,7 +210,7 @@ func New(cfg Config) *Engine {
 				}
 				return info, err
 			}
-			e.shm, e.file = newShmTransport(desc), newFileTransport(desc)
+			e.shm, e.file = newShmTransport(desc, !cfg.NoShmWarm), newFileTransport(desc)
 			e.near = append(e.near, e.shm, e.file)
 		}
 	}

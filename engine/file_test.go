@@ -313,7 +313,7 @@ func TestFileUnsupportedIsCached(t *testing.T) {
 	shm := newShmTransport(func(ctx context.Context, addr, segment string) (shmInfo, error) {
 		shmDescribes.Add(1)
 		return f.tcp.describe(ctx, addr, segment)
-	})
+	}, true)
 	defer shm.Close()
 	for range 3 {
 		if err := shm.Do(ctx, f.op(OpRead, "ssd0", 0, make([]byte, 10))); !errors.Is(err, ErrUnsupported) {

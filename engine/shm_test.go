@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -68,7 +69,7 @@ func (f *shmFixture) newShm(t testing.TB, desc func(context.Context, string, str
 	s := newShmTransport(func(ctx context.Context, addr, segment string) (shmInfo, error) {
 		f.describes.Add(1)
 		return desc(ctx, addr, segment)
-	})
+	}, true)
 	t.Cleanup(func() { s.Close() })
 	return s
 }
@@ -538,4 +539,96 @@ func TestShmWriteSpans(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestShmWarm: once the engine maps a peer's segment it touches every page of it in the
+// background, ShmWarmth reports the progress, and NoShmWarm leaves the pages to the copies.
+func TestShmWarm(t *testing.T) {
+	const size = 32 << 20
+	p := startPeer(t, Config{}, newMemfdSegment(t, "dram0", size))
+	target := Target{Endpoint: p.addr, Segment: "dram0"}
+	for _, noWarm := range []bool{false, true} {
+		e := newClient(t, Config{NoShmWarm: noWarm})
+		if w := e.ShmWarmth(); w != (ShmWarmth{}) {
+			t.Fatalf("before any op: %+v", w)
+		}
+		b := e.NewBatch()
+		b.Write([]byte("first"), target, 0, Options{})
+		if err := b.Run(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(time.Minute); e.ShmWarmth().Cold > 0; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("NoShmWarm %v: still cold after a minute: %+v", noWarm, e.ShmWarmth())
+			}
+		}
+		if w := e.ShmWarmth(); w != (ShmWarmth{Mapped: size}) {
+			t.Fatalf("NoShmWarm %v: %+v, want %d mapped and nothing cold", noWarm, w, size)
+		}
+		m := cachedMapping(t, e.shm, shmKey{p.addr, "dram0"})
+		present := presentPages(t, m.mem)
+		pages := size / os.Getpagesize()
+		switch {
+		case !noWarm && present != pages:
+			t.Fatalf("warmed: %d of %d pages mapped in this process", present, pages)
+		case noWarm && present > pages/2:
+			t.Fatalf("NoShmWarm: %d of %d pages mapped in this process after one small write", present, pages)
+		}
+	}
+}
+
+// TestShmWarmStopsOnClose: Close in the middle of a warm waits for it to stop (goleak checks
+// that nothing is left), and ops after it fail with ErrClosed.
+func TestShmWarmStopsOnClose(t *testing.T) {
+	f := newShmFixture(t, 256<<20)
+	ctx := context.Background()
+	if err := f.shm.Do(ctx, f.op(OpWrite, "dram0", 0, []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	m := cachedMapping(t, f.shm, shmKey{f.addr, "dram0"})
+	if err := f.shm.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-m.warmDone:
+	default:
+		t.Fatal("Close returned before the warm stopped")
+	}
+	if err := f.shm.Do(ctx, f.op(OpRead, "dram0", 0, make([]byte, 1))); !errors.Is(err, ErrClosed) {
+		t.Fatalf("after Close: err = %v, want ErrClosed", err)
+	}
+}
+
+func cachedMapping(t *testing.T, s *shmTransport, key shmKey) *shmMapping {
+	t.Helper()
+	s.cache.mu.RLock()
+	defer s.cache.mu.RUnlock()
+	e := s.cache.mu.m[key]
+	if e == nil || e.h == nil {
+		t.Fatalf("no mapping cached for %v", key)
+	}
+	return e.h
+}
+
+// presentPages counts the pages of mem that this process's page tables map
+// (bit 63 of each page's entry in /proc/self/pagemap).
+func presentPages(t *testing.T, mem []byte) int {
+	t.Helper()
+	f, err := os.Open("/proc/self/pagemap")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	page := os.Getpagesize()
+	entries := make([]byte, 8*(len(mem)/page))
+	if _, err := f.ReadAt(entries, int64(uintptr(unsafe.Pointer(&mem[0]))/uintptr(page))*8); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for i := 0; i < len(entries); i += 8 {
+		if entries[i+7]&0x80 != 0 {
+			n++
+		}
+	}
+	return n
 }
