@@ -439,6 +439,9 @@ func openChecked(info shmInfo, pidfd int) (int, error) {
 	path := fmt.Sprintf("/proc/%d/fd/%d", info.pid, info.fd)
 	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
+		if exited(pidfd) { // not cached: a restarted owner may well be reachable
+			return -1, fmt.Errorf("%w: same-host peer pid %d exited", ErrUnavailable, info.pid)
+		}
 		return -1, fmt.Errorf("%w: open %s: %w", ErrUnsupported, path, err)
 	}
 	var st unix.Stat_t
@@ -484,32 +487,51 @@ func (m *shmMapping) release(why error) {
 // lock, so that an unmap waits for no more than that (about 1 ms here).
 const warmChunk = 1 << 20
 
-// warm reads one word of each page of the mapping, front to back, so that
-// the first copy into or out of a page does not take its faults. A
-// process's page tables of the peer's memory start empty; on a virtual
-// machine whose host shadows them (this one), the first touch of each
-// 4 KiB page costs about 4 us beyond the guest's own fault, so a 1 MiB
-// put into fresh pages took 1.8 ms instead of 0.6, and a batch of 128
-// puts of 4 KiB half a millisecond of CPU. Puts land all over a store's
-// memory as its space is reused, so a long-running client maps all of it
-// in the end anyway: warming takes the cost once, off the put path. It
-// stops when the mapping is released.
+// warm reads one word of each page of the mapping that the peer's memory
+// holds, front to back, so that the first copy into or out of a page does
+// not take its faults. A process's page tables of the peer's memory start
+// empty; on a VM whose host shadows them (this one), the first touch of
+// each 4 KiB page costs about 4 us beyond the guest's own fault, so a
+// 1 MiB put into fresh pages took 1.8 ms instead of 0.6, and a batch of
+// 128 puts of 4 KiB half a millisecond of CPU. Puts land all over a
+// store's memory as its space is reused, so a long-running client maps
+// all of it in the end anyway: warming takes the cost once, off the put
+// path. Pages the peer has not committed (a tier without --prefault) are
+// left alone: a read would commit them, charged to this process. It stops
+// when the mapping is released.
 func (m *shmMapping) warm() {
 	defer close(m.warmDone)
 	page := os.Getpagesize()
+	held := make([]byte, warmChunk/page)
 	for off := 0; ; off += warmChunk {
 		m.mu.RLock()
 		if m.gone != nil || off >= len(m.mem) {
 			m.mu.RUnlock()
 			return
 		}
-		end := min(off+warmChunk, len(m.mem))
-		for at := off; at < end; at += page {
-			atomic.LoadUint32((*uint32)(unsafe.Pointer(&m.mem[at])))
+		chunk := m.mem[off:min(off+warmChunk, len(m.mem))]
+		pages := held[:(len(chunk)+page-1)/page]
+		if mincore(chunk, pages) != nil {
+			clear(pages) // cannot tell: touch nothing
+		}
+		for i, in := range pages {
+			if in&1 != 0 {
+				atomic.LoadUint32((*uint32)(unsafe.Pointer(&chunk[i*page])))
+			}
 		}
 		m.mu.RUnlock()
-		m.warmed.Store(int64(end))
+		m.warmed.Store(int64(off + len(chunk)))
 	}
+}
+
+// mincore reports, a byte a page, which pages of mem the backing file holds
+// (bit 0); x/sys/unix does not wrap it.
+func mincore(mem, vec []byte) error {
+	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&mem[0])), uintptr(len(mem)), uintptr(unsafe.Pointer(&vec[0])))
+	if errno != 0 {
+		return errno
+	}
+	return nil
 }
 
 // exited reports whether the process behind pidfd has exited (its pidfd polls readable). An

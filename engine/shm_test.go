@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -541,11 +543,17 @@ func TestShmWriteSpans(t *testing.T) {
 	}
 }
 
-// TestShmWarm: once the engine maps a peer's segment it touches every page of it in the
-// background, ShmWarmth reports the progress, and NoShmWarm leaves the pages to the copies.
+// TestShmWarm: once the engine maps a peer's segment it touches every committed page of it in
+// the background, ShmWarmth reports the progress, and NoShmWarm leaves the pages to the copies.
 func TestShmWarm(t *testing.T) {
 	const size = 32 << 20
-	p := startPeer(t, Config{}, newMemfdSegment(t, "dram0", size))
+	seg := newMemfdSegment(t, "dram0", size)
+	// Committed and written, as a prefaulted tier is (fallocated pages not yet written are not
+	// in the page cache for mincore, and warm leaves them alone).
+	if err := unix.Madvise(seg.Bytes(), unix.MADV_POPULATE_WRITE); err != nil {
+		t.Skip("MADV_POPULATE_WRITE:", err)
+	}
+	p := startPeer(t, Config{}, seg)
 	target := Target{Endpoint: p.addr, Segment: "dram0"}
 	for _, noWarm := range []bool{false, true} {
 		e := newClient(t, Config{NoShmWarm: noWarm})
@@ -631,4 +639,36 @@ func presentPages(t *testing.T, mem []byte) int {
 		}
 	}
 	return n
+}
+
+// TestShmOwnerExitedBeforeOpen: a describe that names an owner which exits before the
+// mapping's open fails with ErrUnavailable and is not cached, so the restarted owner is
+// reached through shm again.
+func TestShmOwnerExitedBeforeOpen(t *testing.T) {
+	f := newShmFixture(t, 4096)
+	real := f.realInfo(t)
+	child := sleeper(t, f.seg.fd) // fd 3 in the child
+	viaChild := real
+	viaChild.pid, viaChild.fd = uint32(child.Process.Pid), 3
+	child.Process.Kill() // a zombie until reaped: its pid stays, its fds are gone
+	stat := fmt.Sprintf("/proc/%d/stat", child.Process.Pid)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if b, err := os.ReadFile(stat); err == nil && strings.Contains(string(b), ") Z ") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the killed child never became a zombie")
+		}
+	}
+	var answer atomic.Pointer[shmInfo]
+	answer.Store(&viaChild)
+	s := f.newShm(t, func(context.Context, string, string) (shmInfo, error) { return *answer.Load(), nil })
+	ctx := context.Background()
+	if err := s.Do(ctx, f.op(OpRead, "dram0", 0, make([]byte, 1))); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("owner exited before the open: err = %v, want ErrUnavailable", err)
+	}
+	answer.Store(&real)
+	if err := s.Do(ctx, f.op(OpRead, "dram0", 0, make([]byte, 1))); err != nil {
+		t.Fatalf("the restarted owner: %v (the exit was cached)", err)
+	}
 }

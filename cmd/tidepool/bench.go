@@ -219,6 +219,9 @@ func (b *bench) row(ctx context.Context, op string, size int64, batch, workers i
 			return benchRow{}, err
 		}
 	}
+	if err := b.waitWarm(ctx); err != nil {
+		return benchRow{}, err
+	}
 	io0 := b.c.Engine().FileIO()
 	var written, keys atomic.Int64
 	var lat [][]time.Duration = make([][]time.Duration, workers)
@@ -306,15 +309,23 @@ func (b *bench) row(ctx context.Context, op string, size int64, batch, workers i
 }
 
 // warm puts one small key, which maps the memory of the store it lands on
-// if that store shares this host, and waits until the client's engine has
-// touched every page of what it mapped (engine.Config.NoShmWarm): the rows
-// then measure a client that has run for a while, not the first touches.
+// if that store shares this host, and waits for the client to warm what it
+// mapped (see waitWarm).
 func (b *bench) warm(ctx context.Context) error {
 	key := b.prefix + "warm"
 	if err := b.c.Put(ctx, key, make([]byte, 4096)); err != nil {
 		return fmt.Errorf("first put: %w", err)
 	}
 	b.keys = append(b.keys, key)
+	return b.waitWarm(ctx)
+}
+
+// waitWarm waits until the client's engine has touched every page of the
+// store memory it has mapped (engine.Config.NoShmWarm), with progress on
+// stderr: rows then measure a client that has run for a while, not its
+// first touches. A row that maps another store's memory warms it beside
+// its puts; the next row waits for it.
+func (b *bench) waitWarm(ctx context.Context) error {
 	start := time.Now()
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
