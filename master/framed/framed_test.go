@@ -1546,7 +1546,9 @@ func TestConcurrentFirstCallsShareOneDial(t *testing.T) {
 func TestLargeMessages(t *testing.T) {
 	s := startServer(t, "127.0.0.1:0", &testMaster{}, nil)
 	c, fb := newClient(t, s.addr)
-	ctx := testCtx(t)
+	// Tens of MiB under the race detector on two busy cores: more than testCtx's 5 s.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	for _, n := range []int{32<<10 - 1, 64 << 10, 1<<20 + 3, 6 << 20} {
 		p := strings.Repeat(string(rune('a'+n%26)), n)
 		r, err := list(ctx, c, p)
