@@ -37,7 +37,8 @@
 // Consecutive tasks that continue each other in the segment and in memory travel as one request.
 // The engine tries its transports in order, each falling over to the next: local (the segment is
 // served by this engine), shm (the peer is on this host and its segment is memory: mapped through
-// /proc/<pid>/fd, then a memcpy), file (the same for file-backed segments: pread and pwrite) and
+// /proc/<pid>/fd, then a memcpy; a goroutine touches each page of a new mapping once, so first
+// touches stay off the copies' path), file (the same for file-backed segments: pread and pwrite) and
 // then the peer's rails over TCP, one rail per listen address of the peer (Target.Endpoint lists
 // them, comma separated).
 //

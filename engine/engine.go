@@ -58,7 +58,8 @@ type Config struct {
 	NoShm bool
 	// NoShmWarm leaves the pages of a peer's memory that shm maps to be
 	// touched by the copies that first use them. By default a goroutine
-	// reads one word of each page once the segment is mapped, so those
+	// reads one word of each page the peer has committed once the segment
+	// is mapped, so those
 	// first touches are not on the path of a put or get (see warm in
 	// shm.go): on a VM whose host shadows page tables, 4 us a page.
 	NoShmWarm bool

@@ -84,13 +84,13 @@ func (e *Engine) ShmWarmth() ShmWarmth {
 	c := &e.shm.cache
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	for _, e := range c.mu.m {
+	for _, ent := range c.mu.m {
 		select {
-		case <-e.ready:
+		case <-ent.ready:
 		default:
 			continue
 		}
-		if m := e.h; m != nil {
+		if m := ent.h; m != nil {
 			m.mu.RLock()
 			n := int64(len(m.mem))
 			m.mu.RUnlock()
