@@ -143,7 +143,10 @@ func runBench(ctx context.Context, e *env, args []string) error {
 		}
 		concList = append(concList, n)
 	}
-	b := &bench{c: c, stderr: e.stderr, duration: duration, getKeys: getKeys, prefix: fmt.Sprintf("bench/%d/", time.Now().UnixNano())}
+	b := &bench{c: c, stderr: e.stderr, progress: e.stderr, duration: duration, getKeys: getKeys, prefix: fmt.Sprintf("bench/%d/", time.Now().UnixNano())}
+	if asJSON {
+		b.progress = io.Discard // for scripts: stderr only for errors
+	}
 	defer b.cleanup()
 
 	if err := b.warm(ctx); err != nil {
@@ -187,6 +190,7 @@ func runBench(ctx context.Context, e *env, args []string) error {
 type bench struct {
 	c        *client.Client
 	stderr   io.Writer
+	progress io.Writer // the warm's; stderr, or nothing with --json
 	duration time.Duration
 	getKeys  int
 	prefix   string
@@ -322,7 +326,7 @@ func (b *bench) warm(ctx context.Context) error {
 
 // waitWarm waits until the client's engine has touched every page of the
 // store memory it has mapped (engine.Config.NoShmWarm), with progress on
-// stderr: rows then measure a client that has run for a while, not its
+// stderr unless --json: rows then measure a client that has run for a while, not its
 // first touches. A row that maps another store's memory warms it beside
 // its puts; the next row waits for it.
 func (b *bench) waitWarm(ctx context.Context) error {
@@ -333,13 +337,13 @@ func (b *bench) waitWarm(ctx context.Context) error {
 		w := b.c.Engine().ShmWarmth()
 		if w.Cold == 0 {
 			if time.Since(start) > time.Second {
-				fmt.Fprintf(b.stderr, "tidepool bench: warmed %s of store memory in %.1fs\n", human(uint64(w.Mapped)), time.Since(start).Seconds())
+				fmt.Fprintf(b.progress, "tidepool bench: warmed %s of store memory in %.1fs\n", human(uint64(w.Mapped)), time.Since(start).Seconds())
 			}
 			return nil
 		}
 		if time.Since(said) >= time.Second {
 			said = time.Now()
-			fmt.Fprintf(b.stderr, "tidepool bench: warming this client's mapping of store memory: %s of %s\n", human(uint64(w.Mapped-w.Cold)), human(uint64(w.Mapped)))
+			fmt.Fprintf(b.progress, "tidepool bench: warming this client's mapping of store memory: %s of %s\n", human(uint64(w.Mapped-w.Cold)), human(uint64(w.Mapped)))
 		}
 		select {
 		case <-ctx.Done():
